@@ -1,0 +1,174 @@
+"""The outer loop: steps, checkpoints, summaries, evaluation and progress.
+
+    restore the latest checkpoint (model, optimizer, global step)
+    iterator = batches from the restored step on
+    while step < train_steps:
+      n = steps to the next event (summary, log, checkpoint, eval, end),
+          at most steps_per_loop
+      metrics = trainer.train(iterator, n)      # n steps in one graph call
+      stop if the loss is not finite (the last good checkpoint stays)
+      write summaries / log / save / evaluate when their interval is reached
+    save and evaluate at the end
+
+The trainer owns the math of a step; this class owns everything around it.
+"""
+
+import dataclasses
+import math
+import time
+
+from absl import logging
+import tensorflow as tf
+
+from framework import strategies
+from framework.checkpointing import CheckpointManager
+from framework.errors import ConfigError, NonFiniteLossError, check_positive
+from framework.summaries import SummaryWriter, markdown_table
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """How long to train and how often to do what (0 disables an interval).
+
+  Attributes:
+    train_steps: total global steps.
+    steps_per_loop: most steps run inside one `tf.function` call.
+    checkpoint_every, eval_every, summary_every, log_every: intervals in
+      steps; a checkpoint and an evaluation also happen at the end.
+    keep_checkpoints: how many checkpoints to keep.
+  """
+  train_steps: int
+  steps_per_loop: int = 100
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 3
+  eval_every: int = 0
+  summary_every: int = 100
+  log_every: int = 100
+
+  def __post_init__(self):
+    check_positive("train_steps", self.train_steps)
+    check_positive("steps_per_loop", self.steps_per_loop)
+    check_positive("keep_checkpoints", self.keep_checkpoints)
+    for name in ("checkpoint_every", "eval_every", "summary_every",
+                 "log_every"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+
+
+def _format_seconds(seconds):
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Controller:
+  """Runs a Trainer for `config.train_steps` with checkpoints and summaries.
+
+  Args:
+    trainer: a `framework.Trainer`.
+    config: a `LoopConfig`.
+    model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
+    train_input: `start_step -> distributed dataset` of global batches.
+    eval_input: `() -> distributed dataset` over the whole test set, or None.
+    hparams: a dict written once as a text summary (e.g. the run's flags).
+    checkpoint_items: extra trackables to checkpoint besides model,
+      optimizer and global step.
+  """
+
+  def __init__(self, trainer, config, model_dir, *, train_input,
+               eval_input=None, hparams=None, checkpoint_items=None):
+    self.trainer = trainer
+    self.config = config
+    self.model_dir = model_dir
+    self.train_input = train_input
+    self.eval_input = eval_input
+    self.hparams = hparams or {}
+    chief = strategies.is_chief(trainer.strategy)
+    self.checkpoint = tf.train.Checkpoint(
+        model=trainer.model, optimizer=trainer.optimizer,
+        global_step=trainer.global_step, **(checkpoint_items or {}))
+    self.checkpoints = CheckpointManager(
+        self.checkpoint, model_dir, trainer.strategy,
+        max_to_keep=config.keep_checkpoints)
+    self.train_writer = SummaryWriter(model_dir, "train", enabled=chief)
+    self.eval_writer = SummaryWriter(model_dir, "eval", enabled=chief)
+    self.last_eval = None
+
+  @property
+  def step(self):
+    return int(self.trainer.global_step.numpy())
+
+  def _steps_to_next_event(self, step):
+    c = self.config
+    candidates = [c.steps_per_loop, c.train_steps - step]
+    for every in (c.checkpoint_every, c.eval_every, c.summary_every,
+                  c.log_every):
+      if every:
+        candidates.append(every - step % every)
+    return min(candidates)
+
+  def _due(self, every, step):
+    return bool(every) and step % every == 0
+
+  def evaluate(self):
+    """Evaluates on the whole eval set and writes `eval/` summaries."""
+    if self.eval_input is None:
+      return None
+    results = self.trainer.evaluate(self.eval_input())
+    step = self.step
+    self.eval_writer.scalars(step, {k: v for k, v in results.items()
+                                    if k != "examples"})
+    logging.info("eval  step %d: %s", step, ", ".join(
+        f"{k}={v:.4f}" if k != "examples" else f"{k}={int(v)}"
+        for k, v in sorted(results.items())))
+    self.last_eval = results
+    return results
+
+  def run(self):
+    """Trains to `train_steps`, resuming from the latest checkpoint."""
+    c, trainer = self.config, self.trainer
+    self.checkpoints.restore_latest()
+    step = self.step
+    if step >= c.train_steps:
+      logging.info("Already at step %d of %d; nothing to train", step,
+                   c.train_steps)
+      return self.evaluate()
+    self.train_writer.text(step, "flags", markdown_table(self.hparams))
+    iterator = iter(self.train_input(step))
+    last_saved = step
+    start_step, start_time = step, time.time()
+    while step < c.train_steps:
+      num_steps = self._steps_to_next_event(step)
+      loop_start = time.time()
+      metrics = {k: float(v) for k, v in
+                 trainer.train(iterator, num_steps).items()}
+      elapsed = time.time() - loop_start
+      step = self.step
+      if not math.isfinite(metrics["loss"]) and trainer.nan_policy == "stop":
+        raise NonFiniteLossError(
+            f"loss is {metrics['loss']} in steps {step - num_steps + 1}.."
+            f"{step}; stopped without saving (latest good checkpoint: "
+            f"{self.checkpoints.latest or 'none'}); lower learning_rate, set "
+            "clip_norm, or use nan_policy=skip")
+      metrics["learning_rate"] = float(trainer.optimizer.learning_rate)
+      metrics["steps_per_second"] = num_steps / elapsed
+      metrics["examples_per_second"] = (num_steps * trainer.global_batch_size
+                                        / elapsed)
+      if self._due(c.summary_every, step) or step == c.train_steps:
+        self.train_writer.scalars(step, metrics)
+      if self._due(c.log_every, step) or step == c.train_steps:
+        rate = (step - start_step) / max(time.time() - start_time, 1e-9)
+        eta = (c.train_steps - step) / max(rate, 1e-9)
+        logging.info(
+            "train step %d/%d: loss=%.4f accuracy=%.4f examples/s=%.1f "
+            "ETA %s", step, c.train_steps, metrics["loss"],
+            metrics.get("accuracy", float("nan")),
+            metrics["examples_per_second"], _format_seconds(eta))
+      if self._due(c.checkpoint_every, step):
+        self.checkpoints.save(step)
+        last_saved = step
+      if self._due(c.eval_every, step) and step != c.train_steps:
+        self.evaluate()
+    if last_saved != step:
+      self.checkpoints.save(step)
+    return self.evaluate()

@@ -1,0 +1,145 @@
+"""Datasets as in-memory arrays: CIFAR-10 (official python layout), synthetic.
+
+Loading is separate from the input pipeline (`framework.inputs`), so a loader
+is a plain function returning numpy arrays that tests can build by hand.
+"""
+
+import dataclasses
+import os
+import pickle
+
+import numpy as np
+
+from framework.errors import ConfigError, DataError, check_positive
+
+CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + (
+    "test_batch", "batches.meta")
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog",
+                   "frog", "horse", "ship", "truck")
+KERAS_CACHE = os.path.join("~", ".keras", "datasets", "cifar-10-batches-py")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDataset:
+  """Train and test splits held in memory.
+
+  Images are uint8 [N, H, W, C] (or float32 features); labels int32 [N, ...].
+  """
+  name: str
+  train_x: np.ndarray
+  train_y: np.ndarray
+  test_x: np.ndarray
+  test_y: np.ndarray
+  class_names: tuple
+
+  @property
+  def input_shape(self):
+    return tuple(self.train_x.shape[1:])
+
+  @property
+  def num_classes(self):
+    return len(self.class_names)
+
+
+def _unpickle(path):
+  try:
+    with open(path, "rb") as f:
+      raw = pickle.load(f, encoding="bytes")
+    return {(k.decode() if isinstance(k, bytes) else k): v
+            for k, v in raw.items()}
+  except Exception as e:  # pickle raises many types on a corrupt file
+    raise DataError(f"cannot read CIFAR-10 file {path}: {e}") from None
+
+
+def _cifar_batch(path):
+  batch = _unpickle(path)
+  if "data" not in batch or "labels" not in batch:
+    raise DataError(f"CIFAR-10 file {path} has no 'data'/'labels' entries")
+  data = np.asarray(batch["data"], dtype=np.uint8)
+  labels = np.asarray(batch["labels"], dtype=np.int32)
+  if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
+    raise DataError(f"CIFAR-10 file {path}: 'data' has shape {data.shape}, "
+                    f"expected (N, 3072) with N={len(labels)} labels")
+  images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+  return np.ascontiguousarray(images), labels
+
+
+def load_cifar10(data_dir=None):
+  """Reads the official CIFAR-10 python-pickle layout from `data_dir`.
+
+  Without `data_dir`, uses Keras's cache, downloading it when online.
+  """
+  if data_dir is None:
+    data_dir = os.path.expanduser(KERAS_CACHE)
+    if not os.path.isdir(data_dir):
+      import keras  # pylint: disable=g-import-not-at-top
+      keras.datasets.cifar10.load_data()
+  missing = [f for f in CIFAR10_FILES
+             if not os.path.isfile(os.path.join(data_dir, f))]
+  if missing:
+    raise DataError(
+        f"data_dir={data_dir!r} is not a CIFAR-10 python directory: missing "
+        f"{', '.join(missing)} (expected {', '.join(CIFAR10_FILES)})")
+  parts = [_cifar_batch(os.path.join(data_dir, f"data_batch_{i}"))
+           for i in range(1, 6)]
+  test_x, test_y = _cifar_batch(os.path.join(data_dir, "test_batch"))
+  meta = _unpickle(os.path.join(data_dir, "batches.meta"))
+  names = tuple(n.decode() if isinstance(n, bytes) else n
+                for n in meta.get("label_names", CIFAR10_CLASSES))
+  return ArrayDataset("cifar10", np.concatenate([p[0] for p in parts]),
+                      np.concatenate([p[1] for p in parts]), test_x, test_y,
+                      names)
+
+
+def write_cifar10(data_dir, train_x, train_y, test_x, test_y):
+  """Writes arrays in the official CIFAR-10 layout (for tests and tools)."""
+  os.makedirs(data_dir, exist_ok=True)
+
+  def dump(name, x, y):
+    data = np.asarray(x, np.uint8).transpose(0, 3, 1, 2).reshape(len(x), -1)
+    with open(os.path.join(data_dir, name), "wb") as f:
+      pickle.dump({b"batch_label": name.encode(), b"data": data,
+                   b"labels": [int(v) for v in y],
+                   b"filenames": [b"%d.png" % i for i in range(len(x))]},
+                  f, protocol=2)
+
+  for i, (x, y) in enumerate(zip(np.array_split(train_x, 5),
+                                 np.array_split(train_y, 5)), 1):
+    dump(f"data_batch_{i}", x, y)
+  dump("test_batch", test_x, test_y)
+  with open(os.path.join(data_dir, "batches.meta"), "wb") as f:
+    pickle.dump({b"label_names": [n.encode() for n in CIFAR10_CLASSES],
+                 b"num_vis": 3072}, f, protocol=2)
+
+
+def synthetic(num_train=2048, num_test=512, image_shape=(32, 32, 3),
+              num_classes=10, seed=0):
+  """Learnable random images: a class prototype plus noise, as uint8."""
+  check_positive("num_train", num_train)
+  check_positive("num_test", num_test)
+  rng = np.random.default_rng(seed)
+  prototypes = rng.uniform(40, 215, size=(num_classes,) + tuple(image_shape))
+
+  def make(n):
+    labels = rng.integers(0, num_classes, size=n).astype(np.int32)
+    noise = rng.normal(0, 40, size=(n,) + tuple(image_shape))
+    images = np.clip(prototypes[labels] + noise, 0, 255).astype(np.uint8)
+    return images, labels
+
+  train_x, train_y = make(num_train)
+  test_x, test_y = make(num_test)
+  return ArrayDataset("synthetic", train_x, train_y, test_x, test_y,
+                      tuple(f"class_{i}" for i in range(num_classes)))
+
+
+DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
+            "synthetic": lambda data_dir=None, seed=0, **_: synthetic(
+                seed=seed)}
+
+
+def load_dataset(name, data_dir=None, seed=0):
+  """Loads a dataset by name (see DATASETS)."""
+  if name not in DATASETS:
+    raise ConfigError(f"dataset={name!r} is unknown; known datasets: "
+                      f"{', '.join(sorted(DATASETS))}")
+  return DATASETS[name](data_dir=data_dir, seed=seed)

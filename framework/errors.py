@@ -1,0 +1,36 @@
+"""Errors that the scripts turn into one clear line and a non-zero exit."""
+
+
+class DistloopError(Exception):
+  """Base class: a problem the user can fix, reported without a traceback."""
+
+
+class ConfigError(DistloopError, ValueError):
+  """An argument, flag or environment variable (TF_CONFIG) has a bad value."""
+
+
+class DataError(DistloopError):
+  """A dataset directory or file is missing or malformed."""
+
+
+class CheckpointError(DistloopError):
+  """A checkpoint cannot be restored into this model, or its state is corrupt."""
+
+
+class NonFiniteLossError(DistloopError):
+  """Training produced a NaN or Inf loss (see `nan_policy`)."""
+
+
+def check_positive(name, value):
+  """Raises ConfigError unless `value` is a positive integer."""
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ConfigError(f"{name}={value!r} must be a positive integer")
+  return value
+
+
+def check_choice(name, value, choices):
+  """Raises ConfigError unless `value` is one of `choices`."""
+  if value not in choices:
+    raise ConfigError(
+        f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+  return value

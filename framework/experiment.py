@@ -1,0 +1,121 @@
+"""One training run from a frozen config: what `scripts/train.py` calls.
+
+Kept out of the script so that it can be imported, tested and reused by
+other apps (a custom train step only needs `run(config, trainer_cls=...)`).
+"""
+
+import dataclasses
+import os
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+import models
+from framework import datasets, inputs, strategies
+from framework.controller import Controller, LoopConfig
+from framework.errors import ConfigError, check_choice, check_positive
+from framework.optimizers import OptimizerConfig, make_optimizer
+from framework.trainer import Trainer
+
+WEIGHTS_FILE = "model.weights.h5"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything a run needs; `scripts/train.py` fills it from flags.
+
+  Exactly one of `train_steps` and `epochs` is set.
+  """
+  model: str = "cifar_cnn"
+  dataset: str = "cifar10"
+  data_dir: str = None
+  model_dir: str = "/tmp/distloop"
+  strategy: str = "default"
+  tpu: str = None
+  global_batch_size: int = 128
+  train_steps: int = None
+  epochs: int = None
+  optimizer: OptimizerConfig = OptimizerConfig()
+  clip_norm: float = None
+  nan_policy: str = "stop"
+  loop: LoopConfig = None  # train_steps filled in by `resolve`
+  seed: int = 0
+  deterministic: bool = True
+  input_mode: str = "global"
+  model_options: dict = dataclasses.field(default_factory=dict)
+  hparams: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    check_positive("global_batch_size", self.global_batch_size)
+    if (self.train_steps is None) == (self.epochs is None):
+      raise ConfigError("set exactly one of train_steps and epochs (got "
+                        f"train_steps={self.train_steps}, "
+                        f"epochs={self.epochs})")
+    check_positive("train_steps" if self.epochs is None else "epochs",
+                   self.train_steps if self.epochs is None else self.epochs)
+    check_choice("input_mode", self.input_mode, inputs.INPUT_MODES)
+
+
+def total_steps(config, num_train_examples):
+  if config.train_steps is not None:
+    return config.train_steps
+  return config.epochs * inputs.steps_per_epoch(num_train_examples,
+                                                config.global_batch_size)
+
+
+def build(config, strategy, dataset, trainer_cls=Trainer):
+  """(trainer, controller) for `config` under `strategy` on `dataset`."""
+  steps = total_steps(config, len(dataset.train_x))
+  loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
+                             train_steps=steps)
+  optimizer_config = config.optimizer
+  if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
+    optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
+  keras.utils.set_random_seed(config.seed)
+  with strategy.scope():
+    model = models.build_model(config.model, dataset.input_shape,
+                               dataset.num_classes, **config.model_options)
+    optimizer = make_optimizer(optimizer_config)
+  trainer = trainer_cls(model, optimizer, strategy,
+                        global_batch_size=config.global_batch_size,
+                        clip_norm=config.clip_norm,
+                        nan_policy=config.nan_policy)
+
+  def train_input(start_step):
+    return inputs.distribute_train(
+        strategy, dataset, config.global_batch_size, seed=config.seed,
+        start_step=start_step, input_mode=config.input_mode)
+
+  def eval_input():
+    return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
+                                  config.global_batch_size)
+
+  controller = Controller(trainer, loop, config.model_dir,
+                          train_input=train_input, eval_input=eval_input,
+                          hparams=config.hparams)
+  return trainer, controller
+
+
+def run(config, trainer_cls=Trainer, strategy=None):
+  """Trains and evaluates per `config`; returns the final eval metrics."""
+  if config.deterministic:
+    tf.config.experimental.enable_op_determinism()
+  if strategy is None:
+    strategy = strategies.make_strategy(config.strategy, tpu=config.tpu)
+  replicas = strategy.num_replicas_in_sync
+  if config.global_batch_size % replicas:
+    raise ConfigError(
+        f"global_batch_size={config.global_batch_size} is not divisible by "
+        f"the {replicas} replicas of strategy={config.strategy}; use a "
+        f"multiple of {replicas}")
+  dataset = datasets.load_dataset(config.dataset, config.data_dir,
+                                  seed=config.seed)
+  logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
+               config.strategy, replicas, dataset.name, len(dataset.train_x),
+               len(dataset.test_x))
+  trainer, controller = build(config, strategy, dataset, trainer_cls)
+  results = controller.run()
+  if strategies.is_chief(strategy):
+    trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
+  return results

@@ -1,0 +1,146 @@
+"""Deterministic, resumable input pipelines and their distribution.
+
+Training batches are a pure function of (seed, step): epoch `e` is a stateless
+shuffle seeded by (seed, e), so a run restarted at step `s` builds the stream
+from `s` on instead of replaying or checkpointing an iterator (distributed
+iterators cannot be checkpointed under every strategy). The same global batch
+goes to the replicas whether the input is distributed with
+`experimental_distribute_dataset` (`input_mode="global"`) or built per input
+pipeline with `distribute_datasets_from_function` (`input_mode="per_replica"`).
+"""
+
+import tensorflow as tf
+
+from framework.errors import ConfigError, check_choice, check_positive
+
+INPUT_MODES = ("global", "per_replica")
+_MAX_EPOCHS = 1 << 40
+
+
+def to_float(images):
+  """uint8 images to float32 in [0, 1]; float features pass through."""
+  if images.dtype == tf.uint8:
+    return tf.cast(images, tf.float32) / 255.0
+  return tf.cast(images, tf.float32)
+
+
+def steps_per_epoch(num_examples, global_batch_size):
+  """Full global batches per epoch (training drops the remainder)."""
+  steps = num_examples // global_batch_size
+  if steps == 0:
+    raise ConfigError(f"global_batch_size={global_batch_size} is larger than "
+                      f"the {num_examples} training examples")
+  return steps
+
+
+def _index_batches(num_examples, global_batch_size, seed, start_step):
+  """(epoch, indices [global_batch_size]) from global step `start_step` on."""
+  per_epoch = steps_per_epoch(num_examples, global_batch_size)
+  start_epoch, offset = divmod(start_step, per_epoch)
+
+  def epoch_batches(epoch):
+    keys = tf.random.stateless_uniform(
+        [num_examples], seed=tf.stack([tf.cast(seed, tf.int64), epoch]))
+    order = tf.argsort(keys)[:per_epoch * global_batch_size]
+    batches = tf.reshape(tf.cast(order, tf.int64), [per_epoch, -1])
+    return tf.data.Dataset.from_tensor_slices(batches).map(
+        lambda idx: (epoch, idx))
+
+  epochs = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS)
+  # Skipping index batches is cheap: no image is gathered for them.
+  return epochs.flat_map(epoch_batches).skip(offset)
+
+
+def _options():
+  options = tf.data.Options()
+  options.deterministic = True
+  # In-memory arrays have no files to shard: shard by element.
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.DATA)
+  return options
+
+
+def _gather_fn(dataset, seed, augment):
+  images = tf.constant(dataset.train_x)
+  labels = tf.constant(dataset.train_y)
+
+  def gather(epoch, idx):
+    x = to_float(tf.gather(images, idx))
+    y = tf.gather(labels, idx)
+    if augment is not None:
+      # Per-example seeds depend on (seed, epoch, example) only, so every
+      # replica count and input mode augments an example identically.
+      seeds = tf.stack([tf.fill(tf.shape(idx), epoch * 1000003 + seed), idx],
+                       axis=1)
+      x, y = augment(x, y, seeds)
+    return x, y
+
+  return gather
+
+
+def train_dataset(dataset, global_batch_size, *, seed=0, start_step=0,
+                  augment=None):
+  """Infinite dataset of global batches, starting at global step `start_step`.
+
+  Args:
+    dataset: an `ArrayDataset`.
+    augment: optional `(images, labels, seeds [batch, 2]) -> (images, labels)`
+      using stateless random ops seeded per example.
+  """
+  check_positive("global_batch_size", global_batch_size)
+  ds = _index_batches(len(dataset.train_x), global_batch_size, seed,
+                      start_step)
+  ds = ds.map(_gather_fn(dataset, seed, augment),
+              num_parallel_calls=tf.data.AUTOTUNE)
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+
+def per_replica_train_fn(dataset, global_batch_size, *, seed=0, start_step=0,
+                         augment=None):
+  """A `distribute_datasets_from_function` argument giving the same batches."""
+
+  def dataset_fn(context):
+    replicas = context.num_replicas_in_sync
+    per_replica = context.get_per_replica_batch_size(global_batch_size)
+    per_pipeline = replicas // context.num_input_pipelines
+    first = context.input_pipeline_id * per_pipeline
+    ds = _index_batches(len(dataset.train_x), global_batch_size, seed,
+                        start_step)
+
+    def my_rows(epoch, idx):
+      rows = tf.reshape(idx, [replicas, per_replica])[first:first +
+                                                      per_pipeline]
+      return tf.fill([per_pipeline], epoch), rows
+
+    ds = ds.map(my_rows).unbatch()
+    ds = ds.map(_gather_fn(dataset, seed, augment),
+                num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+  return dataset_fn
+
+
+def eval_dataset(images, labels, global_batch_size):
+  """One pass over (images, labels), the last partial batch included."""
+  check_positive("global_batch_size", global_batch_size)
+  ds = tf.data.Dataset.from_tensor_slices((images, labels))
+  ds = ds.batch(global_batch_size).map(lambda x, y: (to_float(x), y))
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+
+def distribute_train(strategy, dataset, global_batch_size, *, seed=0,
+                     start_step=0, augment=None, input_mode="global"):
+  """The distributed training dataset for `strategy` (see INPUT_MODES)."""
+  check_choice("input_mode", input_mode, INPUT_MODES)
+  kwargs = dict(seed=seed, start_step=start_step, augment=augment)
+  if input_mode == "per_replica":
+    return strategy.distribute_datasets_from_function(
+        per_replica_train_fn(dataset, global_batch_size, **kwargs))
+  return strategy.experimental_distribute_dataset(
+      train_dataset(dataset, global_batch_size, **kwargs))
+
+
+def distribute_eval(strategy, images, labels, global_batch_size):
+  """The distributed evaluation dataset (every example, once)."""
+  return strategy.experimental_distribute_dataset(
+      eval_dataset(images, labels, global_batch_size))

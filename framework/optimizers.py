@@ -1,0 +1,121 @@
+"""Optimizers and learning-rate schedules by name.
+
+The optimizers are plain Keras 3 optimizers; distloop never calls their
+`apply_gradients` from a replica context (that would all-reduce a second
+time), see `Trainer.apply_gradients`.
+"""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from framework.errors import ConfigError, check_choice, check_positive
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "step")
+
+
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+  """Linear warm-up from 0 to `after(warmup_steps)`, then `after(step)`."""
+
+  def __init__(self, after, warmup_steps):
+    self.after = after
+    self.warmup_steps = warmup_steps
+
+  def __call__(self, step):
+    step = tf.cast(step, tf.float32)
+    target = tf.cast(self.after(step), tf.float32)
+    if not self.warmup_steps:
+      return target
+    warm = tf.cast(self.after(float(self.warmup_steps)), tf.float32) * (
+        (step + 1.0) / self.warmup_steps)
+    return tf.where(step < self.warmup_steps, warm, target)
+
+  def get_config(self):
+    return {"after": keras.optimizers.schedules.serialize(self.after),
+            "warmup_steps": self.warmup_steps}
+
+
+class _Constant(keras.optimizers.schedules.LearningRateSchedule):
+
+  def __init__(self, value):
+    self.value = value
+
+  def __call__(self, step):
+    del step
+    return tf.constant(self.value, tf.float32)
+
+  def get_config(self):
+    return {"value": self.value}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """What `make_optimizer` builds.
+
+  Attributes:
+    name: one of OPTIMIZERS; `momentum` is SGD with `momentum`.
+    learning_rate: the peak learning rate.
+    schedule: `constant`, `cosine` (to `min_lr_ratio` × peak at `total_steps`)
+      or `step` (× `step_decay` at each of `step_boundaries`).
+    warmup_steps: linear warm-up length, 0 for none.
+    total_steps: length of the cosine schedule.
+    weight_decay: decoupled weight decay for `adamw`.
+  """
+  name: str = "adam"
+  learning_rate: float = 1e-3
+  momentum: float = 0.9
+  weight_decay: float = 1e-4
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  total_steps: int = 0
+  step_boundaries: tuple = ()
+  step_decay: float = 0.1
+  min_lr_ratio: float = 0.0
+
+  def __post_init__(self):
+    check_choice("optimizer", self.name, OPTIMIZERS)
+    check_choice("lr_schedule", self.schedule, SCHEDULES)
+    if not self.learning_rate > 0:
+      raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
+    if self.warmup_steps < 0:
+      raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
+    if self.schedule == "cosine":
+      check_positive("total_steps (for lr_schedule=cosine)", self.total_steps)
+    if self.schedule == "step" and not self.step_boundaries:
+      raise ConfigError("lr_schedule=step needs lr_step_boundaries, e.g. "
+                        "'5000,8000'")
+    if list(self.step_boundaries) != sorted(set(self.step_boundaries)):
+      raise ConfigError(f"lr_step_boundaries={list(self.step_boundaries)} "
+                        "must be strictly increasing")
+
+
+def make_schedule(config):
+  """The learning-rate schedule (a function of the optimizer step)."""
+  peak = config.learning_rate
+  if config.schedule == "cosine":
+    after = keras.optimizers.schedules.CosineDecay(
+        peak, decay_steps=max(config.total_steps - config.warmup_steps, 1),
+        alpha=config.min_lr_ratio)
+    shifted = lambda step: after(tf.maximum(step - config.warmup_steps, 0))
+    return WarmupSchedule(shifted, config.warmup_steps)
+  if config.schedule == "step":
+    values = [peak * config.step_decay**i
+              for i in range(len(config.step_boundaries) + 1)]
+    after = keras.optimizers.schedules.PiecewiseConstantDecay(
+        list(config.step_boundaries), values)
+    return WarmupSchedule(after, config.warmup_steps)
+  return WarmupSchedule(_Constant(peak), config.warmup_steps)
+
+
+def make_optimizer(config):
+  """A Keras 3 optimizer for `config` (call inside `strategy.scope()`)."""
+  lr = make_schedule(config)
+  if config.name == "sgd":
+    return keras.optimizers.SGD(lr)
+  if config.name == "momentum":
+    return keras.optimizers.SGD(lr, momentum=config.momentum)
+  if config.name == "adam":
+    return keras.optimizers.Adam(lr)
+  return keras.optimizers.AdamW(lr, weight_decay=config.weight_decay)

@@ -1,0 +1,257 @@
+"""The Trainer: the math of one distributed training step, and nothing else.
+
+The outer loop (checkpoints, summaries, evaluation schedule, logging) lives in
+`framework.controller`. A Trainer subclass changes the math by overriding
+`train_step` (and `eval_step`); the helpers below keep it correct under every
+strategy.
+
+One training step, per replica, inside `strategy.run` inside a `tf.function`:
+
+    logits    = model(x)                            # forward
+    per_ex    = loss_fn(y, logits)                  # per-example loss
+    loss      = sum(per_ex) / global_batch_size     # this replica's share of
+                                                    # the global-batch mean
+    grads     = d loss / d weights                  # local gradients
+    grads     = all_reduce_sum(grads)               # = grad of the global mean
+    grads     = clip_by_global_norm(grads)          # on the reduced gradient
+    apply(grads)                                    # exactly one update
+    return {"loss": loss, "accuracy": ...}          # shares; the trainer sums
+                                                    # them over replicas
+
+`steps_per_loop` such steps run inside one `tf.function` call, so Python is not
+on the per-step path.
+"""
+
+import keras
+import tensorflow as tf
+
+from framework.errors import ConfigError, check_choice, check_positive
+
+NAN_POLICIES = ("stop", "skip")
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def sparse_categorical_loss(labels, logits):
+  """Per-example (or per-pixel) cross-entropy from logits."""
+  return keras.losses.sparse_categorical_crossentropy(
+      labels, logits, from_logits=True)
+
+
+class Trainer:
+  """Trains `model` with `optimizer` under `strategy`, explicitly.
+
+  Args:
+    model: a built Keras model, created inside `strategy.scope()`.
+    optimizer: a Keras optimizer, created inside `strategy.scope()`.
+    strategy: the `tf.distribute.Strategy` the model was built under.
+    global_batch_size: examples per step summed over all replicas; losses are
+      averaged over this number, never over the per-replica batch.
+    loss_fn: `(labels, outputs) -> per-example losses` (any trailing shape:
+      every element is averaged). Default: sparse cross-entropy from logits.
+    clip_norm: clip the all-reduced gradient to this global norm (None: off).
+    nan_policy: `stop` (the controller stops at a non-finite loss) or `skip`
+      (a step whose reduced loss or gradient is not finite changes nothing).
+  """
+
+  def __init__(self, model, optimizer, strategy, *, global_batch_size,
+               loss_fn=sparse_categorical_loss, clip_norm=None,
+               nan_policy="stop"):
+    check_positive("global_batch_size", global_batch_size)
+    replicas = strategy.num_replicas_in_sync
+    if global_batch_size % replicas:
+      raise ConfigError(
+          f"global_batch_size={global_batch_size} is not divisible by the "
+          f"{replicas} replicas of this strategy; use a multiple of {replicas}")
+    if clip_norm is not None and not clip_norm > 0:
+      raise ConfigError(f"clip_norm={clip_norm} must be > 0 (or unset)")
+    check_choice("nan_policy", nan_policy, NAN_POLICIES)
+    self.model = model
+    self.optimizer = optimizer
+    self.strategy = strategy
+    self.global_batch_size = global_batch_size
+    self.loss_fn = loss_fn
+    self.clip_norm = clip_norm
+    self.nan_policy = nan_policy
+    with strategy.scope():
+      # Slots exist before tracing, so checkpoints restore into them eagerly.
+      optimizer.build(model.trainable_variables)
+      self.global_step = tf.Variable(
+          0, dtype=tf.int64, trainable=False, name="global_step",
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    self._train_loop = tf.function(self._train_loop_fn)
+    self._eval_loop = tf.function(self._eval_loop_fn)
+
+  @property
+  def num_replicas(self):
+    return self.strategy.num_replicas_in_sync
+
+  # --- The math: override these. -------------------------------------------
+
+  def train_step(self, batch):
+    """One step on this replica's part of the global batch.
+
+    Returns:
+      A dict of scalar shares whose SUM over replicas is the global value
+      (use `average` for per-example values, `replica_share` for values that
+      are already equal on every replica, such as a reduced gradient norm).
+    """
+    features, labels = batch
+    with tf.GradientTape() as tape:
+      logits = self.model(features, training=True)
+      # Mean over the *global* batch, so that summing replicas gives the mean.
+      loss = self.average(self.loss_fn(labels, logits))
+      # Layer regularisers are per model, not per example: split them evenly.
+      if self.model.losses:
+        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    # One SUM over replicas turns the shares into the gradient of the mean.
+    grads = self.all_reduce(grads)
+    # Clip the global gradient; clipping shares would clip something else.
+    grads, grad_norm = self.clip_by_global_norm(grads)
+    self.apply_gradients(grads)
+    return {"loss": loss,
+            "accuracy": self.average(self.correct(labels, logits)),
+            "grad_norm": self.replica_share(grad_norm)}
+
+  def eval_step(self, batch):
+    """Sums over this replica's part of an evaluation batch.
+
+    Returns:
+      A dict of sums; `examples` counts the examples (partial batches too).
+    """
+    features, labels = batch
+    logits = self.model(features, training=False)
+    return {"loss": tf.reduce_sum(self.loss_fn(labels, logits)),
+            "accuracy": tf.reduce_sum(self.correct(labels, logits)),
+            "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  def eval_results(self, totals):
+    """Turns the summed `eval_step` outputs into the reported metrics."""
+    count = totals["examples"]
+    results = {k: v / count for k, v in totals.items() if k != "examples"}
+    results["examples"] = count
+    return results
+
+  # --- Helpers for train steps. ---------------------------------------------
+
+  def average(self, values):
+    """This replica's share of the global-batch mean of `values` [batch, ...]."""
+    values = tf.cast(values, tf.float32)
+    if values.shape.rank and values.shape.rank > 1:
+      # Each example's own mean, so that every element weighs the same.
+      values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), 1)
+    return tf.nn.compute_average_loss(
+        values, global_batch_size=self.global_batch_size)
+
+  def replica_share(self, value):
+    """`value / replicas`: a value equal on all replicas, as a SUM-able share."""
+    return tf.cast(value, tf.float32) / self.num_replicas
+
+  @staticmethod
+  def correct(labels, logits):
+    """1.0 where the arg-max class equals the label, else 0.0."""
+    predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
+
+  def all_reduce(self, values):
+    """SUM of `values` (a nest of tensors) over all replicas, in one call."""
+    context = tf.distribute.get_replica_context()
+    if context is None or self.num_replicas == 1:
+      return values
+    return context.all_reduce(SUM, values)
+
+  def clip_by_global_norm(self, grads):
+    """(grads clipped to `clip_norm`, their global norm before clipping)."""
+    norm = tf.linalg.global_norm(grads)
+    if self.clip_norm is None:
+      return grads, norm
+    clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
+    return clipped, norm
+
+  def apply_gradients(self, grads, variables=None):
+    """Applies already all-reduced `grads` once (call from `train_step`).
+
+    Unlike Keras's `optimizer.apply_gradients`, this never all-reduces: it
+    updates each variable's copies with the gradient already on their device
+    and advances `optimizer.iterations` once.
+    """
+    variables = list(variables or self.model.trainable_variables)
+    if len(grads) != len(variables):
+      raise ValueError(f"apply_gradients got {len(grads)} gradients for "
+                       f"{len(variables)} variables")
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads))
+    context = tf.distribute.get_replica_context()
+    if isinstance(self.strategy,
+                  tf.distribute.experimental.ParameterServerStrategy):
+      # One replica per worker, and merge_call is not available there.
+      return self._update(self.strategy, grads, variables, finite)
+    return context.merge_call(self._update, args=(grads, variables, finite))
+
+  # --- Internals. -----------------------------------------------------------
+
+  def _update(self, strategy, grads, variables, finite):
+    """Cross-replica: one optimizer update with the reduced gradients."""
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+      weight_decay = getattr(optimizer, "weight_decay", None)
+
+      def update_one(var, grad):
+        # Keras's order: decoupled weight decay, then the optimizer step.
+        if weight_decay and optimizer._use_weight_decay(var):  # pylint: disable=protected-access
+          var.assign_sub(var * tf.cast(weight_decay * lr, var.dtype))
+        optimizer.update_step(grad, var, tf.cast(lr, var.dtype))
+
+      for grad, var in zip(grads, variables):
+        var = getattr(var, "value", var)  # the tf.Variable behind a Keras one
+        copies = strategy.experimental_local_results(var)
+        if len(copies) == 1 and strategy.num_replicas_in_sync > 1:
+          # One central copy (central storage): replicas hold equal values.
+          grad = strategy.experimental_local_results(grad)[0]
+        strategy.extended.update(var, update_one, args=(grad,), group=False)
+      optimizer.iterations.assign_add(1)
+      return tf.constant(True)
+
+    if self.nan_policy != "skip":
+      return update_all()
+    finite = strategy.experimental_local_results(finite)[0]
+    return tf.cond(finite, update_all, lambda: tf.constant(False))
+
+  def _reduce(self, per_replica):
+    return {k: self.strategy.reduce(SUM, v, axis=None)
+            for k, v in per_replica.items()}
+
+  def _one_step(self, iterator):
+    metrics = self._reduce(self.strategy.run(self.train_step,
+                                             args=(next(iterator),)))
+    self.global_step.assign_add(1)
+    return metrics
+
+  def _train_loop_fn(self, iterator, num_steps):
+    totals = self._one_step(iterator)
+    for _ in tf.range(num_steps - 1):
+      step_metrics = self._one_step(iterator)
+      totals = {k: totals[k] + step_metrics[k] for k in totals}
+    return {k: v / tf.cast(num_steps, v.dtype) for k, v in totals.items()}
+
+  def train(self, iterator, num_steps):
+    """Runs `num_steps` steps in one graph call; returns their mean metrics."""
+    return self._train_loop(iterator, tf.constant(num_steps, tf.int32))
+
+  def _eval_totals(self, batch):
+    totals = self._reduce(self.strategy.run(self.eval_step, args=(batch,)))
+    return {k: tf.cast(v, tf.float64) for k, v in totals.items()}
+
+  def _eval_loop_fn(self, iterator):
+    totals = self._eval_totals(next(iterator))
+    for batch in iterator:
+      batch_totals = self._eval_totals(batch)
+      totals = {k: totals[k] + batch_totals[k] for k in totals}
+    return totals
+
+  def evaluate(self, distributed_dataset):
+    """Evaluates over the whole dataset (partial last batch included)."""
+    totals = self._eval_loop(iter(distributed_dataset))
+    return {k: float(v) for k, v in
+            self.eval_results({k: v.numpy() for k, v in totals.items()}).items()}

@@ -1,0 +1,1 @@
+"""The absl apps (the only place that defines flags)."""
