@@ -119,8 +119,15 @@ def tpu_cluster_resolver(tpu):
   return tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
 
 
+_LOCAL_STRATEGIES = {}
+
+
 def make_strategy(name, *, tpu=None):
   """Returns the `tf.distribute.Strategy` called `name`.
+
+  Local strategies are created once per process and reused: two
+  MirroredStrategy objects in one process hand out the same collective
+  instance keys and corrupt each other's all-reduces.
 
   Args:
     name: one of STRATEGIES. `mirrored` and `central_storage` use every GPU,
@@ -133,13 +140,11 @@ def make_strategy(name, *, tpu=None):
   local = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
   if name == "default":
     return tf.distribute.get_strategy()
-  if name == "one_device":
-    return tf.distribute.OneDeviceStrategy(local[0])
-  if name == "mirrored":
-    return tf.distribute.MirroredStrategy(local)
-  if name == "central_storage":
-    return tf.distribute.experimental.CentralStorageStrategy(
-        compute_devices=local, parameter_device="/cpu:0")
+  if name in ("one_device", "mirrored", "central_storage"):
+    key = (name, tuple(local))
+    if key not in _LOCAL_STRATEGIES:
+      _LOCAL_STRATEGIES[key] = _make_local(name, local)
+    return _LOCAL_STRATEGIES[key]
   if name == "multi_worker_mirrored":
     _require_tf_config(name, needs_ps=False)
     return tf.distribute.MultiWorkerMirroredStrategy(
@@ -152,6 +157,15 @@ def make_strategy(name, *, tpu=None):
   tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)
   return tf.distribute.TPUStrategy(resolver)
+
+
+def _make_local(name, devices):
+  if name == "one_device":
+    return tf.distribute.OneDeviceStrategy(devices[0])
+  if name == "mirrored":
+    return tf.distribute.MirroredStrategy(devices)
+  return tf.distribute.experimental.CentralStorageStrategy(
+      compute_devices=devices, parameter_device="/cpu:0")
 
 
 def task_info(strategy):
