@@ -90,9 +90,17 @@ class Controller:
     self.checkpoints = CheckpointManager(
         self.checkpoint, model_dir, trainer.strategy,
         max_to_keep=config.keep_checkpoints)
-    self.train_writer = SummaryWriter(model_dir, "train", enabled=chief)
-    self.eval_writer = SummaryWriter(model_dir, "eval", enabled=chief)
+    self._chief = chief
+    self._writers = {}
     self.last_eval = None
+
+  def writer(self, name):
+    """The SummaryWriter for `model_dir/<name>`, created on first use (so a
+    run that fails while restoring leaves no new event files)."""
+    if name not in self._writers:
+      self._writers[name] = SummaryWriter(self.model_dir, name,
+                                          enabled=self._chief)
+    return self._writers[name]
 
   @property
   def step(self):
@@ -116,7 +124,7 @@ class Controller:
       return None
     results = self.trainer.evaluate(self.eval_input())
     step = self.step
-    self.eval_writer.scalars(step, {k: v for k, v in results.items()
+    self.writer("eval").scalars(step, {k: v for k, v in results.items()
                                     if k != "examples"})
     logging.info("eval  step %d: %s", step, ", ".join(
         f"{k}={v:.4f}" if k != "examples" else f"{k}={int(v)}"
@@ -133,7 +141,7 @@ class Controller:
       logging.info("Already at step %d of %d; nothing to train", step,
                    c.train_steps)
       return self.evaluate()
-    self.train_writer.text(step, "flags", markdown_table(self.hparams))
+    self.writer("train").text(step, "flags", markdown_table(self.hparams))
     iterator = iter(self.train_input(step))
     last_saved = step
     start_step, start_time = step, time.time()
@@ -155,7 +163,7 @@ class Controller:
       metrics["examples_per_second"] = (num_steps * trainer.global_batch_size
                                         / elapsed)
       if self._due(c.summary_every, step) or step == c.train_steps:
-        self.train_writer.scalars(step, metrics)
+        self.writer("train").scalars(step, metrics)
       if self._due(c.log_every, step) or step == c.train_steps:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)

@@ -136,6 +136,10 @@ def make_strategy(name, *, tpu=None):
     tpu: the TPU to connect to, for `name="tpu"`.
   """
   check_choice("strategy", name, STRATEGIES)
+  if not os.environ.get("TF_CONFIG", "x").strip():
+    # TensorFlow's resolvers fail on an empty TF_CONFIG: it means unset.
+    del os.environ["TF_CONFIG"]
+  parse_tf_config()  # even local strategies read it; fail clearly first
   gpus = tf.config.list_logical_devices("GPU")
   local = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
   if name == "default":

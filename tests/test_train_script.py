@@ -1,0 +1,206 @@
+"""scripts/train.py end to end in fresh processes: resume, TensorBoard, errors."""
+
+import glob
+import os
+
+import h5py
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from helpers import run_script
+
+COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
+          "--global_batch_size=32", "--optimizer=momentum",
+          "--learning_rate=0.05"]
+
+
+def train(model_dir, *args, check=True, env=None):
+  return run_script("train.py", *COMMON, f"--model_dir={model_dir}", *args,
+                    check=check, env=env)
+
+
+def weights(model_dir):
+  with h5py.File(os.path.join(model_dir, "model.weights.h5")) as f:
+    arrays = []
+    f.visititems(lambda name, obj: arrays.append((name, obj[()]))
+                 if isinstance(obj, h5py.Dataset) else None)
+  return dict(arrays)
+
+
+def events(logdir):
+  acc = event_accumulator.EventAccumulator(
+      logdir, size_guidance={event_accumulator.TENSORS: 0})
+  acc.Reload()
+  return acc
+
+
+def scalars(acc, tag):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return {e.step: float(tf.make_ndarray(e.tensor_proto))
+          for e in acc.Tensors(tag)}
+
+
+def files(model_dir):
+  return {p: os.path.getmtime(p) for p in glob.glob(f"{model_dir}/**",
+                                                     recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  model_dir = tmp_path_factory.mktemp("straight")
+  train(model_dir, "--strategy=mirrored", "--cpu_devices=2",
+        "--train_steps=20", "--steps_per_loop=4", "--summary_every=2",
+        "--eval_every=10", "--checkpoint_every=10", "--log_every=5")
+  return model_dir
+
+
+def test_resume_gives_identical_weights(straight_run, tmp_path):
+  flags = ["--strategy=mirrored", "--cpu_devices=2", "--steps_per_loop=4",
+           "--checkpoint_every=10"]
+  train(tmp_path, *flags, "--train_steps=10")
+  proc = train(tmp_path, *flags, "--train_steps=20")
+  assert "Restored checkpoint" in proc.stderr
+  expected, resumed = weights(straight_run), weights(tmp_path)
+  assert expected.keys() == resumed.keys() and expected
+  for name in expected:
+    np.testing.assert_array_equal(expected[name], resumed[name])
+
+
+def test_tensorboard_tags_and_steps(straight_run):
+  train_events = events(os.path.join(straight_run, "train"))
+  for tag in ("loss", "accuracy", "learning_rate", "examples_per_second",
+              "steps_per_second", "grad_norm"):
+    assert sorted(scalars(train_events, tag)) == list(range(2, 21, 2)), tag
+  assert scalars(train_events, "learning_rate")[20] == pytest.approx(0.05)
+  assert "flags" in train_events.Tags()["tensors"]
+  flags_text = train_events.Tensors("flags")[0].tensor_proto.string_val[0]
+  assert b"| strategy | mirrored |" in flags_text
+  eval_events = events(os.path.join(straight_run, "eval"))
+  assert sorted(scalars(eval_events, "loss")) == [10, 20]
+  assert sorted(scalars(eval_events, "accuracy")) == [10, 20]
+
+
+def test_summaries_are_reduced_over_replicas(tmp_path):
+  # Per-step losses on 2 replicas equal one device's on the same global
+  # batches; replica 0's share alone would be about half.
+  losses = {}
+  for strategy in ("one_device", "mirrored"):
+    model_dir = tmp_path / strategy
+    train(model_dir, f"--strategy={strategy}", "--cpu_devices=2",
+          "--train_steps=3", "--summary_every=1")
+    losses[strategy] = scalars(events(os.path.join(model_dir, "train")),
+                               "loss")
+  assert sorted(losses["mirrored"]) == [1, 2, 3]
+  for step, loss in losses["one_device"].items():
+    assert losses["mirrored"][step] == pytest.approx(loss, abs=1e-5)
+
+
+def test_flagfile_and_epochs(tmp_path):
+  flagfile = tmp_path / "run.cfg"
+  flagfile.write_text("\n".join(COMMON + ["--strategy=central_storage",
+                                          "--cpu_devices=2", "--epochs=2",
+                                          f"--model_dir={tmp_path / 'run'}"]))
+  proc = run_script("train.py", f"--flagfile={flagfile}")
+  # 2048 synthetic examples / 32 = 64 steps per epoch.
+  assert "train step 128/128" in proc.stderr
+  assert os.path.exists(tmp_path / "run" / "ckpt-128.index")
+
+
+def test_custom_step_example_trains(tmp_path):
+  proc = run_script("custom_step_example.py", *COMMON, "--strategy=mirrored",
+                    "--cpu_devices=2", "--train_steps=30",
+                    f"--model_dir={tmp_path}", "--label_smoothing=0.1",
+                    "--gradient_penalty=0.001")
+  final = [l for l in proc.stderr.splitlines() if "final eval" in l][0]
+  assert "'accuracy': " in final
+  assert float(final.split("'accuracy': ")[1].split(",")[0]) > 0.5
+  assert "penalty" in events(os.path.join(tmp_path, "train")).Tags()[
+      "tensors"]
+
+
+def assert_one_line_error(proc, *fragments):
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = [l for l in proc.stderr.splitlines()
+           if "error" in l.lower() and all(f in l for f in fragments)]
+  assert lines, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--strategy=nccl"], ["--strategy"]),
+    (["--model=resnet"], ["model='resnet'", "cifar_cnn, mlp"]),
+    (["--optimizer=lamb"], ["--optimizer"]),
+    (["--global_batch_size=33", "--strategy=mirrored", "--cpu_devices=2"],
+     ["global_batch_size=33", "2 replicas"]),
+    (["--train_steps=0"], ["--train_steps"]),
+    (["--train_steps=-3"], ["--train_steps"]),
+    (["--global_batch_size=0"], ["--global_batch_size"]),
+    (["--cpu_devices=0"], ["--cpu_devices"]),
+    (["--train_steps=5", "--epochs=2"], ["train_steps", "epochs"]),
+    (["--strategy=multi_worker_mirrored"], ["needs TF_CONFIG"]),
+    (["--dataset=cifar10", "--data_dir=/nonexistent/cifar"],
+     ["/nonexistent/cifar", "data_batch_1"]),
+])
+def test_bad_input_is_one_line(straight_run, args, fragments):
+  before = files(straight_run)
+  full = ["--train_steps=40"] + args if "--train_steps" not in str(
+      args) and "--epochs" not in str(args) else args
+  proc = train(straight_run, *full, check=False,
+               env={"TF_CONFIG": None})
+  assert_one_line_error(proc, *fragments)
+  assert files(straight_run) == before  # nothing in model_dir lost or touched
+
+
+def test_malformed_tf_config_is_one_line(tmp_path):
+  proc = train(tmp_path, "--strategy=multi_worker_mirrored",
+               "--train_steps=5", check=False, env={"TF_CONFIG": "{oops"})
+  assert_one_line_error(proc, "TF_CONFIG is not valid JSON")
+
+
+def test_checkpoint_of_another_model_is_an_error(straight_run, tmp_path):
+  before = files(straight_run)
+  proc = train(straight_run, "--train_steps=40", "--hidden_units=8",
+               check=False)
+  assert_one_line_error(proc, "does not match this model")
+  assert files(straight_run) == before
+
+
+def test_corrupt_state_file_is_an_error(tmp_path):
+  train(tmp_path, "--train_steps=4")
+  (tmp_path / "checkpoint").write_text("garbage {{{ not a proto")
+  proc = train(tmp_path, "--train_steps=8", check=False)
+  assert_one_line_error(proc, "state file", "corrupt")
+  (tmp_path / "checkpoint").unlink()
+  proc = train(tmp_path, "--train_steps=8", check=False)
+  assert_one_line_error(proc, "state file is missing")
+  assert os.path.exists(tmp_path / "ckpt-4.index")
+
+
+def test_orphaned_temporary_checkpoints_are_removed(tmp_path):
+  train(tmp_path, "--train_steps=4")
+  orphans = [tmp_path / "ckpt-9_temp", tmp_path / ".tmp_worker_worker_1"]
+  for orphan in orphans:
+    orphan.mkdir()
+    (orphan / "part-00000").write_text("half-written")
+  train(tmp_path, "--train_steps=6")
+  assert not any(o.exists() for o in orphans)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  train(tmp_path, "--train_steps=10", "--checkpoint_every=10")
+  before = files(tmp_path)
+  proc = train(tmp_path, "--train_steps=40", "--learning_rate=1e30",
+               "--optimizer=sgd", "--steps_per_loop=5", "--checkpoint_every=5",
+               check=False)
+  assert_one_line_error(proc, "loss is", "ckpt-10")
+  after = files(tmp_path)
+  ckpts = lambda f: {p: t for p, t in f.items() if "ckpt" in p or
+                     p.endswith("checkpoint")}
+  assert ckpts(after) == ckpts(before)
+
+
+def test_nan_policy_skip_keeps_training(tmp_path):
+  proc = train(tmp_path, "--train_steps=10", "--learning_rate=1e30",
+               "--optimizer=sgd", "--nan_policy=skip")
+  assert proc.returncode == 0
