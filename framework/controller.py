@@ -84,9 +84,15 @@ class Controller:
     self.eval_input = eval_input
     self.hparams = hparams or {}
     chief = strategies.is_chief(trainer.strategy)
+    # Dropout's random state too, so that a resumed run draws the same masks.
+    rng_states = [v for v in trainer.model.variables
+                  if v.name == "seed_generator_state"]
+    items = dict(checkpoint_items or {})
+    if rng_states:
+      items["rng_states"] = rng_states
     self.checkpoint = tf.train.Checkpoint(
         model=trainer.model, optimizer=trainer.optimizer,
-        global_step=trainer.global_step, **(checkpoint_items or {}))
+        global_step=trainer.global_step, **items)
     self.checkpoints = CheckpointManager(
         self.checkpoint, model_dir, trainer.strategy,
         max_to_keep=config.keep_checkpoints)

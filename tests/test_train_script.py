@@ -204,3 +204,18 @@ def test_nan_policy_skip_keeps_training(tmp_path):
   proc = train(tmp_path, "--train_steps=10", "--learning_rate=1e30",
                "--optimizer=sgd", "--nan_policy=skip")
   assert proc.returncode == 0
+
+
+def test_resume_with_dropout_draws_the_same_masks(tmp_path):
+  # The dropout random state is checkpointed with the weights.
+  flags = ["--model=cifar_cnn", "--dataset=synthetic", "--global_batch_size=16",
+           "--steps_per_loop=2"]
+  run_script("train.py", *flags, "--train_steps=4",
+             f"--model_dir={tmp_path / 'straight'}")
+  run_script("train.py", *flags, "--train_steps=2",
+             f"--model_dir={tmp_path / 'resumed'}")
+  run_script("train.py", *flags, "--train_steps=4",
+             f"--model_dir={tmp_path / 'resumed'}")
+  expected, resumed = (weights(tmp_path / d) for d in ("straight", "resumed"))
+  for name in expected:
+    np.testing.assert_array_equal(expected[name], resumed[name])
