@@ -251,11 +251,19 @@ def _run_steps(trainer, batches):
   model, optimizer = trainer.model, trainer.optimizer
   model_vars, opt_vars = list(model.variables), list(optimizer.variables)
 
+  # A trainer whose step is not `strategy.run(train_step)` (a model split
+  # with its own schedule) provides `distributed_train_step(dist_batch)`,
+  # returning the per-replica outputs before the SUM.
+  custom = getattr(trainer, "distributed_train_step", None)
+
   @tf.function
   def step(dist_batch):
     # Exactly what `Trainer._one_step` runs, minus the SUM, which is done
     # below so that each replica's share stays visible.
-    outputs = strategy.run(trainer.train_step, args=(dist_batch,)) or {}
+    if custom is not None:
+      outputs = custom(dist_batch) or {}
+    else:
+      outputs = strategy.run(trainer.train_step, args=(dist_batch,)) or {}
     return {k: tf.stack([tf.cast(tf.reshape(t, []), tf.float32) for t in
                          strategy.experimental_local_results(v)])
             for k, v in outputs.items()}
@@ -555,6 +563,10 @@ def _describe(trainer):
 def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
                        atol=1e-6, probe_optimizer=True, print_fn=print):
   """Runs one train step distributed and on one device; compares them.
+
+  What a trainer needs: `strategy`, `model` (its variables are the state),
+  `optimizer` and `train_step` (run as `strategy.run(train_step)`, or the
+  trainer's own `distributed_train_step(dist_batch)` if it has one).
 
   Args:
     trainer: the trainer to check (built under its strategy or model split),
