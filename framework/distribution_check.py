@@ -561,6 +561,15 @@ def _full(reg_grads, outcome):
 # --- Public API. -------------------------------------------------------------
 
 
+def _check_supported(strategy):
+  if isinstance(strategy, (tf.distribute.MultiWorkerMirroredStrategy,
+                           tf.distribute.experimental.ParameterServerStrategy)):
+    raise ConfigError(
+        "the distribution check runs on one machine; strategy "
+        f"{type(strategy).__name__} is not supported (check with "
+        "strategy=mirrored and the same global_batch_size)")
+
+
 def _describe(trainer):
   strategy = trainer.strategy
   return (f"{type(trainer).__name__} on {type(strategy).__name__} "
@@ -600,12 +609,7 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     trainer = trainer()
   reference = make_reference()
   strategy = trainer.strategy
-  if isinstance(strategy, (tf.distribute.MultiWorkerMirroredStrategy,
-                           tf.distribute.experimental.ParameterServerStrategy)):
-    raise ConfigError(
-        f"the distribution check runs on one machine; strategy "
-        f"{type(strategy).__name__} is not supported (check with "
-        "strategy=mirrored and the same global_batch_size)")
+  _check_supported(strategy)
   if reference.strategy.num_replicas_in_sync != 1:
     raise ConfigError("make_reference must build a single-replica trainer, "
                       f"got {reference.strategy.num_replicas_in_sync}")
@@ -689,6 +693,7 @@ def check_trainer_class(trainer_cls, build_model, make_optimizer, strategy,
     **kwargs: the trainer's keyword arguments (global_batch_size, clip_norm,
       ...) and `check_distribution`'s (rtol, atol, probe_optimizer, print_fn).
   """
+  _check_supported(strategy)
   check_args = {k: kwargs.pop(k) for k in
                 ("rtol", "atol", "probe_optimizer", "print_fn") if k in kwargs}
   reference_strategy = reference_strategy or strategies.make_strategy(

@@ -134,6 +134,21 @@ class MetricFromOneReplica(Trainer):
     return metrics
 
 
+class MeanAllReduce(Trainer):
+  """Averages the gradient shares (MEAN) instead of summing them."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += scaled_regularization(self.model)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    context = tf.distribute.get_replica_context()
+    self.apply_gradients(context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                            grads))
+    return {"loss": loss}
+
+
 class NoAllReduce(Trainer):
   """Applies each replica's own gradient: the replicas drift apart."""
 
@@ -162,6 +177,7 @@ class NoAllReduce(Trainer):
     (UnscaledRegularization, "unscaled_regularization", {}),
     (ClipPerReplica, "clip_before_reduce", {"clip_norm": 1e-2}),
     (MetricFromOneReplica, "metric_one_replica", {}),
+    (MeanAllReduce, "mean_all_reduce", {}),
 ])
 def test_wrong_step_is_caught_and_named(trainer_cls, cause, extra, batch,
                                         mirrored):
@@ -199,6 +215,39 @@ def test_builtin_step_passes(strategy_name, batch, mirrored):
   assert sections >= {"update", "optimizer", "metric", "replicas"}
   metrics = {r.name for r in report.rows if r.section == "metric"}
   assert metrics == {"loss", "accuracy", "grad_norm"}
+
+
+class TwoDeviceSplit(Trainer):
+  """A toy model split under the default strategy: layer k on device k."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      h = x
+      for k, layer in enumerate(self.model.layers):
+        with tf.device(f"/cpu:{k % 2}"):
+          h = layer(h, training=True)
+      loss = self.average(self.loss_fn(y, h))
+      loss += scaled_regularization(self.model)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    self.apply_gradients(self.all_reduce(grads))
+    return {"loss": loss}
+
+
+def test_a_split_trainer_under_the_default_strategy_passes(batch):
+  # Factories are all the check needs: any trainer, strategy or split.
+  def make(device):
+    def factory():
+      strategy = (tf.distribute.get_strategy() if device is None else
+                  tf.distribute.OneDeviceStrategy(device))
+      with strategy.scope():
+        model, optimizer = build_mlp(), keras.optimizers.SGD(0.1)
+      return TwoDeviceSplit(model, optimizer, strategy,
+                            global_batch_size=GLOBAL_BATCH)
+    return factory
+
+  report = framework.check_distribution(make(None), make("/cpu:0"), batch)
+  assert report.verdict == "pass", report.table()
 
 
 def test_own_optimizer_slots_are_compared(batch, mirrored):
