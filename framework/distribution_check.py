@@ -13,14 +13,14 @@ compares what changed:
     metric     the returned metrics (summed shares), and each replica's share
 
 A correct step gives equal numbers up to float rounding. A wrong one leaves
-a pattern, from which the likely cause is named (N replicas, update ratio
-distributed / single device):
+a pattern, from which the likely cause is named (N replicas; gradients
+distributed / single device, see `distribution_diagnosis`):
 
-    update ×N, loss ×N            loss averaged over the per-replica batch
-    update ×N, loss equal         gradients all-reduced twice
-    update ×1/N                   gradient shares averaged instead of summed
-    only regularised layers       regularisation loss added on every replica
-    differ only with clipping     gradient clipped per replica
+    data-loss gradient ×N         loss averaged over the per-replica batch
+    whole gradient ×N, same loss  gradients all-reduced twice
+    whole gradient ×1/N           gradient shares averaged instead of summed
+    regularisation gradient ×N    regularisation loss added on every replica
+    differ while clipping is on   gradient clipped per replica
     replica copies differ         gradients not all-reduced
     a metric from replica 0 only  the other replicas returned 0
     a metric ×N                   a per-replica value returned as a share
@@ -278,8 +278,9 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
       `trainer`, variable by variable, so the two models must have the same
       variables in the same order.
     batch: one GLOBAL batch (a nest of arrays, e.g. `(features, labels)`).
-    rtol, atol: a group passes when |diff| <= rtol * |reference| (L2 norms)
-      or max|diff| <= atol.
+    rtol, atol: a group passes when |diff| <= tol * |reference| (L2 norms),
+      tol = max(rtol, 10 × the measured rounding noise) capped at 5%, or when
+      max|diff| <= atol.
     probe_optimizer: run both with SGD(1, momentum 0.9) so that updates equal
       minus the applied gradient (exact ratios); False uses the trainers' own
       optimizers, whose state is copied too.
