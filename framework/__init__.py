@@ -4,6 +4,7 @@ from framework.checkpointing import CheckpointManager
 from framework.controller import Controller, LoopConfig
 from framework.datasets import ArrayDataset, load_cifar10, load_dataset, synthetic, write_cifar10
 from framework import experiment
+from framework.distribution_check import CheckReport, DistributionCheckError, check_distribution, check_trainer_class
 from framework.experiment import ExperimentConfig
 from framework.errors import CheckpointError, ConfigError, DataError, DistloopError, NonFiniteLossError
 from framework.inputs import distribute_eval, distribute_train, eval_dataset, train_dataset
@@ -13,10 +14,10 @@ from framework.summaries import SummaryWriter
 from framework.trainer import Trainer, sparse_categorical_loss
 
 __all__ = [
-    "ArrayDataset", "ExperimentConfig", "experiment", "CheckpointError", "CheckpointManager", "ConfigError",
+    "ArrayDataset", "CheckReport", "DistributionCheckError", "ExperimentConfig", "experiment", "CheckpointError", "CheckpointManager", "ConfigError",
     "Controller", "DataError", "DistloopError", "LoopConfig",
     "NonFiniteLossError", "OptimizerConfig", "STRATEGIES", "SummaryWriter",
-    "Trainer", "configure_cpu_devices", "distribute_eval", "distribute_train",
+    "Trainer", "check_distribution", "check_trainer_class", "configure_cpu_devices", "distribute_eval", "distribute_train",
     "eval_dataset", "is_chief", "load_cifar10", "load_dataset",
     "make_optimizer", "make_strategy", "parse_tf_config",
     "sparse_categorical_loss", "synthetic", "train_dataset", "write_cifar10",

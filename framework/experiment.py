@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 import models
-from framework import datasets, inputs, strategies
+from framework import datasets, distribution_check, inputs, strategies
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.optimizers import OptimizerConfig, make_optimizer
@@ -45,6 +45,7 @@ class ExperimentConfig:
   input_mode: str = "global"
   model_options: dict = dataclasses.field(default_factory=dict)
   hparams: dict = dataclasses.field(default_factory=dict)
+  check_distribution: bool = False
 
   def __post_init__(self):
     check_positive("global_batch_size", self.global_batch_size)
@@ -114,6 +115,11 @@ def run(config, trainer_cls=Trainer, strategy=None):
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name, len(dataset.train_x),
                len(dataset.test_x))
+  if config.check_distribution:
+    # Before the real trainer exists; `build` re-seeds, so the run is the
+    # same with or without the check.
+    distribution_check.check_experiment(config, strategy, dataset,
+                                        trainer_cls)
   trainer, controller = build(config, strategy, dataset, trainer_cls)
   results = controller.run()
   if strategies.is_chief(strategy):

@@ -65,6 +65,10 @@ flags.DEFINE_float("clip_norm", None, "Clip the all-reduced gradient to this "
 flags.DEFINE_enum("nan_policy", "stop", ["stop", "skip"], "On a NaN/Inf "
                   "loss: stop (keep the last good checkpoint) or skip the "
                   "step.")
+flags.DEFINE_bool("check_distribution", False, "Before training, run one "
+                  "step under --strategy and on one device from the same "
+                  "state and compare (exits 1 if the step is wrong when "
+                  "distributed); run it first after writing a custom step.")
 flags.DEFINE_integer("seed", 0, "Seed for weights, data order and "
                      "augmentation.")
 flags.DEFINE_bool("deterministic", True, "Deterministic TensorFlow ops "
@@ -128,7 +132,7 @@ def config_from_flags():
       model_options=dict(
           hidden_units=_int_list("hidden_units", FLAGS.hidden_units),
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm),
-      hparams=hparams)
+      hparams=hparams, check_distribution=FLAGS.check_distribution)
 
 
 def run_main(trainer_cls=None):

@@ -1,0 +1,357 @@
+"""The distribution check: wrong custom steps are caught and named; correct
+steps pass. Runs on the 2 logical CPU devices of tests/conftest.py."""
+
+import os
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import framework
+from framework import distribution_check
+from framework.trainer import Trainer
+from tests.helpers import run_script
+
+GLOBAL_BATCH = 16
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def build_mlp():
+  # Only the first kernel is regularised: the unscaled-regularisation bug
+  # then shows on that variable alone.
+  return keras.Sequential([
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation="relu",
+                         kernel_regularizer=keras.regularizers.L2(0.05)),
+      keras.layers.Dense(4)])
+
+
+def build_bn_dropout():
+  return keras.Sequential([
+      keras.Input((8,)), keras.layers.Dense(16),
+      keras.layers.BatchNormalization(), keras.layers.ReLU(),
+      keras.layers.Dropout(0.5), keras.layers.Dense(4)])
+
+
+@pytest.fixture(scope="module")
+def batch():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(GLOBAL_BATCH, 8)).astype(np.float32),
+          rng.integers(0, 4, GLOBAL_BATCH).astype(np.int32))
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+  strategy = framework.make_strategy("mirrored")
+  assert strategy.num_replicas_in_sync == 2
+  return strategy
+
+
+def check(trainer_cls, strategy, batch, build=build_mlp, **kwargs):
+  return framework.check_trainer_class(
+      trainer_cls, build, lambda: keras.optimizers.Adam(1e-3), strategy,
+      batch, global_batch_size=GLOBAL_BATCH, **kwargs)
+
+
+# --- Deliberately wrong steps. -----------------------------------------------
+
+
+def scaled_regularization(model):
+  if not model.losses:
+    return 0.0
+  return tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+
+
+class LossPerReplicaMean(Trainer):
+  """Divides by the per-replica batch: tf.reduce_mean inside the replica."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      logits = self.model(x, training=True)
+      loss = tf.reduce_mean(self.loss_fn(y, logits))
+      loss += scaled_regularization(self.model)
+    grads = self.all_reduce(tape.gradient(loss,
+                                          self.model.trainable_variables))
+    self.apply_gradients(grads)
+    return {"loss": loss}
+
+
+class DoubleAllReduce(Trainer):
+  """Reduces, then calls Keras's apply_gradients, which reduces again."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += scaled_regularization(self.model)
+    grads = self.all_reduce(tape.gradient(loss,
+                                          self.model.trainable_variables))
+    self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+    return {"loss": loss}
+
+
+class UnscaledRegularization(Trainer):
+  """Adds the whole regularisation loss on every replica."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += tf.add_n(self.model.losses)
+    grads = self.all_reduce(tape.gradient(loss,
+                                          self.model.trainable_variables))
+    self.apply_gradients(grads)
+    return {"loss": loss}
+
+
+class ClipPerReplica(Trainer):
+  """Clips each replica's gradient share before the all-reduce."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += scaled_regularization(self.model)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    grads, _ = self.clip_by_global_norm(grads)
+    self.apply_gradients(self.all_reduce(grads))
+    return {"loss": loss}
+
+
+class MetricFromOneReplica(Trainer):
+  """Reports the loss of replica 0 only (the step itself is right)."""
+
+  def train_step(self, batch):
+    x, y = batch
+    metrics = super().train_step(batch)
+    context = tf.distribute.get_replica_context()
+    first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
+    logits = self.model(x, training=False)
+    metrics["loss"] = first * tf.reduce_mean(self.loss_fn(y, logits))
+    return metrics
+
+
+class MeanAllReduce(Trainer):
+  """Averages the gradient shares (MEAN) instead of summing them."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += scaled_regularization(self.model)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    context = tf.distribute.get_replica_context()
+    self.apply_gradients(context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                            grads))
+    return {"loss": loss}
+
+
+class NoAllReduce(Trainer):
+  """Applies each replica's own gradient: the replicas drift apart."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    grads = [g * self.num_replicas for g in grads]
+    context = tf.distribute.get_replica_context()
+    variables = self.model.trainable_variables
+
+
+    def update(strategy, grads):
+      for v, g in zip(variables, grads):
+        strategy.extended.update(v.value, lambda v, d: v.assign_sub(d),
+                                 args=(g,))
+
+    context.merge_call(update, args=(grads,))
+    return {"loss": loss}
+
+
+@pytest.mark.parametrize("trainer_cls,cause,extra", [
+    (LossPerReplicaMean, "loss_per_replica_mean", {}),
+    (DoubleAllReduce, "double_all_reduce", {}),
+    (UnscaledRegularization, "unscaled_regularization", {}),
+    (ClipPerReplica, "clip_before_reduce", {"clip_norm": 1e-2}),
+    (MetricFromOneReplica, "metric_one_replica", {}),
+    (MeanAllReduce, "mean_all_reduce", {}),
+])
+def test_wrong_step_is_caught_and_named(trainer_cls, cause, extra, batch,
+                                        mirrored):
+  report = check(trainer_cls, mirrored, batch, **extra)
+  assert report.verdict == "fail"
+  assert report.cause_codes == [cause], report.table()
+  assert cause in report.table()
+
+
+def test_unscaled_regularisation_differs_on_the_regularised_kernel_only(
+    batch, mirrored):
+  report = check(UnscaledRegularization, mirrored, batch)
+  # Rows follow the layers: only the first Dense (the regularised one) is off.
+  update_ok = [r.ok for r in report.rows if r.section == "update"]
+  assert update_ok == [False, True], report.table()
+
+
+def test_clipping_bug_is_invisible_when_clipping_is_inactive(batch, mirrored):
+  # Large clip_norm: per-replica clipping never clips, so the step is right.
+  report = check(ClipPerReplica, mirrored, batch, clip_norm=1e6)
+  assert report.verdict == "pass", report.table()
+
+
+# --- Correct steps: no false alarm. -------------------------------------------
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored", "central_storage"])
+def test_builtin_step_passes(strategy_name, batch, mirrored):
+  strategy = (mirrored if strategy_name == "mirrored" else
+              framework.make_strategy(strategy_name))
+  report = check(Trainer, strategy, batch, clip_norm=0.05)
+  assert report.verdict == "pass", report.table()
+  assert not report.causes and not report.warnings
+  sections = {r.section for r in report.rows}
+  assert sections >= {"update", "optimizer", "metric", "replicas"}
+  metrics = {r.name for r in report.rows if r.section == "metric"}
+  assert metrics == {"loss", "accuracy", "grad_norm"}
+
+
+class TwoDeviceSplit(Trainer):
+  """A toy model split under the default strategy: layer k on device k."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      h = x
+      for k, layer in enumerate(self.model.layers):
+        with tf.device(f"/cpu:{k % 2}"):
+          h = layer(h, training=True)
+      loss = self.average(self.loss_fn(y, h))
+      loss += scaled_regularization(self.model)
+    grads = tape.gradient(loss, self.model.trainable_variables)
+    self.apply_gradients(self.all_reduce(grads))
+    return {"loss": loss}
+
+
+def test_a_split_trainer_under_the_default_strategy_passes(batch):
+  # Factories are all the check needs: any trainer, strategy or split.
+  def make(device):
+    def factory():
+      strategy = (tf.distribute.get_strategy() if device is None else
+                  tf.distribute.OneDeviceStrategy(device))
+      with strategy.scope():
+        model, optimizer = build_mlp(), keras.optimizers.SGD(0.1)
+      return TwoDeviceSplit(model, optimizer, strategy,
+                            global_batch_size=GLOBAL_BATCH)
+    return factory
+
+  report = framework.check_distribution(make(None), make("/cpu:0"), batch)
+  assert report.verdict == "pass", report.table()
+
+
+def test_own_optimizer_slots_are_compared(batch, mirrored):
+  # Without the probe, Adam's own slots are compared (and equal).
+  report = check(Trainer, mirrored, batch, probe_optimizer=False)
+  assert report.verdict == "pass", report.table()
+  kinds = {r.name for r in report.rows if r.section == "optimizer"}
+  assert {"momentum", "velocity"} <= kinds
+
+
+def test_batch_norm_and_dropout_warn_but_the_step_is_checked(batch, mirrored):
+  report = check(Trainer, mirrored, batch, build=build_bn_dropout)
+  assert report.verdict == "warn", report.table()
+  assert set(report.warning_codes) == {"batch_norm_unsynchronized", "dropout"}
+  # The rest is still compared exactly: a wrong step on this model fails.
+  report = check(LossPerReplicaMean, mirrored, batch, build=build_bn_dropout)
+  assert report.cause_codes == ["loss_per_replica_mean"], report.table()
+
+
+def test_a_trainer_instance_is_restored_exactly(batch, mirrored):
+  with mirrored.scope():
+    model = build_bn_dropout()
+    optimizer = keras.optimizers.Adam(1e-3)
+  trainer = NoAllReduce(model, optimizer, mirrored,
+                        global_batch_size=GLOBAL_BATCH)
+  before = [[c.numpy() for c in mirrored.experimental_local_results(v.value)]
+            for v in model.variables + optimizer.variables]
+
+  def reference():
+    one = framework.make_strategy("one_device")
+    with one.scope():
+      return NoAllReduce(build_bn_dropout(), keras.optimizers.Adam(1e-3), one,
+                         global_batch_size=GLOBAL_BATCH)
+
+  report = framework.check_distribution(trainer, reference, batch)
+  assert "not_all_reduced" in report.cause_codes, report.table()
+  assert trainer.optimizer is optimizer
+  assert model.layers[3].rate == 0.5 and not model.layers[1].synchronized
+  after = [[c.numpy() for c in mirrored.experimental_local_results(v.value)]
+           for v in model.variables + optimizer.variables]
+  for old, new in zip(before, after):
+    for a, b in zip(old, new):
+      np.testing.assert_array_equal(a, b)
+
+
+# --- The experiment and the script. -------------------------------------------
+
+
+def _config(model_dir, check):
+  return framework.ExperimentConfig(
+      model="mlp", dataset="synthetic", model_dir=str(model_dir),
+      strategy="mirrored", global_batch_size=32, train_steps=2,
+      check_distribution=check, model_options={"hidden_units": (16,)},
+      loop=framework.LoopConfig(train_steps=2, steps_per_loop=2,
+                                checkpoint_every=0))
+
+
+def _weights(path):
+  out = []
+  with h5py.File(path, "r") as f:
+    f.visititems(lambda name, obj: out.append((name, np.array(obj)))
+                 if isinstance(obj, h5py.Dataset) else None)
+  return out
+
+
+def test_check_does_not_change_the_run(tmp_path, capsys, mirrored):
+  # One strategy object for both runs: separate MirroredStrategy objects in
+  # one process reuse collective keys, which the runtime rejects.
+  framework.experiment.run(_config(tmp_path / "plain", False),
+                           strategy=mirrored)
+  framework.experiment.run(_config(tmp_path / "checked", True),
+                           strategy=mirrored)
+  assert "verdict: PASS" in capsys.readouterr().out
+  plain = _weights(tmp_path / "plain" / "model.weights.h5")
+  checked = _weights(tmp_path / "checked" / "model.weights.h5")
+  assert [n for n, _ in plain] == [n for n, _ in checked] and plain
+  for (_, a), (_, b) in zip(plain, checked):
+    np.testing.assert_array_equal(a, b)
+
+
+CUSTOM_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+from absl import app
+from scripts import train
+from test_distribution_check import DoubleAllReduce
+app.run(lambda argv: train.run_main(DoubleAllReduce))
+"""
+
+
+def test_script_fails_a_wrong_custom_step(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "custom_train.py"
+  script.write_text(CUSTOM_SCRIPT.format(root=root,
+                                         tests=os.path.join(root, "tests")))
+  proc = run_script(
+      str(script), "--check_distribution", "--model=mlp",
+      "--dataset=synthetic", "--strategy=mirrored", "--cpu_devices=2",
+      "--train_steps=2", "--global_batch_size=32", "--optimizer=sgd",
+      f"--model_dir={tmp_path / 'run'}", check=False)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "update  " in proc.stdout or "update" in proc.stdout
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("custom_train.py: error: distribution check failed: "
+                         "double_all_reduce"), last
+  assert not os.path.exists(tmp_path / "run" / "model.weights.h5")
