@@ -105,8 +105,12 @@ class StagedTrainer(Trainer):
       x = stage.apply(x, training)
     return x
 
-  def train_step(self, batch):
-    features, labels = batch
+  def gradients(self, features, labels):
+    """(gradients in `self.variables` order, loss, accuracy) of one batch.
+
+    The micro-batched, device-pinned forward and backward passes; the
+    gradient is that of the mean loss over `global_batch_size` examples.
+    """
     last = len(self.stages) - 1
     with tf.device(self.stages[0].device):
       micro_features = tf.split(features, self.num_microbatches)
@@ -138,13 +142,16 @@ class StagedTrainer(Trainer):
             micro_records[i], output_grad, input_grad=i > 0)
         grads[i] = self._accumulate(stage, grads[i], stage_grads)
     grads = [g for stage_grads in grads for g in stage_grads]
+    return grads, tf.add_n(losses), tf.add_n(accuracies)
 
+  def train_step(self, batch):
+    features, labels = batch
+    grads, loss, accuracy = self.gradients(features, labels)
     # One update with the full-batch gradient, as the unsplit model does.
     grads, grad_norm = self.clip_by_global_norm(grads)
     with _updates_on_variable_devices(self.optimizer):
       self.apply_gradients(grads, self.variables)
-    return {"loss": tf.add_n(losses),
-            "accuracy": tf.add_n(accuracies),
+    return {"loss": loss, "accuracy": accuracy,
             "grad_norm": self.replica_share(grad_norm)}
 
   def _accumulate(self, stage, totals, grads):
