@@ -160,7 +160,7 @@ class StagedTrainer(Trainer):
       return list(grads)
     summed = []
     for leaf in stage.leaves:
-      with tf.device(leaf.device), tf.name_scope(f"{leaf.name}/accumulate"):
+      with tf.device(leaf.device), tf.name_scope(f"{leaf.name}/accumulate/"):
         for _ in leaf.trainable_variables:
           summed.append(totals[len(summed)] + grads[len(summed)])
     return summed

@@ -54,7 +54,7 @@ class Stage:
 
   def apply(self, x, training=False):
     """The forward pass on `device`, not recorded (evaluation)."""
-    with tf.device(self.device), tf.name_scope(self.name):
+    with tf.device(self.device), tf.name_scope(self.name + "/"):
       return self._call(tf.identity(x), training)
 
   def forward(self, x, training=True, head=None):
@@ -66,7 +66,7 @@ class Stage:
       head: optional `outputs -> scalar` (the loss) computed on this device
         and on this tape; `record.target` is then that scalar.
     """
-    with tf.device(self.device), tf.name_scope(self.name):
+    with tf.device(self.device), tf.name_scope(self.name + "/"):
       # One copy onto this device, instead of one per consuming op.
       x = tf.identity(x)
       with tf.GradientTape() as tape:
@@ -85,7 +85,7 @@ class Stage:
     """
     variables = self.trainable_variables
     sources = ([record.inputs] if input_grad else []) + variables
-    with tf.device(self.device), tf.name_scope(self.name):
+    with tf.device(self.device), tf.name_scope(self.name + "/"):
       grads = record.tape.gradient(
           record.target, sources, output_gradients=output_grad,
           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -115,7 +115,7 @@ class ParallelStage:
     return list(self.branches)
 
   def _sum(self, tensors, what):
-    with tf.device(self.device), tf.name_scope(f"{self.name}/{what}"):
+    with tf.device(self.device), tf.name_scope(f"{self.name}/{what}/"):
       return tf.add_n(tensors)
 
   def apply(self, x, training=False):
