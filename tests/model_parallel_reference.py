@@ -31,7 +31,7 @@ def batches(x, y):
 def unsplit_gradients(model, x, y, global_batch_size, num_microbatches=1):
   """(gradients, loss) of the unsplit model, summed over micro-batches."""
   variables = model.trainable_variables
-  total_grads, total_loss = None, 0.0
+  tapes, losses = [], []
   for xs, ys in zip(tf.split(x, num_microbatches),
                     tf.split(y, num_microbatches)):
     with tf.GradientTape() as tape:
@@ -39,11 +39,17 @@ def unsplit_gradients(model, x, y, global_batch_size, num_microbatches=1):
           ys, model(xs, training=True))
       loss = tf.nn.compute_average_loss(per_example,
                                         global_batch_size=global_batch_size)
+    tapes.append(tape)
+    losses.append(loss)
+  # Summed last micro-batch first, as GPipe's backward pass does: float sums
+  # in another order differ in the last bits, which Adam can amplify for
+  # near-zero gradients.
+  total_grads = None
+  for tape, loss in reversed(list(zip(tapes, losses))):
     grads = tape.gradient(loss, variables)
     total_grads = grads if total_grads is None else [
         a + b for a, b in zip(total_grads, grads)]
-    total_loss += loss
-  return total_grads, total_loss
+  return total_grads, tf.add_n(losses)
 
 
 class MicroBatchedTrainer(framework.Trainer):

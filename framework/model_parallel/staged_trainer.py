@@ -117,6 +117,11 @@ class StagedTrainer(Trainer):
     with tf.device(self.stages[last].device):
       micro_labels = tf.split(labels, self.num_microbatches)
 
+    # A device runs its forward passes one micro-batch at a time, in order
+    # (as a GPU stream would; logical CPU devices would otherwise run them
+    # all at once on the shared cores).
+    previous = [[] for _ in self.stages]
+
     # Forward, all micro-batches: each stage keeps its tapes for backward.
     records, losses, accuracies = [], [], []
     for x, y in zip(micro_features, micro_labels):
@@ -124,8 +129,9 @@ class StagedTrainer(Trainer):
       head = lambda logits, y=y: self.average(self.loss_fn(y, logits))
       micro_records = []
       for i, stage in enumerate(self.stages):
-        x, record = stage.forward(x, training=True,
+        x, record = stage.forward(x, training=True, after=previous[i],
                                   head=head if i == last else None)
+        previous[i] = [x]
         micro_records.append(record)
       records.append(micro_records)
       losses.append(micro_records[last].target)
@@ -138,6 +144,10 @@ class StagedTrainer(Trainer):
       output_grad = None
       for i in reversed(range(len(self.stages))):
         stage = self.stages[i]
+        # No `after` here: control inputs in the backward pass change
+        # Grappler's rewrites of the gradient ops (results then differ from
+        # the unsplit model in the last bits); data dependencies already
+        # order each micro-batch's backward stage by stage.
         output_grad, stage_grads = stage.backward(
             micro_records[i], output_grad, input_grad=i > 0)
         grads[i] = self._accumulate(stage, grads[i], stage_grads)

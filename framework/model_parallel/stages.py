@@ -57,7 +57,7 @@ class Stage:
     with tf.device(self.device), tf.name_scope(self.name + "/"):
       return self._call(tf.identity(x), training)
 
-  def forward(self, x, training=True, head=None):
+  def forward(self, x, training=True, head=None, after=()):
     """(outputs, record): the forward pass on `device`, recorded.
 
     Args:
@@ -65,27 +65,37 @@ class Stage:
       training: passed to the layers.
       head: optional `outputs -> scalar` (the loss) computed on this device
         and on this tape; `record.target` is then that scalar.
+      after: tensors that must exist before this pass starts (the device's
+        previous work: one micro-batch at a time).
     """
     with tf.device(self.device), tf.name_scope(self.name + "/"):
-      # One copy onto this device, instead of one per consuming op.
-      x = tf.identity(x)
+      # One copy onto this device, instead of one per consuming op. Only
+      # this op waits for `after`: control inputs on the layers' ops would
+      # stop Grappler from fusing them (and change the float results).
+      with tf.control_dependencies(after):
+        x = tf.identity(x)
       with tf.GradientTape() as tape:
         tape.watch(x)
         outputs = self._call(x, training)
         target = head(outputs) if head is not None else outputs
     return outputs, Record(tape, x, target)
 
-  def backward(self, record, output_grad, input_grad=True):
+  def backward(self, record, output_grad, input_grad=True, after=()):
     """(d input, [d variable]) on `device`, from the forward `record`.
 
     Args:
       record: what `forward` returned.
       output_grad: d loss / d outputs (None when the target is the loss).
       input_grad: False skips d input (the first stage's input is data).
+      after: tensors that must exist before this pass starts.
     """
     variables = self.trainable_variables
     sources = ([record.inputs] if input_grad else []) + variables
     with tf.device(self.device), tf.name_scope(self.name + "/"):
+      if output_grad is None:
+        output_grad = tf.ones_like(record.target)  # d loss / d loss
+      with tf.control_dependencies(after):
+        output_grad = tf.identity(output_grad)
       grads = record.tape.gradient(
           record.target, sources, output_gradients=output_grad,
           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -121,18 +131,19 @@ class ParallelStage:
   def apply(self, x, training=False):
     return self._sum([b.apply(x, training) for b in self.branches], "sum")
 
-  def forward(self, x, training=True, head=None):
+  def forward(self, x, training=True, head=None, after=()):
     if head is not None:
       raise ValueError("a ParallelStage cannot compute the loss; end the "
                        "model with a Stage")
-    outputs, records = zip(*(b.forward(x, training) for b in self.branches))
+    outputs, records = zip(*(b.forward(x, training, after=after)
+                             for b in self.branches))
     return self._sum(list(outputs), "sum"), records
 
-  def backward(self, records, output_grad, input_grad=True):
+  def backward(self, records, output_grad, input_grad=True, after=()):
     # The gradient of a sum is the same output_grad for every branch.
     input_grads, variable_grads = [], []
     for branch, record in zip(self.branches, records):
-      dx, grads = branch.backward(record, output_grad, input_grad)
+      dx, grads = branch.backward(record, output_grad, input_grad, after)
       input_grads.append(dx)
       variable_grads.extend(grads)
     if not input_grad:
