@@ -54,14 +54,17 @@ def _batches(tf, np):
   return iter(data.repeat())
 
 
-def _examples_per_second(trainer, iterator):
-  trainer.train(iterator, FLAGS.steps)  # trace and warm up
-  best = float("inf")
+def _examples_per_second(trainers, iterators):
+  """Best examples/s of each trainer, timed in turns (load drifts)."""
+  for trainer, iterator in zip(trainers, iterators):
+    trainer.train(iterator, FLAGS.steps)  # trace and warm up
+  best = [float("inf")] * len(trainers)
   for _ in range(FLAGS.repeats):
-    start = time.perf_counter()
-    float(trainer.train(iterator, FLAGS.steps)["loss"])
-    best = min(best, time.perf_counter() - start)
-  return FLAGS.steps * FLAGS.global_batch_size / best
+    for i, (trainer, iterator) in enumerate(zip(trainers, iterators)):
+      start = time.perf_counter()
+      float(trainer.train(iterator, FLAGS.steps)["loss"])
+      best[i] = min(best[i], time.perf_counter() - start)
+  return [FLAGS.steps * FLAGS.global_batch_size / b for b in best]
 
 
 def _union_length(intervals):
@@ -162,8 +165,8 @@ def main(argv):
   pipeline = PipelineTrainer(model(), keras.optimizers.Adam(1e-4), strategy,
                              global_batch_size=FLAGS.global_batch_size,
                              num_stages=s, num_microbatches=m)
-  base_rate = _examples_per_second(unsplit, _batches(tf, np))
-  pipe_rate = _examples_per_second(pipeline, _batches(tf, np))
+  base_rate, pipe_rate = _examples_per_second(
+      [unsplit, pipeline], [_batches(tf, np), _batches(tf, np)])
   idle, timeline = _idle_fraction(tf, pipeline, _batches(tf, np), s)
   gpipe = (s - 1) / (m + s - 1)
   devices = [stage.device for stage in pipeline.stages]

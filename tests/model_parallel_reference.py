@@ -8,6 +8,7 @@ import framework
 import models
 
 STRATEGY = tf.distribute.get_strategy()  # one replica, as model parallelism
+DEVICES = ["/CPU:0", "/CPU:1"]  # conftest's logical CPU devices
 
 
 def build(name, input_shape, num_classes, seed=1, **options):

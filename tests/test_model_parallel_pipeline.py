@@ -8,7 +8,8 @@ import tensorflow as tf
 import framework
 from framework import model_parallel as mp
 from framework.errors import ConfigError
-from tests.model_parallel_reference import (STRATEGY, MicroBatchedTrainer,
+from tests.model_parallel_reference import (DEVICES, STRATEGY,
+                                            MicroBatchedTrainer,
                                             assert_close, batches, build,
                                             data, unsplit_gradients)
 
@@ -20,6 +21,7 @@ def _pipeline(model, **kwargs):
   kwargs.setdefault("num_stages", STAGES)
   kwargs.setdefault("num_microbatches", MICRO)
   kwargs.setdefault("global_batch_size", BATCH)
+  kwargs.setdefault("devices", DEVICES)
   return mp.PipelineTrainer(model, keras.optimizers.Adam(1e-2), STRATEGY,
                             **kwargs)
 
@@ -67,7 +69,8 @@ def test_cifar_cnn_without_dropout_equals_unsplit_microbatched():
   pipeline = mp.PipelineTrainer(
       build("cifar_cnn", (32, 32, 3), 10, dropout=False),
       keras.optimizers.Adam(1e-3), STRATEGY, global_batch_size=8,
-      num_stages=STAGES, num_microbatches=MICRO, stage_boundaries=(5,))
+      num_stages=STAGES, num_microbatches=MICRO, stage_boundaries=(5,),
+      devices=DEVICES)
   _check_equal(reference, pipeline, x, y, reference_microbatches=MICRO)
 
 
@@ -120,14 +123,13 @@ def test_balanced_split_halves_params_and_slots_per_device():
   unsplit = build("mlp", (8,), 8, hidden_units=(16, 16, 16))
   optimizer = keras.optimizers.Adam()
   optimizer.build(unsplit.trainable_variables)
-  total = mp.memory_by_device(unsplit, optimizer)
-  assert list(total) == ["/CPU:0"]
+  (total,) = mp.memory_by_device(unsplit, optimizer).values()
   pipeline = _pipeline(build("mlp", (8,), 8, hidden_units=(16, 16, 16)))
   assert pipeline.boundaries == (3,)
   per_device = pipeline.memory
   assert list(per_device) == ["/CPU:0", "/CPU:1"]
   for key in ("param_bytes", "optimizer_slot_bytes"):
-    whole = total["/CPU:0"][key]
+    whole = total[key]
     parts = [per_device[d][key] for d in per_device]
     assert sum(parts) == whole, (key, parts, whole)
     for part in parts:
@@ -148,7 +150,7 @@ def test_balanced_boundaries_minimise_the_largest_stage():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_stages=5), "more than the model's 4 layers"),
-    (dict(num_stages=3), "needs 3 devices but only 2"),
+    (dict(num_stages=3, devices=None), "needs 3 devices but only 2"),
     (dict(num_microbatches=3), "does not divide global_batch_size=16"),
     (dict(stage_boundaries=(4,)), "stage_boundaries=[4] must be"),
 ])
@@ -165,4 +167,4 @@ def test_model_parallelism_needs_one_replica():
     optimizer = keras.optimizers.Adam()
   with pytest.raises(ConfigError, match="one replica"):
     mp.PipelineTrainer(model, optimizer, mirrored, global_batch_size=BATCH,
-                       num_stages=2)
+                       num_stages=2, devices=DEVICES)

@@ -8,14 +8,16 @@ import tensorflow as tf
 import framework
 from framework import model_parallel as mp
 from framework.errors import ConfigError
-from tests.model_parallel_reference import (STRATEGY, assert_close, batches,
-                                            build, data, unsplit_gradients)
+from tests.model_parallel_reference import (DEVICES, STRATEGY, assert_close,
+                                            batches, build, data,
+                                            unsplit_gradients)
 
 BATCH, ADAM_STEPS = 16, 5
 SHAPE, CLASSES = (12,), 5
 
 
 def _tensor_parallel(model, **kwargs):
+  kwargs.setdefault("devices", DEVICES)
   return mp.TensorParallelTrainer(model, keras.optimizers.Adam(1e-2),
                                   STRATEGY, global_batch_size=BATCH, **kwargs)
 
@@ -105,7 +107,7 @@ def test_shard_ops_forward_and_backward_are_on_their_devices():
     (("mlp", dict(hidden_units=(9,))), {}, "9 units, which cannot be split"),
     (("mlp", dict(hidden_units=(10,))), dict(split_layer=0),
      r"split_layer=0 \(Flatten followed by Dense\) cannot be split"),
-    (("mlp", dict(hidden_units=(12,))), dict(num_shards=3),
+    (("mlp", dict(hidden_units=(12,))), dict(num_shards=3, devices=None),
      "num_shards=3 needs 3 devices but only 2"),
     (("cifar_cnn", dict(dropout=True)), {}, "Dropout in between"),
 ])

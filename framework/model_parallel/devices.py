@@ -1,7 +1,8 @@
 """Which devices model-parallel pieces go on, and short names for them.
 
-Stage or shard `i` goes on `/GPU:i` when GPUs exist, else on the logical CPU
-device `/CPU:i` (split the host with `framework.configure_cpu_devices(n)`).
+Stage or shard `i` goes on `/GPU:i` when there are enough GPUs, else on the
+logical CPU device `/CPU:i` (split the host with
+`framework.configure_cpu_devices(n)`).
 """
 
 import keras
@@ -11,23 +12,28 @@ from framework.errors import ConfigError, check_positive
 
 
 def model_parallel_devices(count, *, name="num_stages"):
-  """The first `count` accelerator (or logical CPU) devices, e.g. `/CPU:0`.
+  """The first `count` GPUs, else the first `count` logical CPU devices.
+
+  GPUs are used when there are at least `count` of them; otherwise the
+  host's logical CPU devices (e.g. tests on a one-GPU machine).
 
   Args:
     count: how many devices the split needs.
     name: the argument that asked for them (named in the error).
   Raises:
-    ConfigError: fewer than `count` devices exist.
+    ConfigError: fewer than `count` devices of either kind exist.
   """
   check_positive(name, count)
-  device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-  available = len(tf.config.list_logical_devices(device_type))
-  if count > available:
-    hint = ("" if device_type == "GPU" else
-            f"; split the CPU with --cpu_devices={count}")
-    raise ConfigError(f"{name}={count} needs {count} devices but only "
-                      f"{available} {device_type} device(s) exist{hint}")
-  return [f"/{device_type}:{i}" for i in range(count)]
+  gpus = len(tf.config.list_logical_devices("GPU"))
+  cpus = len(tf.config.list_logical_devices("CPU"))
+  if gpus >= count:
+    return [f"/GPU:{i}" for i in range(count)]
+  if cpus >= count:
+    return [f"/CPU:{i}" for i in range(count)]
+  raise ConfigError(
+      f"{name}={count} needs {count} devices but only {cpus} CPU device(s) "
+      f"and {gpus} GPU(s) exist; split the CPU with --cpu_devices={count} "
+      "(or use fewer)")
 
 
 def short_device(name):

@@ -80,6 +80,12 @@ class StagedTrainer(Trainer):
       raise ConfigError(
           f"num_microbatches={num_microbatches} does not divide "
           f"global_batch_size={batch}; use a divisor of {batch}")
+    if model.losses:
+      # Regularisation terms would need their own per-stage tapes.
+      raise ConfigError(
+          "model parallelism does not support layer regularisation losses "
+          "yet; remove the regularisers (use optimizer=adamw for weight "
+          "decay)")
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
     self.stage_variables = [s.trainable_variables for s in self.stages]

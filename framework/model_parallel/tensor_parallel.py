@@ -147,7 +147,8 @@ def check_split_layer(layers, index, num_shards):
   if index is None:
     raise ConfigError(
         "tensor parallelism needs a Dense layer followed directly by a Dense "
-        f"layer (a Dropout in between cannot be split; disable it); the "
+        f"layer (a Dropout in between cannot be split; disable it, e.g. "
+        "--nodropout); the "
         f"model's layers are {names}")
   if not 0 <= index < len(layers) - 1:
     raise ConfigError(f"split_layer={index} must be a layer index in "
