@@ -82,13 +82,17 @@ def _trace_step(trainer, x, y):
                                                           tf.int32))).graph
 
 
-def test_every_stage_op_forward_and_backward_is_on_its_device():
+def test_every_stage_op_forward_backward_and_update_is_on_its_device():
   x, y = data(BATCH, (12,), 5)
   pipeline = _pipeline(build("mlp", (12,), 5, hidden_units=(16, 16)))
   graph = _trace_step(pipeline, x, y)
   devices = {s.name: s.device for s in pipeline.stages}
   assert devices == {"stage_0": "/CPU:0", "stage_1": "/CPU:1"}
-  offenders = mp.misplaced_ops(graph, devices)
+  # The optimizer math of each stage's variables (Adam) runs there too.
+  updates = {mp.update_scope(d): d for d in devices.values()}
+  # (Adam reads its step counter, on device 0, from every update.)
+  offenders = mp.misplaced_ops(graph, {**devices, **updates},
+                               shared_variables=[pipeline.optimizer.iterations])
   assert not offenders, "ops off their stage's device:\n" + "\n".join(
       offenders[:50])
   # The check saw forward and backward ops (matmuls and their gradients) of
@@ -99,6 +103,8 @@ def test_every_stage_op_forward_and_backward_is_on_its_device():
     forward = [n for n in names if not n.startswith("gradient_tape/")]
     backward = [n for n in names if n.startswith("gradient_tape/")]
     assert len(forward) >= MICRO and len(backward) >= 2 * MICRO, names
+  for scope, ops in mp.ops_by_scope(graph, updates).items():
+    assert len(ops) > 20, scope  # the Adam updates were found and checked
   # Every matmul in the step belongs to a stage: none escaped placement.
   matmuls = [op for op in graph.get_operations() if op.type == "MatMul"]
   unplaced = [op.name for op in matmuls

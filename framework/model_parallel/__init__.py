@@ -5,7 +5,7 @@ from framework.model_parallel.devices import model_parallel_devices, short_devic
 from framework.model_parallel.memory import format_memory, memory_by_device, memory_metrics
 from framework.model_parallel.placement import misplaced_ops, ops_by_scope
 from framework.model_parallel.pipeline import PipelineTrainer, balanced_boundaries, place_sequential, split_layers
-from framework.model_parallel.staged_trainer import StagedTrainer
+from framework.model_parallel.staged_trainer import StagedTrainer, update_scope
 from framework.model_parallel.stages import ParallelStage, Stage
 from framework.model_parallel.tensor_parallel import ColumnParallelDense, RowParallelDense, TensorParallelModel, TensorParallelTrainer, split_dense_pair
 
@@ -15,5 +15,5 @@ __all__ = [
     "TensorParallelTrainer", "split_dense_pair",
     "balanced_boundaries", "format_memory", "memory_by_device",
     "memory_metrics", "misplaced_ops", "ops_by_scope", "model_parallel_devices", "place_sequential",
-    "short_device", "split_layers", "variable_device",
+    "short_device", "split_layers", "update_scope", "variable_device",
 ]

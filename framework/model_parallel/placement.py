@@ -61,21 +61,34 @@ def effective_device(op, captured):
   return ""
 
 
-def misplaced_ops(graph, devices_by_scope):
+def _handle(variable):
+  variable = getattr(variable, "value", variable)  # Keras -> tf.Variable
+  return variable.handle
+
+
+def misplaced_ops(graph, devices_by_scope, shared_variables=()):
   """Ops under a scope whose requested device is not that scope's device.
 
   Args:
     graph: a traced graph, e.g. `tf.function(step).get_concrete_function(
       ...).graph`.
     devices_by_scope: `{"stage_0": "/CPU:0", "stage_1": "/CPU:1"}`.
+    shared_variables: variables every piece may read where they live (e.g.
+      the optimizer's step counter).
   Returns:
     A list of `"op_name (type) on 'device', expected 'device'"` strings.
   """
   captured = _captured_devices(graph)
+  shared_handles = {id(_handle(v)) for v in shared_variables}
+  shared = {internal.op.name for external, internal in
+            getattr(graph, "captures", []) if id(external) in shared_handles}
   offenders = []
   for scope, ops in ops_by_scope(graph, devices_by_scope).items():
     expected = devices_by_scope[scope]
     for op in ops:
+      if op.name in shared or (op.type == "ReadVariableOp" and
+                               op.inputs[0].op.name in shared):
+        continue
       device = effective_device(op, captured)
       if short_device(device) != expected:
         offenders.append(f"{op.name} ({op.type}) on {device!r}, expected "

@@ -34,6 +34,11 @@ from framework.model_parallel.memory import (format_memory, memory_by_device,
 from framework.trainer import Trainer
 
 
+def update_scope(device):
+  """The name scope of the optimizer updates on `device` (`update_CPU_1`)."""
+  return "update_" + device.strip("/").replace(":", "_")
+
+
 @contextlib.contextmanager
 def _updates_on_variable_devices(optimizer):
   """Runs each variable's optimizer math on that variable's device.
@@ -44,7 +49,8 @@ def _updates_on_variable_devices(optimizer):
   update_step = optimizer.update_step
 
   def placed_update_step(gradient, variable, learning_rate):
-    with tf.device(variable_device(variable)):
+    device = variable_device(variable)
+    with tf.device(device), tf.name_scope(update_scope(device) + "/"):
       return update_step(gradient, variable, learning_rate)
 
   optimizer.update_step = placed_update_step
