@@ -1,7 +1,6 @@
 """Pipeline parallelism equals the unsplit model, and is placed per stage."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -174,3 +173,17 @@ def test_model_parallelism_needs_one_replica():
   with pytest.raises(ConfigError, match="one replica"):
     mp.PipelineTrainer(model, optimizer, mirrored, global_batch_size=BATCH,
                        num_stages=2, devices=DEVICES)
+
+
+def test_unsplit_checkpoint_restores_into_the_placed_model(tmp_path):
+  unsplit = build("mlp", (12,), 5, hidden_units=(16, 16), seed=1)
+  other = build("mlp", (12,), 5, hidden_units=(16, 16), seed=2)
+  placed, _ = mp.place_sequential(other, mp.split_layers(other.layers, 2),
+                                  DEVICES)
+  path = tf.train.Checkpoint(model=unsplit).save(str(tmp_path / "ckpt"))
+  tf.train.Checkpoint(model=placed).restore(
+      path).assert_existing_objects_matched()
+  for want, got in zip(unsplit.weights, placed.weights):
+    assert_close(got.numpy(), want.numpy(), want.path, atol=0)
+  assert [mp.variable_device(w) for w in placed.weights] == [
+      "/CPU:0", "/CPU:0", "/CPU:1", "/CPU:1", "/CPU:1", "/CPU:1"]
