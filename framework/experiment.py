@@ -15,6 +15,7 @@ import models
 from framework import datasets, distribution_check, inputs, strategies
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.model_parallel.config import ModelParallelConfig
 from framework.optimizers import OptimizerConfig, make_optimizer
 from framework.trainer import Trainer
 
@@ -46,6 +47,7 @@ class ExperimentConfig:
   model_options: dict = dataclasses.field(default_factory=dict)
   hparams: dict = dataclasses.field(default_factory=dict)
   check_distribution: bool = False
+  model_parallel: ModelParallelConfig = ModelParallelConfig()
 
   def __post_init__(self):
     check_positive("global_batch_size", self.global_batch_size)
@@ -78,6 +80,7 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
     model = models.build_model(config.model, dataset.input_shape,
                                dataset.num_classes, **config.model_options)
     optimizer = make_optimizer(optimizer_config)
+  trainer_cls = config.model_parallel.trainer_factory(trainer_cls)
   trainer = trainer_cls(model, optimizer, strategy,
                         global_batch_size=config.global_batch_size,
                         clip_norm=config.clip_norm,

@@ -43,6 +43,23 @@ flags.DEFINE_string("tpu", None, "TPU name or grpc://host:port for "
 flags.DEFINE_enum("input_mode", "global", ["global", "per_replica"],
                   "global: experimental_distribute_dataset; per_replica: "
                   "distribute_datasets_from_function.")
+# Model parallelism (one replica: --strategy=default, devices from
+# --cpu_devices or the GPUs).
+flags.DEFINE_enum("model_parallel", "none", ["none", "pipeline", "tensor"],
+                  "pipeline: cut the layers into --num_stages stages on as "
+                  "many devices; tensor: split one hidden Dense layer's units "
+                  "across --num_shards devices.")
+flags.DEFINE_integer("num_stages", 2, "Pipeline stages (devices).")
+flags.DEFINE_integer("num_microbatches", 1, "Micro-batches per global batch "
+                     "(GPipe schedule); must divide --global_batch_size.")
+flags.DEFINE_list("stage_boundaries", [], "Pipeline cut points between "
+                  "layers, e.g. '3' or '2,5'; default: balanced by parameter "
+                  "count.")
+flags.DEFINE_integer("num_shards", 2, "Tensor parallel: devices the hidden "
+                     "units are split across.")
+flags.DEFINE_integer("split_layer", None, "Tensor parallel: index of the "
+                     "Dense layer to split (default: the last Dense followed "
+                     "by a Dense).")
 # How long and how.
 flags.DEFINE_integer("global_batch_size", 128, "Examples per step, all "
                      "replicas together.")
@@ -108,6 +125,7 @@ def _int_list(name, values):
 def config_from_flags():
   """The ExperimentConfig described by the command line."""
   from framework import ExperimentConfig, LoopConfig, OptimizerConfig  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel import ModelParallelConfig  # pylint: disable=g-import-not-at-top
   optimizer = OptimizerConfig(
       name=FLAGS.optimizer, learning_rate=FLAGS.learning_rate,
       momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
@@ -120,6 +138,11 @@ def config_from_flags():
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints, eval_every=FLAGS.eval_every,
       summary_every=FLAGS.summary_every, log_every=FLAGS.log_every)
+  model_parallel = ModelParallelConfig(
+      mode=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
+      num_microbatches=FLAGS.num_microbatches,
+      stage_boundaries=_int_list("stage_boundaries", FLAGS.stage_boundaries),
+      num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,
@@ -132,7 +155,8 @@ def config_from_flags():
       model_options=dict(
           hidden_units=_int_list("hidden_units", FLAGS.hidden_units),
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm),
-      hparams=hparams, check_distribution=FLAGS.check_distribution)
+      hparams=hparams, check_distribution=FLAGS.check_distribution,
+      model_parallel=model_parallel)
 
 
 def run_main(trainer_cls=None):

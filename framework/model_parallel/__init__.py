@@ -1,0 +1,19 @@
+"""Model parallelism: pipeline (layer split) and tensor (unit split)."""
+
+from framework.model_parallel.config import MODES, ModelParallelConfig
+from framework.model_parallel.devices import model_parallel_devices, short_device, variable_device
+from framework.model_parallel.memory import format_memory, memory_by_device, memory_metrics
+from framework.model_parallel.placement import misplaced_ops, ops_by_scope
+from framework.model_parallel.pipeline import PipelineTrainer, balanced_boundaries, place_sequential, split_layers
+from framework.model_parallel.staged_trainer import StagedTrainer, update_scope
+from framework.model_parallel.stages import ParallelStage, Stage
+from framework.model_parallel.tensor_parallel import ColumnParallelDense, RowParallelDense, TensorParallelModel, TensorParallelTrainer, split_dense_pair
+
+__all__ = [
+    "MODES", "ModelParallelConfig", "ColumnParallelDense", "ParallelStage", "PipelineTrainer",
+    "RowParallelDense", "Stage", "StagedTrainer", "TensorParallelModel",
+    "TensorParallelTrainer", "split_dense_pair",
+    "balanced_boundaries", "format_memory", "memory_by_device",
+    "memory_metrics", "misplaced_ops", "ops_by_scope", "model_parallel_devices", "place_sequential",
+    "short_device", "split_layers", "update_scope", "variable_device",
+]

@@ -1,0 +1,61 @@
+"""How a run splits its model: the config that `scripts/train.py` fills."""
+
+import dataclasses
+import functools
+
+from framework.errors import ConfigError, check_choice, check_positive
+from framework.model_parallel.pipeline import PipelineTrainer
+from framework.model_parallel.tensor_parallel import TensorParallelTrainer
+from framework.trainer import Trainer
+
+MODES = ("none", "pipeline", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParallelConfig:
+  """Model parallelism for one run.
+
+  Attributes:
+    mode: `none`, `pipeline` (layers cut into stages) or `tensor` (one
+      hidden Dense layer's units split across devices).
+    num_stages: pipeline stages (= devices).
+    num_microbatches: micro-batches per global batch (GPipe schedule).
+    stage_boundaries: pipeline cut points between layers; empty: balanced
+      by parameter count.
+    num_shards: tensor: devices the hidden units are split across.
+    split_layer: tensor: index of the Dense layer to split (None: the last
+      Dense followed by a Dense).
+  """
+  mode: str = "none"
+  num_stages: int = 2
+  num_microbatches: int = 1
+  stage_boundaries: tuple = ()
+  num_shards: int = 2
+  split_layer: int = None
+
+  def __post_init__(self):
+    check_choice("model_parallel", self.mode, MODES)
+    check_positive("num_stages", self.num_stages)
+    check_positive("num_microbatches", self.num_microbatches)
+    check_positive("num_shards", self.num_shards)
+
+  def trainer_factory(self, trainer_cls=Trainer):
+    """`trainer_cls`, or the model-parallel trainer bound to this config."""
+    if self.mode == "none":
+      return trainer_cls
+    parallel_cls = (PipelineTrainer if self.mode == "pipeline"
+                    else TensorParallelTrainer)
+    if trainer_cls is Trainer:
+      trainer_cls = parallel_cls
+    elif not issubclass(trainer_cls, parallel_cls):
+      raise ConfigError(
+          f"model_parallel={self.mode} needs a trainer derived from "
+          f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
+    if self.mode == "pipeline":
+      return functools.partial(
+          trainer_cls, num_stages=self.num_stages,
+          num_microbatches=self.num_microbatches,
+          stage_boundaries=tuple(self.stage_boundaries) or None)
+    return functools.partial(
+        trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
+        num_microbatches=self.num_microbatches)

@@ -1,0 +1,148 @@
+"""Pipeline parallelism: a model's layers cut into stages on S devices.
+
+    layers:   [l_0 ... l_a-1 | l_a ... l_b-1 | ... ]    boundaries (a, b, ...)
+    devices:     /CPU:0          /CPU:1        ...
+
+Each stage's variables are created on its device (and so are their optimizer
+slots: Keras creates slots colocated with their variable); `StagedTrainer`
+runs the forward and backward pass of each stage on its device and streams M
+micro-batches through the stages.
+"""
+
+import keras
+import tensorflow as tf
+
+from framework.errors import ConfigError, check_positive
+from framework.model_parallel.devices import model_parallel_devices
+from framework.model_parallel.staged_trainer import StagedTrainer
+from framework.model_parallel.stages import Stage
+
+
+def model_layers(model):
+  """The ordered layers of a `keras.Sequential` (its Input excluded)."""
+  if not isinstance(model, keras.Sequential):
+    raise ConfigError(
+        f"pipeline parallelism needs a keras.Sequential model (an ordered "
+        f"list of layers); got {type(model).__name__}")
+  return list(model.layers)
+
+
+def balanced_boundaries(sizes, num_stages):
+  """Cut points that minimise the largest stage's total of `sizes`.
+
+  Args:
+    sizes: per-layer cost (parameter counts), in order.
+    num_stages: how many contiguous, non-empty stages.
+  Returns:
+    A tuple of `num_stages - 1` increasing indices: stage i is
+    `layers[bounds[i-1]:bounds[i]]`.
+  """
+  n = len(sizes)
+  prefix = [0]
+  for size in sizes:
+    prefix.append(prefix[-1] + size)
+  # best[k][j]: (largest stage, cuts) for the first j layers in k stages.
+  inf = (float("inf"), ())
+  best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+  best[0][0] = (0, ())
+  for k in range(1, num_stages + 1):
+    for j in range(k, n + 1):
+      for i in range(k - 1, j):
+        worst, cuts = best[k - 1][i]
+        candidate = (max(worst, prefix[j] - prefix[i]), cuts + (i,))
+        if candidate[0] < best[k][j][0]:
+          best[k][j] = candidate
+  return best[num_stages][n][1][1:]
+
+
+def check_boundaries(boundaries, num_layers, num_stages):
+  """Raises ConfigError unless `boundaries` cut `num_layers` into stages."""
+  boundaries = tuple(boundaries)
+  valid = (len(boundaries) == num_stages - 1 and
+           all(0 < b < num_layers for b in boundaries) and
+           list(boundaries) == sorted(set(boundaries)))
+  if not valid:
+    raise ConfigError(
+        f"stage_boundaries={list(boundaries)} must be {num_stages - 1} "
+        f"strictly increasing layer indices in 1..{num_layers - 1} (cut "
+        f"points between the {num_layers} layers)")
+  return boundaries
+
+
+def split_layers(layers, num_stages, boundaries=None):
+  """Cuts `layers` into `num_stages` lists (balanced by parameter count).
+
+  Raises:
+    ConfigError: more stages than layers, or bad `boundaries`.
+  """
+  check_positive("num_stages", num_stages)
+  if num_stages > len(layers):
+    raise ConfigError(
+        f"num_stages={num_stages} is more than the model's {len(layers)} "
+        f"layers; use at most {len(layers)} stages")
+  if boundaries:
+    boundaries = check_boundaries(boundaries, len(layers), num_stages)
+  else:
+    boundaries = balanced_boundaries(
+        [layer.count_params() for layer in layers], num_stages)
+  edges = (0, *boundaries, len(layers))
+  return [layers[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def place_sequential(model, groups, devices):
+  """A copy of `model` whose layer group i has its variables on devices[i].
+
+  The copy has the same layers (names, configs, weights) in the same order,
+  so its checkpoints are interchangeable with the unsplit model's.
+  """
+  x = keras.Input(shape=model.input_shape[1:], dtype=model.inputs[0].dtype)
+  placed_groups = []
+  for group, device in zip(groups, devices):
+    placed = []
+    # The model's name scope keeps variable paths (mlp/dense/kernel) as in
+    # the unsplit model.
+    with tf.device(device), keras.name_scope(model.name):
+      for layer in group:
+        copy = type(layer).from_config(layer.get_config())
+        x = copy(x)  # builds the copy: its variables are created here
+        copy.set_weights(layer.get_weights())
+        placed.append(copy)
+    placed_groups.append(placed)
+  layers = [layer for group in placed_groups for layer in group]
+  inputs = keras.Input(shape=model.input_shape[1:],
+                       dtype=model.inputs[0].dtype)
+  return keras.Sequential([inputs, *layers], name=model.name), placed_groups
+
+
+class PipelineTrainer(StagedTrainer):
+  """Trains a Sequential model cut into `num_stages` stages on as many devices.
+
+  Args:
+    model: a built `keras.Sequential` (e.g. from `models.build_model`); it is
+      copied onto the stage devices and `self.model` is the copy.
+    optimizer, strategy: as for `Trainer` (one replica).
+    num_stages: S, the number of stages and devices.
+    num_microbatches: M, micro-batches per global batch (GPipe).
+    stage_boundaries: S-1 cut points between layers; default: balanced by
+      parameter count.
+    devices: S device names; default `/GPU:0..` or `/CPU:0..`.
+    **kwargs: `Trainer` arguments.
+  """
+
+  def __init__(self, model, optimizer, strategy, *, num_stages=2,
+               num_microbatches=1, stage_boundaries=None, devices=None,
+               **kwargs):
+    groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+    devices = list(devices or model_parallel_devices(num_stages))
+    if len(devices) != num_stages:
+      raise ConfigError(f"devices={devices} must name num_stages="
+                        f"{num_stages} devices")
+    with strategy.scope():
+      placed, placed_groups = place_sequential(model, groups, devices)
+    self.boundaries = tuple(
+        sum(len(g) for g in groups[:i]) for i in range(1, num_stages))
+    stages = [Stage(f"stage_{i}", device, group)
+              for i, (device, group) in enumerate(zip(devices,
+                                                      placed_groups))]
+    super().__init__(placed, optimizer, strategy, stages=stages,
+                     num_microbatches=num_microbatches, **kwargs)
