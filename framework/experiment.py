@@ -45,6 +45,7 @@ class ExperimentConfig:
   input_mode: str = "global"
   model_options: dict = dataclasses.field(default_factory=dict)
   dataset_options: dict = dataclasses.field(default_factory=dict)
+  export_saved_model: bool = True
   hparams: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -114,7 +115,8 @@ def run(config, trainer_cls=None, strategy=None):
   """Trains and evaluates per `config`; returns the final eval metrics.
 
   The chief also writes model_dir/model_info.json (before training), the
-  final weights (model.weights.h5) and a SavedModel (export/).
+  final weights (model.weights.h5) and, if `export_saved_model`, a
+  SavedModel (export/).
   """
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
@@ -141,6 +143,7 @@ def run(config, trainer_cls=None, strategy=None):
   results = controller.run()
   if chief:
     trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
-    export.export_saved_model(
-        trainer.model, info, os.path.join(config.model_dir, export.EXPORT_DIR))
+    if config.export_saved_model:
+      export.export_saved_model(trainer.model, info, os.path.join(
+          config.model_dir, export.EXPORT_DIR))
   return results

@@ -83,22 +83,17 @@ def build_inference_model(info):
 
 
 class ServingModule(tf.Module):
-  """Images in, class probabilities out (the SavedModel's signatures)."""
+  """uint8 images in, class probabilities out (the SavedModel's signature)."""
 
   def __init__(self, model, input_shape, class_names):
     super().__init__(name="serving")
     self.model = model
     self.class_names = tf.constant(list(class_names))
-    shape = [None] + list(input_shape)
-    self.serve_uint8 = tf.function(
-        self._serve, input_signature=[tf.TensorSpec(shape, tf.uint8,
-                                                    name="images")])
-    self.serve_float = tf.function(
-        self._serve, input_signature=[tf.TensorSpec(shape, tf.float32,
-                                                    name="images")])
+    self.serve = tf.function(self._serve, input_signature=[
+        tf.TensorSpec([None] + list(input_shape), tf.uint8, name="images")])
 
   def _serve(self, images):
-    """uint8 images in [0, 255] or float images in [0, 1]."""
+    """Images [N, H, W, C] with values 0..255, as in training."""
     probabilities = tf.nn.softmax(self.model(to_float(images), training=False))
     predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
     return {"probabilities": probabilities, "class_index": predicted,
@@ -109,15 +104,14 @@ def export_saved_model(model, info, export_dir):
   """Writes a SavedModel of `model`'s weights under `export_dir`.
 
   A fresh copy of the model is built outside any strategy, so the export
-  holds plain variables. Signatures: `serving_default` takes uint8 images,
-  `serve_float` float images in [0, 1]; both return `probabilities`,
-  `class_index` and `class_name`.
+  holds plain variables. Its `serving_default` signature takes uint8 images
+  [N, H, W, C] and returns `probabilities` (softmax over the last axis, so
+  per pixel for segmentation), `class_index` and `class_name`.
   """
   plain = build_inference_model(info)
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
   module = ServingModule(plain, info["input_shape"], info["class_names"])
   tf.io.gfile.makedirs(export_dir)
-  tf.saved_model.save(module, export_dir, signatures={
-      "serving_default": module.serve_uint8,
-      "serve_float": module.serve_float})
+  tf.saved_model.save(module, export_dir,
+                      signatures={"serving_default": module.serve})
   return export_dir

@@ -78,6 +78,9 @@ flags.DEFINE_bool("deterministic", True, "Deterministic TensorFlow ops "
 # Outputs.
 flags.DEFINE_string("model_dir", "/tmp/distloop", "Checkpoints, TensorBoard "
                     "(train/, eval/) and the final weights.")
+flags.DEFINE_bool("export_saved_model", True, "At the end, also write a "
+                  "SavedModel with a serving signature to <model_dir>/export "
+                  "(the weights file is always written).")
 flags.DEFINE_integer("checkpoint_every", 1000, "Steps between checkpoints "
                      "(0: only at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
@@ -137,6 +140,7 @@ def config_from_flags():
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm,
           depth=FLAGS.unet_depth, width=FLAGS.unet_width),
       dataset_options=dict(image_size=FLAGS.image_size),
+      export_saved_model=FLAGS.export_saved_model,
       hparams=hparams)
 
 

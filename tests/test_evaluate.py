@@ -26,7 +26,7 @@ def run_dir(tmp_path_factory):
   config = framework.ExperimentConfig(
       model="mlp", dataset="cifar10", data_dir=data_dir, model_dir=model_dir,
       strategy="mirrored", global_batch_size=16, train_steps=6,
-      model_options={"hidden_units": (32,)},
+      model_options={"hidden_units": (32,)}, export_saved_model=False,
       loop=framework.LoopConfig(train_steps=6, steps_per_loop=3,
                                 checkpoint_every=3))
   experiment.run(config)
@@ -108,6 +108,7 @@ def test_watch_evaluates_new_checkpoints_and_exits_with_the_run(tmp_path):
                "--strategy=mirrored", "--cpu_devices=2", "--train_steps=60",
                "--steps_per_loop=10", "--checkpoint_every=20",
                "--keep_checkpoints=5", "--global_batch_size=32",
+               "--noexport_saved_model",
                f"--model_dir={model_dir}")
     stdout, stderr = watcher.communicate(timeout=240)
   finally:
