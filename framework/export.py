@@ -13,7 +13,6 @@ the model on a CPU-only process.
 import json
 import os
 
-import keras
 import numpy as np
 import tensorflow as tf
 
