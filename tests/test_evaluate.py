@@ -11,6 +11,7 @@ import pytest
 import framework
 from framework import export, experiment
 from tests.helpers import ROOT, run_script
+from tests.shared_strategy import mirrored
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def run_dir(tmp_path_factory):
       model_options={"hidden_units": (32,)}, export_saved_model=False,
       loop=framework.LoopConfig(train_steps=6, steps_per_loop=3,
                                 checkpoint_every=3))
-  experiment.run(config)
+  experiment.run(config, strategy=mirrored())
   return dict(model_dir=model_dir, data=data)
 
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 import framework
 from framework import experiment, export, prediction
 from tests.helpers import run_script
+from tests.shared_strategy import mirrored
 
 NUM_TEST = 16
 
@@ -37,7 +38,7 @@ def trained(tmp_path_factory):
       model_dir=model_dir, strategy="mirrored", global_batch_size=16,
       train_steps=4, loop=framework.LoopConfig(train_steps=4,
                                                steps_per_loop=4))
-  experiment.run(config, trainer_cls=RecordingTrainer)
+  experiment.run(config, trainer_cls=RecordingTrainer, strategy=mirrored())
   trainer = RecordingTrainer.instances[-1]
   assert trainer.num_replicas == 2
   # The training process's model (mirrored variables) on test images.

@@ -13,6 +13,7 @@ import models
 from framework import segmentation, segmentation_data
 from framework.metrics import iou_metrics
 from tests.helpers import run_script
+from tests.shared_strategy import mirrored
 
 
 def test_unet_outputs_logits_per_pixel():
@@ -82,7 +83,7 @@ def test_oxford_pet_reader(tmp_path):
 
 def test_segmentation_eval_is_reduced_over_replicas():
   """Two replicas and a partial batch give the single-pass numpy values."""
-  strategy = framework.make_strategy("mirrored")
+  strategy = mirrored()
   assert strategy.num_replicas_in_sync == 2
   data = segmentation_data.shapes(num_train=4, num_test=11, image_size=16,
                                   seed=5)
@@ -111,7 +112,7 @@ def test_segmentation_eval_is_reduced_over_replicas():
 
 
 def test_per_pixel_loss_is_the_mean_over_all_pixels_of_the_global_batch():
-  strategy = framework.make_strategy("mirrored")
+  strategy = mirrored()
   data = segmentation_data.shapes(num_train=8, num_test=2, image_size=8,
                                   seed=6)
   tf.keras.utils.set_random_seed(0)
