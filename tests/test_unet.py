@@ -142,7 +142,7 @@ def test_unet_learns_shapes_on_two_replicas_with_mask_summaries(tmp_path):
   model_dir = str(tmp_path / "unet")
   run_script("train.py", "--model=unet", "--dataset=shapes",
              "--image_size=32", "--unet_depth=2", "--unet_width=8",
-             "--strategy=mirrored", "--cpu_devices=2", "--train_steps=300",
+             "--strategy=mirrored", "--cpu_devices=2", "--train_steps=200",
              "--steps_per_loop=100", "--global_batch_size=32",
              "--learning_rate=3e-3", f"--model_dir={model_dir}",
              timeout=400)
@@ -156,7 +156,7 @@ def test_unet_learns_shapes_on_two_replicas_with_mask_summaries(tmp_path):
   assert mean_iou > 0.5
   assert segmentation.TRIPLETS_TAG in tags
   event = acc.Tensors(segmentation.TRIPLETS_TAG)[-1]
-  assert event.step == 300
+  assert event.step == 200
   encoded = tf.make_ndarray(event.tensor_proto)
   assert len(encoded) == 2 + 3  # width, height, then three PNG triplets
   from PIL import Image  # pylint: disable=g-import-not-at-top
