@@ -137,9 +137,10 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
                 seed=seed)}
 
 
-def load_dataset(name, data_dir=None, seed=0):
-  """Loads a dataset by name (see DATASETS)."""
+def load_dataset(name, data_dir=None, seed=0, **options):
+  """Loads a dataset by name (see DATASETS); `options` (e.g. image_size) go
+  to the loaders that take them."""
   if name not in DATASETS:
     raise ConfigError(f"dataset={name!r} is unknown; known datasets: "
                       f"{', '.join(sorted(DATASETS))}")
-  return DATASETS[name](data_dir=data_dir, seed=seed)
+  return DATASETS[name](data_dir=data_dir, seed=seed, **options)

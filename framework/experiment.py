@@ -12,7 +12,8 @@ import keras
 import tensorflow as tf
 
 import models
-from framework import datasets, distribution_check, inputs, strategies
+from framework import (datasets, distribution_check, export, inputs,
+                       segmentation, strategies)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
@@ -45,6 +46,8 @@ class ExperimentConfig:
   deterministic: bool = True
   input_mode: str = "global"
   model_options: dict = dataclasses.field(default_factory=dict)
+  dataset_options: dict = dataclasses.field(default_factory=dict)
+  export_saved_model: bool = True
   hparams: dict = dataclasses.field(default_factory=dict)
   check_distribution: bool = False
   model_parallel: ModelParallelConfig = ModelParallelConfig()
@@ -67,8 +70,21 @@ def total_steps(config, num_train_examples):
                                                 config.global_batch_size)
 
 
-def build(config, strategy, dataset, trainer_cls=Trainer):
-  """(trainer, controller) for `config` under `strategy` on `dataset`."""
+def default_trainer_cls(dataset):
+  """SegmentationTrainer for per-pixel labels, else the plain Trainer."""
+  if segmentation.is_segmentation(dataset):
+    return segmentation.SegmentationTrainer
+  return Trainer
+
+
+def build(config, strategy, dataset, trainer_cls=None):
+  """(trainer, controller) for `config` under `strategy` on `dataset`.
+
+  Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
+  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries.
+  """
+  per_pixel = segmentation.is_segmentation(dataset)
+  trainer_cls = trainer_cls or default_trainer_cls(dataset)
   steps = total_steps(config, len(dataset.train_x))
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
@@ -95,14 +111,24 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
                                   config.global_batch_size)
 
-  controller = Controller(trainer, loop, config.model_dir,
-                          train_input=train_input, eval_input=eval_input,
-                          hparams=config.hparams)
+  kwargs = dict(train_input=train_input, eval_input=eval_input,
+                hparams=config.hparams)
+  if per_pixel:
+    controller = segmentation.SegmentationController(
+        trainer, loop, config.model_dir,
+        samples=(dataset.test_x[:3], dataset.test_y[:3]), **kwargs)
+  else:
+    controller = Controller(trainer, loop, config.model_dir, **kwargs)
   return trainer, controller
 
 
-def run(config, trainer_cls=Trainer, strategy=None):
-  """Trains and evaluates per `config`; returns the final eval metrics."""
+def run(config, trainer_cls=None, strategy=None):
+  """Trains and evaluates per `config`; returns the final eval metrics.
+
+  The chief also writes model_dir/model_info.json (before training), the
+  final weights (model.weights.h5) and, if `export_saved_model`, a
+  SavedModel (export/).
+  """
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
@@ -114,17 +140,26 @@ def run(config, trainer_cls=Trainer, strategy=None):
         f"the {replicas} replicas of strategy={config.strategy}; use a "
         f"multiple of {replicas}")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
-                                  seed=config.seed)
+                                  seed=config.seed, **config.dataset_options)
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name, len(dataset.train_x),
                len(dataset.test_x))
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
-    distribution_check.check_experiment(config, strategy, dataset,
-                                        trainer_cls)
+    distribution_check.check_experiment(
+        config, strategy, dataset, trainer_cls or default_trainer_cls(dataset))
   trainer, controller = build(config, strategy, dataset, trainer_cls)
+  chief = strategies.is_chief(strategy)
+  info = dict(export.model_info(config, dataset),
+              train_steps=controller.config.train_steps)
+  if chief:
+    # Written first, so a side-car evaluator can rebuild the model.
+    export.write_model_info(config.model_dir, info)
   results = controller.run()
-  if strategies.is_chief(strategy):
+  if chief:
     trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
+    if config.export_saved_model:
+      export.export_saved_model(trainer.model, info, os.path.join(
+          config.model_dir, export.EXPORT_DIR))
   return results

@@ -23,11 +23,17 @@ _FLAGS_BEFORE = set(FLAGS)
 
 # What to train.
 flags.DEFINE_string("model", "cifar_cnn", "Model name (see models/).")
-flags.DEFINE_string("dataset", "cifar10", "cifar10 or synthetic.")
-flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory; default: "
-                    "Keras's cache (~/.keras/datasets/cifar-10-batches-py).")
+flags.DEFINE_string("dataset", "cifar10", "cifar10, synthetic, shapes "
+                    "(generated segmentation) or oxford_pet.")
+flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory (default: "
+                    "Keras's cache, ~/.keras/datasets/cifar-10-batches-py) "
+                    "or the Oxford-IIIT Pet directory.")
+flags.DEFINE_integer("image_size", 128, "shapes, oxford_pet: side of the "
+                     "square images.")
 flags.DEFINE_list("hidden_units", ["64", "64"], "mlp: hidden layer sizes.")
 flags.DEFINE_bool("dropout", True, "cifar_cnn: keep the Dropout layers.")
+flags.DEFINE_integer("unet_depth", 4, "unet: down-sampling levels.")
+flags.DEFINE_integer("unet_width", 32, "unet: filters of the first level.")
 flags.DEFINE_bool("sync_batch_norm", False, "BatchNorm statistics over all "
                   "replicas (Keras synchronized=True).")
 # Where.
@@ -93,6 +99,9 @@ flags.DEFINE_bool("deterministic", True, "Deterministic TensorFlow ops "
 # Outputs.
 flags.DEFINE_string("model_dir", "/tmp/distloop", "Checkpoints, TensorBoard "
                     "(train/, eval/) and the final weights.")
+flags.DEFINE_bool("export_saved_model", True, "At the end, also write a "
+                  "SavedModel with a serving signature to <model_dir>/export "
+                  "(the weights file is always written).")
 flags.DEFINE_integer("checkpoint_every", 1000, "Steps between checkpoints "
                      "(0: only at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
@@ -107,7 +116,8 @@ TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
 for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints"):
   flags.register_validator(_name, lambda v: v is not None and v > 0,
                            message=f"--{_name} must be a positive integer")
-for _name in ("train_steps", "epochs", "cpu_devices"):
+for _name in ("train_steps", "epochs", "cpu_devices", "image_size",
+              "unet_depth", "unet_width"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
 for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every"):
@@ -154,7 +164,10 @@ def config_from_flags():
       deterministic=FLAGS.deterministic, input_mode=FLAGS.input_mode,
       model_options=dict(
           hidden_units=_int_list("hidden_units", FLAGS.hidden_units),
-          dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm),
+          dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm,
+          depth=FLAGS.unet_depth, width=FLAGS.unet_width),
+      dataset_options=dict(image_size=FLAGS.image_size),
+      export_saved_model=FLAGS.export_saved_model,
       hparams=hparams, check_distribution=FLAGS.check_distribution,
       model_parallel=model_parallel)
 
@@ -167,8 +180,8 @@ def run_main(trainer_cls=None):
       # Must happen before TensorFlow creates its devices.
       framework.configure_cpu_devices(FLAGS.cpu_devices)
     config = config_from_flags()
-    results = framework.experiment.run(
-        config, trainer_cls=trainer_cls or framework.Trainer)
+    # No trainer_cls: the dataset's task picks it (see experiment.build).
+    results = framework.experiment.run(config, trainer_cls=trainer_cls)
   except framework.DistloopError as e:
     print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
     sys.exit(1)

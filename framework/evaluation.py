@@ -1,0 +1,220 @@
+"""Evaluates a run's checkpoints: once, or as a side-car while it trains.
+
+    evaluator = Evaluator(EvalConfig(model_dir="runs/cifar"))
+    result = evaluator.evaluate()                  # the latest checkpoint
+    for result in watch(config):                   # each new one, until the
+      ...                                          # run's last step
+
+The model is rebuilt from model_dir/model_info.json under any strategy, the
+checkpoint's model weights and global step are restored (the optimizer is
+not needed), and the whole test set is evaluated with the confusion matrix
+summed over replicas. Results go to TensorBoard under model_dir/eval.
+"""
+
+import dataclasses
+import os
+import time
+
+from absl import logging
+import keras
+import numpy as np
+import tensorflow as tf
+
+from framework import datasets, export, inputs, segmentation, strategies
+from framework.errors import CheckpointError, ConfigError, check_positive
+from framework.metrics import ConfusionTrainer, format_confusion
+from framework.summaries import SummaryWriter, markdown_table
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What to evaluate, where, and how long to wait for new checkpoints.
+
+  Attributes:
+    model_dir: the training run's directory.
+    checkpoint: a checkpoint path (`.../ckpt-200`); default: the latest.
+    strategy, tpu: as for training (any strategy works).
+    dataset, data_dir, global_batch_size: default to the run's.
+    eval_dir: TensorBoard directory; default model_dir/eval.
+    poll_seconds: how often `watch` looks for a new checkpoint.
+    timeout_seconds: `watch` stops after this long with nothing new.
+  """
+  model_dir: str
+  checkpoint: str = None
+  strategy: str = "default"
+  tpu: str = None
+  dataset: str = None
+  data_dir: str = None
+  global_batch_size: int = None
+  eval_dir: str = None
+  poll_seconds: float = 5.0
+  timeout_seconds: float = 3600.0
+
+  def __post_init__(self):
+    if not self.model_dir:
+      raise ConfigError("model_dir must be set")
+    if self.global_batch_size is not None:
+      check_positive("global_batch_size", self.global_batch_size)
+    for name in ("poll_seconds", "timeout_seconds"):
+      if not getattr(self, name) > 0:
+        raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+  checkpoint: str
+  step: int
+  metrics: dict
+  confusion: np.ndarray
+  class_names: tuple
+
+  def lines(self):
+    """Human-readable lines: metrics, then the confusion matrix."""
+    out = [f"checkpoint {self.checkpoint} (step {self.step}): "
+           f"{int(self.metrics['examples'])} examples"]
+    width = max(len(k) for k in self.metrics)
+    out += [f"  {k:<{width}}  {v:.6f}" for k, v in sorted(self.metrics.items())
+            if k != "examples"]
+    out.append("confusion matrix (" + ("pixels" if any(
+        k == "mean_iou" for k in self.metrics) else "examples") + "):")
+    out += format_confusion(self.confusion, self.class_names).splitlines()
+    return out
+
+
+def _load_info(model_dir):
+  info = export.read_model_info(model_dir)
+  if info is None:
+    raise CheckpointError(f"model_dir={model_dir!r} has no "
+                          f"{export.MODEL_INFO_FILE}: not a training run's "
+                          "directory (or training has not started)")
+  return info
+
+
+class Evaluator:
+  """Restores checkpoints of one run into a model and evaluates them."""
+
+  def __init__(self, config, strategy=None, info=None):
+    self.config = config
+    self.info = info or _load_info(config.model_dir)
+    self.strategy = strategy or strategies.make_strategy(config.strategy,
+                                                         tpu=config.tpu)
+    name = config.dataset or self.info.get("dataset")
+    data_dir = config.data_dir
+    if data_dir is None and name == self.info.get("dataset"):
+      data_dir = self.info.get("data_dir")
+    self.dataset = datasets.load_dataset(
+        name, data_dir, seed=self.info.get("seed", 0),
+        **self.info.get("dataset_options", {}))
+    if list(self.dataset.input_shape) != list(self.info["input_shape"]):
+      raise ConfigError(
+          f"dataset={name} has inputs {self.dataset.input_shape}; the model "
+          f"was trained on {tuple(self.info['input_shape'])}")
+    self.global_batch_size = (config.global_batch_size
+                              or self.info.get("global_batch_size") or 128)
+    per_pixel = segmentation.is_segmentation(self.dataset)
+    trainer_cls = (segmentation.SegmentationTrainer if per_pixel
+                   else ConfusionTrainer)
+    with self.strategy.scope():
+      model = export.build_inference_model(self.info)
+      optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
+    replicas = self.strategy.num_replicas_in_sync
+    batch = -(-self.global_batch_size // replicas) * replicas
+    self.trainer = trainer_cls(model, optimizer, self.strategy,
+                               global_batch_size=batch)
+    self.checkpoint = tf.train.Checkpoint(
+        model=model, global_step=self.trainer.global_step)
+    self.samples = ((self.dataset.test_x[:3], self.dataset.test_y[:3])
+                    if per_pixel else None)
+    self.writer = SummaryWriter(
+        os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
+                                                        "eval")),
+        os.path.basename(config.eval_dir or "eval"),
+        enabled=strategies.is_chief(self.strategy))
+
+  def restore(self, path):
+    """Loads the model weights and global step of checkpoint `path`."""
+    try:
+      status = self.checkpoint.restore(path).expect_partial()
+      status.assert_existing_objects_matched()
+    except (ValueError, AssertionError) as e:
+      raise CheckpointError(
+          f"checkpoint {path} does not fit model={self.info['model']} "
+          f"({str(e).strip().splitlines()[0]})") from None
+    return int(self.trainer.global_step.numpy())
+
+  def evaluate(self, path=None):
+    """Evaluates checkpoint `path` (default: config's, else the latest)."""
+    path = path or self.config.checkpoint or tf.train.latest_checkpoint(
+        self.config.model_dir)
+    if path is None:
+      raise CheckpointError(f"model_dir={self.config.model_dir!r} has no "
+                            "checkpoint yet")
+    if not tf.io.gfile.exists(path + ".index"):
+      raise CheckpointError(f"checkpoint={path!r} does not exist (no "
+                            f"{os.path.basename(path)}.index)")
+    step = self.restore(path)
+    metrics = self.trainer.evaluate(inputs.distribute_eval(
+        self.strategy, self.dataset.test_x, self.dataset.test_y,
+        self.trainer.global_batch_size))
+    result = EvalResult(path, step, metrics, self.trainer.last_confusion,
+                        tuple(self.info["class_names"]))
+    self.writer.scalars(step, {k: v for k, v in metrics.items()
+                               if k != "examples"})
+    self.writer.text(step, "confusion_matrix", _confusion_markdown(result))
+    if self.samples is not None:
+      images, masks = self.samples
+      self.writer.images(step, segmentation.TRIPLETS_TAG,
+                         segmentation.triplets(self.trainer.model, images,
+                                               masks),
+                         max_outputs=len(images))
+    return result
+
+
+def _confusion_markdown(result):
+  rows = {f"{i} {name}": " ".join(str(int(v)) for v in row)
+          for i, (name, row) in enumerate(zip(result.class_names,
+                                              result.confusion))}
+  return markdown_table(rows)
+
+
+def watch(config, strategy=None):
+  """Yields an EvalResult per new checkpoint until the run's last step.
+
+  Waits for the run to start (model_info.json), then polls for checkpoints
+  every `poll_seconds`; evaluates the newest one each time (skipping those
+  written in between); stops after the checkpoint at the run's
+  `train_steps`, or after `timeout_seconds` with nothing new.
+  """
+  deadline = time.time() + config.timeout_seconds
+  info = export.read_model_info(config.model_dir)
+  while info is None:
+    if time.time() > deadline:
+      raise CheckpointError(
+          f"model_dir={config.model_dir!r}: no training run started there in "
+          f"{config.timeout_seconds:g}s (no {export.MODEL_INFO_FILE})")
+    time.sleep(config.poll_seconds)
+    info = export.read_model_info(config.model_dir)
+  evaluator = Evaluator(config, strategy=strategy, info=info)
+  last = None
+  while True:
+    path = tf.train.latest_checkpoint(config.model_dir)
+    if path is not None and path != last:
+      try:
+        result = evaluator.evaluate(path)
+      except tf.errors.NotFoundError as e:
+        # Rotated away (max_to_keep) while we read it: take the next one.
+        logging.info("Skipping checkpoint %s: %s", path, e)
+        last = path
+        continue
+      last, deadline = path, time.time() + config.timeout_seconds
+      yield result
+      # The run may have been restarted with more steps: re-read its length.
+      info = export.read_model_info(config.model_dir) or info
+      if result.step >= info.get("train_steps", float("inf")):
+        return
+    elif time.time() > deadline:
+      logging.info("No new checkpoint in %s for %gs; stopping",
+                   config.model_dir, config.timeout_seconds)
+      return
+    else:
+      time.sleep(config.poll_seconds)

@@ -1,0 +1,116 @@
+"""What a training run leaves for inference, besides its checkpoints.
+
+    model_dir/model_info.json    model name, options, input shape, class names
+                                 (written when training starts)
+    model_dir/model.weights.h5   the final Keras weights (experiment.run)
+    model_dir/export/            a SavedModel with serving signatures
+
+The weights are plain values with no trace of the strategy or replica count
+that trained them, so `build_inference_model(info)` + `load_weights` rebuilds
+the model on a CPU-only process.
+"""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import models
+from framework.errors import CheckpointError
+from framework.inputs import to_float
+
+MODEL_INFO_FILE = "model_info.json"
+EXPORT_DIR = "export"
+# Options that change how a model trains but not its weights.
+_TRAINING_ONLY_OPTIONS = {"sync_batch_norm": False}
+
+
+def model_info(config, dataset):
+  """The JSON-able description `build_inference_model` needs (and context)."""
+  return {"model": config.model,
+          "model_options": _jsonable(config.model_options),
+          "input_shape": list(dataset.input_shape),
+          "num_classes": dataset.num_classes,
+          "class_names": list(dataset.class_names),
+          "dataset": config.dataset,
+          "data_dir": config.data_dir,
+          "dataset_options": _jsonable(getattr(config, "dataset_options", {})),
+          "global_batch_size": config.global_batch_size,
+          "strategy": config.strategy,
+          "seed": config.seed}
+
+
+def _jsonable(options):
+  return {k: list(v) if isinstance(v, tuple) else v
+          for k, v in (options or {}).items()}
+
+
+def write_model_info(model_dir, info):
+  tf.io.gfile.makedirs(model_dir)
+  path = os.path.join(model_dir, MODEL_INFO_FILE)
+  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+    json.dump(info, f, indent=2, sort_keys=True)
+  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+  return path
+
+
+def read_model_info(model_dir):
+  """The dict written by `write_model_info`, or None if there is none."""
+  path = os.path.join(model_dir, MODEL_INFO_FILE)
+  if not tf.io.gfile.exists(path):
+    return None
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      info = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+  missing = [k for k in ("model", "input_shape", "class_names")
+             if k not in info]
+  if missing:
+    raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+  return info
+
+
+def build_inference_model(info):
+  """The model described by `info`, built without any strategy."""
+  options = dict(info.get("model_options") or {}, **_TRAINING_ONLY_OPTIONS)
+  options = {k: tuple(v) if isinstance(v, list) else v
+             for k, v in options.items()}
+  return models.build_model(info["model"], info["input_shape"],
+                            len(info["class_names"]), **options)
+
+
+class ServingModule(tf.Module):
+  """uint8 images in, class probabilities out (the SavedModel's signature)."""
+
+  def __init__(self, model, input_shape, class_names):
+    super().__init__(name="serving")
+    self.model = model
+    self.class_names = tf.constant(list(class_names))
+    self.serve = tf.function(self._serve, input_signature=[
+        tf.TensorSpec([None] + list(input_shape), tf.uint8, name="images")])
+
+  def _serve(self, images):
+    """Images [N, H, W, C] with values 0..255, as in training."""
+    probabilities = tf.nn.softmax(self.model(to_float(images), training=False))
+    predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
+    return {"probabilities": probabilities, "class_index": predicted,
+            "class_name": tf.gather(self.class_names, predicted)}
+
+
+def export_saved_model(model, info, export_dir):
+  """Writes a SavedModel of `model`'s weights under `export_dir`.
+
+  A fresh copy of the model is built outside any strategy, so the export
+  holds plain variables. Its `serving_default` signature takes uint8 images
+  [N, H, W, C] and returns `probabilities` (softmax over the last axis, so
+  per pixel for segmentation), `class_index` and `class_name`.
+  """
+  plain = build_inference_model(info)
+  plain.set_weights([np.asarray(w) for w in model.get_weights()])
+  module = ServingModule(plain, info["input_shape"], info["class_names"])
+  tf.io.gfile.makedirs(export_dir)
+  tf.saved_model.save(module, export_dir,
+                      signatures={"serving_default": module.serve})
+  return export_dir

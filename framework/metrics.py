@@ -1,0 +1,77 @@
+"""Confusion-matrix metrics, summed over replicas like every eval total.
+
+A confusion matrix is a sum of counts, so each replica counts its part of a
+batch and the trainer's SUM-reduction gives the global matrix; accuracy,
+per-class IoU and mean IoU are then read off the global matrix (averaging
+per-replica IoUs would be wrong: IoU is a ratio).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from framework.trainer import Trainer
+
+
+def confusion_matrix(labels, logits, num_classes):
+  """Counts [num_classes, num_classes] (rows: true, columns: predicted).
+
+  Works for any label shape (one per example, or one per pixel).
+  """
+  predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
+  return tf.math.confusion_matrix(
+      tf.reshape(tf.cast(labels, tf.int32), [-1]), tf.reshape(predicted, [-1]),
+      num_classes=num_classes, dtype=tf.float32)
+
+
+def iou_metrics(confusion):
+  """(per-class IoU, mean IoU over classes that occur) from a global matrix."""
+  confusion = np.asarray(confusion, np.float64)
+  hits = np.diag(confusion)
+  union = confusion.sum(0) + confusion.sum(1) - hits
+  iou = np.divide(hits, union, out=np.zeros_like(hits), where=union > 0)
+  return iou, float(iou[union > 0].mean()) if (union > 0).any() else 0.0
+
+
+def format_confusion(confusion, class_names):
+  """A text table: one row per true class, one column per predicted class."""
+  confusion = np.asarray(confusion).astype(np.int64)
+  cell = max(5, len(str(confusion.max())) + 1)
+  label = max(len(n) for n in class_names) + 4
+  header = " " * label + "".join(f"{i:>{cell}d}" for i in range(len(confusion)))
+  rows = [f"{i:>2d} {name:<{label - 3}}" + "".join(f"{v:>{cell}d}" for v in row)
+          for i, (name, row) in enumerate(zip(class_names, confusion))]
+  return "\n".join(["rows: true class, columns: predicted class", header]
+                   + rows)
+
+
+class ConfusionTrainer(Trainer):
+  """A Trainer whose evaluation also sums a confusion matrix over replicas.
+
+  After `evaluate`, `last_confusion` holds the global matrix (numpy).
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.num_classes = int(self.model.output_shape[-1])
+    self.last_confusion = None
+
+  def eval_step(self, batch):
+    features, labels = batch
+    logits = self.model(features, training=False)
+    return {"loss": tf.reduce_sum(self._per_example(self.loss_fn(labels, logits))),
+            "accuracy": tf.reduce_sum(self._per_example(self.correct(labels, logits))),
+            "confusion": confusion_matrix(labels, logits, self.num_classes),
+            "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  @staticmethod
+  def _per_example(values):
+    """Each example's mean over its trailing (pixel) dimensions."""
+    values = tf.cast(values, tf.float32)
+    if values.shape.rank > 1:
+      values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), 1)
+    return values
+
+  def eval_results(self, totals):
+    totals = dict(totals)
+    self.last_confusion = np.asarray(totals.pop("confusion"))
+    return super().eval_results(totals)

@@ -1,0 +1,152 @@
+"""Classify one image on a plain CPU with the weights of any training run.
+
+    info, weights = resolve_model(model_dir=...)     # model_info.json
+    model = load_model(info, weights)                # no strategy
+    probabilities = predict(model, cifar10_test_image(111, data_dir)[0])
+
+The weights file holds values only (no strategy, no replica count), so the
+same builder that trained the model under 8 replicas rebuilds it here.
+"""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from framework import datasets
+from framework.errors import CheckpointError, ConfigError, DataError
+from framework.experiment import WEIGHTS_FILE
+from framework.export import MODEL_INFO_FILE, build_inference_model, read_model_info
+from framework.inputs import to_float
+
+CIFAR10_TEST_SIZE = 10000
+
+
+def _first_line(error):
+  lines = [l for l in str(error).strip().splitlines() if l.strip()]
+  for line in lines:  # Keras puts the useful part after a summary line
+    if "expected" in line or "shape" in line:
+      return line.strip()
+  return lines[0].strip() if lines else type(error).__name__
+
+
+def use_cpu_only():
+  """Hides accelerators from TensorFlow (call before any op runs)."""
+  try:
+    tf.config.set_visible_devices([], "GPU")
+  except RuntimeError:  # already initialised: place ops explicitly instead
+    pass
+
+
+def resolve_model(model_dir=None, weights=None, model=None):
+  """(model info, weights path) for a run's `model_dir` or a `weights` file.
+
+  The architecture comes from model_info.json in `model_dir` (or beside
+  `weights`); `model` overrides its name, and without any model_info.json
+  describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
+  """
+  if not model_dir and not weights:
+    raise ConfigError("set model_dir (a training run's directory) or "
+                      "weights (a .weights.h5 file)")
+  if model_dir and not os.path.isdir(model_dir):
+    raise CheckpointError(f"model_dir={model_dir!r} does not exist")
+  if weights is None:
+    weights = os.path.join(model_dir, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+      raise CheckpointError(
+          f"model_dir={model_dir!r} has no weights file {WEIGHTS_FILE} "
+          "(training writes it when it finishes); pass weights= for another "
+          "file")
+  elif not os.path.isfile(weights):
+    raise CheckpointError(f"weights={weights!r} does not exist")
+  info = read_model_info(model_dir or os.path.dirname(weights) or ".")
+  if info is None:
+    if not model:
+      raise CheckpointError(
+          f"no {MODEL_INFO_FILE} in {model_dir or os.path.dirname(weights)!r}"
+          " to say which model the weights belong to; pass model= (a "
+          "CIFAR-10 model name)")
+    info = {"model": model, "input_shape": [32, 32, 3],
+            "class_names": list(datasets.CIFAR10_CLASSES),
+            "dataset": "cifar10"}
+  elif model:
+    info = dict(info, model=model)
+  return info, weights
+
+
+def load_model(info, weights):
+  """Builds `info`'s model without a strategy and loads `weights` into it."""
+  model = build_inference_model(info)
+  if len(model.output_shape) != 2:
+    raise ConfigError(f"model={info['model']} predicts per-pixel classes "
+                      f"(output shape {model.output_shape}); predict "
+                      "classifies whole images")
+  try:
+    model.load_weights(weights)
+  except (ValueError, OSError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f"weights {weights} do not fit model={info['model']} with options "
+        f"{info.get('model_options') or {}}: {_first_line(e)}") from None
+  return model
+
+
+def cifar10_test_image(index, data_dir=None):
+  """(uint8 image [32, 32, 3], label) of CIFAR-10 test image `index`."""
+  if data_dir is None:
+    data_dir = os.path.expanduser(datasets.KERAS_CACHE)
+  path = os.path.join(data_dir, "test_batch")
+  if not os.path.isfile(path):
+    raise DataError(f"data_dir={data_dir!r} has no CIFAR-10 test_batch file")
+  images, labels = datasets._cifar_batch(path)  # pylint: disable=protected-access
+  if not 0 <= index < len(images):
+    raise DataError(f"index={index} is out of range: the CIFAR-10 test set in "
+                    f"{data_dir} has {len(images)} images (0..{len(images) - 1})")
+  return images[index], int(labels[index])
+
+
+def load_image(path, input_shape):
+  """A PNG/JPEG file as uint8 [H, W, C], resized to `input_shape`."""
+  from PIL import Image, UnidentifiedImageError  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(path):
+    raise DataError(f"image={path!r} does not exist")
+  height, width, channels = input_shape
+  try:
+    with Image.open(path) as image:
+      image = image.convert("RGB" if channels == 3 else "L")
+      if image.size != (width, height):
+        image = image.resize((width, height), Image.BILINEAR)
+      array = np.asarray(image, np.uint8)
+  except (UnidentifiedImageError, OSError, ValueError) as e:
+    raise DataError(f"image={path!r} cannot be read as an image "
+                    f"({_first_line(e)})") from None
+  return array.reshape(input_shape)
+
+
+def predict(model, image):
+  """Class probabilities (float64, sum 1) for one uint8 image [H, W, C]."""
+  logits = model(to_float(tf.constant(image[None])), training=False)
+  return np.asarray(tf.nn.softmax(logits)[0], np.float64)
+
+
+def report(probabilities, class_names, *, source, true_label=None):
+  """(text lines, JSON-able dict) describing one prediction."""
+  best = int(np.argmax(probabilities))
+  width = max(len(n) for n in class_names)
+  lines = [f"image: {source}" + (f" (true class: {class_names[true_label]})"
+                                  if true_label is not None else "")]
+  lines += [f"  {name:<{width}}  {p:.6f}" + ("  <-" if i == best else "")
+            for i, (name, p) in enumerate(zip(class_names, probabilities))]
+  lines.append(f"predicted: {class_names[best]} ({probabilities[best]:.4f})")
+  summary = {"source": source,
+             "probabilities": {n: float(p) for n, p in
+                               zip(class_names, probabilities)},
+             "predicted_class": class_names[best], "predicted_index": best}
+  if true_label is not None:
+    summary["true_class"] = class_names[true_label]
+  return lines, summary
+
+
+def write_json(path, summary):
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=2)

@@ -1,0 +1,91 @@
+"""Evaluates a training run's checkpoint on the whole test set.
+
+    python scripts/evaluate.py --model_dir=runs/cifar            # latest
+    python scripts/evaluate.py --model_dir=runs/cifar --checkpoint=runs/cifar/ckpt-2000
+    python scripts/evaluate.py --model_dir=runs/cifar --watch    # side-car
+
+Prints loss, accuracy (pixel accuracy and mean IoU for segmentation) and the
+confusion matrix, and writes them to TensorBoard under <model_dir>/eval.
+With --watch it evaluates each new checkpoint as the run writes it and exits
+after the run's last step.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("model_dir", None, "The training run's directory.")
+flags.DEFINE_string("checkpoint", None, "A checkpoint path (.../ckpt-N); "
+                    "default: the latest in --model_dir.")
+flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint until the "
+                  "run's last step.")
+flags.DEFINE_float("poll_seconds", 5.0, "--watch: seconds between looks for "
+                   "a new checkpoint.")
+flags.DEFINE_float("timeout_seconds", 3600.0, "--watch: stop after this long "
+                   "without a new checkpoint.")
+flags.DEFINE_enum("strategy", "default", ["default", "one_device", "mirrored",
+                                          "multi_worker_mirrored",
+                                          "central_storage", "tpu"],
+                  "tf.distribute strategy for evaluation.")
+flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many "
+                     "logical devices.")
+flags.DEFINE_string("tpu", None, "TPU for --strategy=tpu.")
+flags.DEFINE_string("dataset", None, "Default: the run's dataset.")
+flags.DEFINE_string("data_dir", None, "Default: the run's data_dir.")
+flags.DEFINE_integer("global_batch_size", None, "Default: the run's.")
+flags.DEFINE_string("eval_dir", None, "TensorBoard directory (default: "
+                    "<model_dir>/eval).")
+flags.mark_flag_as_required("model_dir")
+
+
+def run():
+  """Evaluates (or watches); raises DistloopError on bad input."""
+  import framework  # pylint: disable=g-import-not-at-top
+  from framework import evaluation  # pylint: disable=g-import-not-at-top
+  if FLAGS.cpu_devices:
+    framework.configure_cpu_devices(FLAGS.cpu_devices)
+  if FLAGS.watch and FLAGS.checkpoint:
+    raise framework.ConfigError("--watch evaluates new checkpoints; it "
+                                "cannot be combined with --checkpoint")
+  config = evaluation.EvalConfig(
+      model_dir=FLAGS.model_dir, checkpoint=FLAGS.checkpoint,
+      strategy=FLAGS.strategy, tpu=FLAGS.tpu, dataset=FLAGS.dataset,
+      data_dir=FLAGS.data_dir, global_batch_size=FLAGS.global_batch_size,
+      eval_dir=FLAGS.eval_dir, poll_seconds=FLAGS.poll_seconds,
+      timeout_seconds=FLAGS.timeout_seconds)
+  if FLAGS.watch:
+    results = evaluation.watch(config)
+  else:
+    if not os.path.isdir(FLAGS.model_dir):
+      raise framework.CheckpointError(
+          f"model_dir={FLAGS.model_dir!r} does not exist")
+    results = [evaluation.Evaluator(config).evaluate()]
+  for result in results:
+    print("\n".join(result.lines()), flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from framework import errors  # pylint: disable=g-import-not-at-top
+  try:
+    run()
+  except errors.DistloopError as e:
+    print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def entry():
+  """Console entry point `distloop-evaluate`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  app.run(main)

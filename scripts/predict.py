@@ -1,0 +1,96 @@
+"""Classifies one image on the CPU with the weights of any training run.
+
+    python scripts/predict.py --model_dir=runs/cifar --index=111 \
+        --data_dir=.../cifar-10-batches-py
+    python scripts/predict.py --model_dir=runs/cifar --image=cat.png \
+        --output_json=cat.json
+
+The model is rebuilt from model_dir/model_info.json without a strategy and
+loads model_dir/model.weights.h5, whatever strategy and replica count wrote
+them. Prints each class's probability and the predicted class.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("model_dir", None, "A training run's directory "
+                    "(model_info.json, model.weights.h5).")
+flags.DEFINE_string("weights", None, "A .weights.h5 file (default: "
+                    "<model_dir>/model.weights.h5).")
+flags.DEFINE_string("model", None, "Model name; overrides model_info.json, "
+                    "or names a CIFAR-10 model when there is none.")
+flags.DEFINE_integer("index", None, "Index into the CIFAR-10 test set.")
+flags.DEFINE_string("image", None, "A PNG or JPEG file, resized to the "
+                    "model's input.")
+flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory for "
+                    "--index (default: the run's, else Keras's cache).")
+flags.DEFINE_string("output_json", None, "Also write the result here.")
+flags.DEFINE_string("save_image", None, "Write the classified image (as "
+                    "fed to the model) to this PNG.")
+
+
+def run():
+  """Prints (and writes) one prediction; raises DistloopError on bad input."""
+  from framework import errors, prediction  # pylint: disable=g-import-not-at-top
+  prediction.use_cpu_only()
+  if (FLAGS.index is None) == (FLAGS.image is None):
+    raise errors.ConfigError("set exactly one of --index (CIFAR-10 test "
+                             "image) and --image (a PNG/JPEG file)")
+  info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
+                                           FLAGS.model)
+  true_label = None
+  if FLAGS.image is not None:
+    image = prediction.load_image(FLAGS.image, info["input_shape"])
+    source = FLAGS.image
+  else:
+    data_dir = FLAGS.data_dir
+    if data_dir is None and info.get("dataset") == "cifar10":
+      data_dir = info.get("data_dir")
+    image, true_label = prediction.cifar10_test_image(FLAGS.index, data_dir)
+    source = f"CIFAR-10 test #{FLAGS.index}"
+    if tuple(image.shape) != tuple(info["input_shape"]):
+      raise errors.ConfigError(
+          f"model={info['model']} takes {tuple(info['input_shape'])} inputs; "
+          f"CIFAR-10 images are {image.shape}: use --image")
+  model = prediction.load_model(info, weights)
+  probabilities = prediction.predict(model, image)
+  class_names = info["class_names"]
+  if true_label is not None and true_label >= len(class_names):
+    true_label = None
+  lines, summary = prediction.report(probabilities, class_names,
+                                     source=source, true_label=true_label)
+  summary.update(model=info["model"], weights=weights)
+  print("\n".join(lines))
+  if FLAGS.output_json:
+    prediction.write_json(FLAGS.output_json, summary)
+  if FLAGS.save_image:
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+    Image.fromarray(image.squeeze()).save(FLAGS.save_image)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from framework import errors  # pylint: disable=g-import-not-at-top
+  try:
+    run()
+  except errors.DistloopError as e:
+    print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def entry():
+  """Console entry point `distloop-predict`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  app.run(main)
