@@ -124,10 +124,16 @@ class Controller:
   def _due(self, every, step):
     return bool(every) and step % every == 0
 
+  def save(self, step):
+    """Checkpoints at `step` (every worker must call it)."""
+    self.trainer.sync_replica_state()
+    return self.checkpoints.save(step)
+
   def evaluate(self):
     """Evaluates on the whole eval set and writes `eval/` summaries."""
     if self.eval_input is None:
       return None
+    self.trainer.sync_replica_state()
     results = self.trainer.evaluate(self.eval_input())
     step = self.step
     self.writer("eval").scalars(step, {k: v for k, v in results.items()
@@ -179,10 +185,10 @@ class Controller:
             metrics.get("accuracy", float("nan")),
             metrics["examples_per_second"], _format_seconds(eta))
       if self._due(c.checkpoint_every, step):
-        self.checkpoints.save(step)
+        self.save(step)
         last_saved = step
       if self._due(c.eval_every, step) and step != c.train_steps:
         self.evaluate()
     if last_saved != step:
-      self.checkpoints.save(step)
+      self.save(step)
     return self.evaluate()

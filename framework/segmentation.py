@@ -73,7 +73,7 @@ class SegmentationController(Controller):
     results = super().evaluate()
     if results is not None and self.samples is not None:
       images, masks = self.samples
-      self.eval_writer.images(self.step, TRIPLETS_TAG,
+      self.writer("eval").images(self.step, TRIPLETS_TAG,
                               triplets(self.trainer.model, images, masks),
                               max_outputs=len(images))
     return results

@@ -79,6 +79,7 @@ class Trainer:
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     self._train_loop = tf.function(self._train_loop_fn)
+    self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
 
   @property
@@ -186,6 +187,34 @@ class Trainer:
       # One replica per worker, and merge_call is not available there.
       return self._update(self.strategy, grads, variables, finite)
     return context.merge_call(self._update, args=(grads, variables, finite))
+
+  def sync_replica_state(self):
+    """Averages per-replica non-trainable state (BatchNorm moving statistics).
+
+    Keras 3 creates such variables with aggregation NONE, so each replica
+    updates its own copy from its own part of the batch. Moving averages are
+    linear in the batch statistics, so averaging the copies before they are
+    read (evaluation, checkpoints) equals averaging every update.
+    """
+    if self._sync_fn is None:
+      variables = [
+          getattr(v, "value", v) for v in self.model.non_trainable_variables
+          if v.dtype.is_floating and v.name != "seed_generator_state"]
+      variables = [v for v in variables
+                   if isinstance(v, tf.distribute.DistributedValues)]
+      if self.num_replicas == 1 or not variables or isinstance(
+          self.strategy, tf.distribute.experimental.ParameterServerStrategy):
+        self._sync_fn = lambda: None
+      else:
+        def replica_fn():
+          context = tf.distribute.get_replica_context()
+          means = context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                     [v.read_value() for v in variables])
+          for var, mean in zip(variables, means):
+            var.assign(mean)
+
+        self._sync_fn = tf.function(lambda: self.strategy.run(replica_fn))
+    self._sync_fn()
 
   # --- Internals. -----------------------------------------------------------
 

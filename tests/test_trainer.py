@@ -207,3 +207,19 @@ def test_trainer_rejects_bad_arguments():
     make_trainer("one_device", nan_policy="ignore")
   with pytest.raises(framework.ConfigError, match="clip_norm=0"):
     make_trainer("one_device", clip_norm=0)
+
+
+def test_batch_norm_statistics_are_averaged_over_replicas():
+  images = framework.synthetic(num_train=128, num_test=8, image_shape=(8, 8, 3))
+  trainer = make_trainer("mirrored", model="cifar_cnn", optimizer="sgd",
+                         learning_rate=0.01, input_shape=(8, 8, 3))
+  train(trainer, images, steps=3)
+  moving = [v.value for v in trainer.model.non_trainable_variables
+            if "moving" in v.path]
+  copies = [[c.numpy() for c in trainer.strategy.experimental_local_results(v)]
+            for v in moving]
+  assert max(np.abs(a - b).max() for a, b in copies) > 1e-6  # per replica
+  trainer.sync_replica_state()
+  for var, (a, b) in zip(moving, copies):
+    for copy in trainer.strategy.experimental_local_results(var):
+      np.testing.assert_allclose(copy.numpy(), (a + b) / 2, rtol=1e-6)
