@@ -199,7 +199,7 @@ class Trainer:
     if self._sync_fn is None:
       variables = [
           getattr(v, "value", v) for v in self.model.non_trainable_variables
-          if v.dtype.is_floating and v.name != "seed_generator_state"]
+          if "float" in str(v.dtype) and v.name != "seed_generator_state"]
       variables = [v for v in variables
                    if isinstance(v, tf.distribute.DistributedValues)]
       if self.num_replicas == 1 or not variables or isinstance(
