@@ -1,6 +1,7 @@
 """The distribution check: wrong custom steps are caught and named; correct
 steps pass. Runs on the 2 logical CPU devices of tests/conftest.py."""
 
+import functools
 import os
 
 import h5py
@@ -11,6 +12,7 @@ import tensorflow as tf
 
 import framework
 from framework import distribution_check
+from framework.model_parallel import ModelParallelConfig
 from framework.trainer import Trainer
 from tests.helpers import run_script
 
@@ -355,3 +357,34 @@ def test_script_fails_a_wrong_custom_step(tmp_path):
   assert last.startswith("custom_train.py: error: distribution check failed: "
                          "double_all_reduce"), last
   assert not os.path.exists(tmp_path / "run" / "model.weights.h5")
+
+
+@pytest.mark.parametrize("split", [
+    ModelParallelConfig(mode="pipeline", num_stages=2, num_microbatches=4),
+    ModelParallelConfig(mode="tensor", num_shards=2, num_microbatches=1),
+], ids=["pipeline", "tensor"])
+def test_model_parallel_splits_pass(batch, split):
+  # The split model (one replica, layers or units over 2 devices) against
+  # the unsplit built-in step on one device: no false alarm.
+  def factory(strategy, trainer_cls):
+    def make():
+      with strategy.scope():
+        model = keras.Sequential([  # model parallelism takes no regularisers
+            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(4)])
+        optimizer = keras.optimizers.SGD(0.1)
+      return trainer_cls(model, optimizer, strategy,
+                         global_batch_size=GLOBAL_BATCH)
+    return make
+
+  split_cls = split.trainer_factory(Trainer)
+  if split.mode == "tensor":
+    # The same shards, all on one device: the variables match one to one.
+    reference = factory(tf.distribute.get_strategy(), functools.partial(
+        split_cls, devices=["/CPU:0", "/CPU:0"]))
+  else:
+    reference = factory(framework.make_strategy("one_device"), Trainer)
+  keras.utils.set_random_seed(0)
+  report = framework.check_distribution(
+      factory(tf.distribute.get_strategy(), split_cls), reference, batch)
+  assert report.verdict == "pass", report.table()
