@@ -44,6 +44,7 @@ group), capped at 5%, so a wrong factor of N always fails.
 """
 
 import dataclasses
+import functools
 import time
 
 import keras
@@ -417,14 +418,41 @@ def check_experiment(config, strategy, dataset, trainer_cls, *,
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=1)
   batch = next(iter(inputs.train_dataset(dataset, config.global_batch_size,
                                          seed=config.seed)))
-  report = check_trainer_class(
-      trainer_cls,
-      lambda: models.build_model(config.model, dataset.input_shape,
-                                 dataset.num_classes, **config.model_options),
-      lambda: optimizers.make_optimizer(optimizer_config), strategy, batch,
-      seed=config.seed, global_batch_size=config.global_batch_size,
-      clip_norm=config.clip_norm, nan_policy=config.nan_policy,
-      print_fn=print_fn)
+  build_model = lambda: models.build_model(
+      config.model, dataset.input_shape, dataset.num_classes,
+      **config.model_options)
+  make_optimizer = lambda: optimizers.make_optimizer(optimizer_config)
+  trainer_args = dict(global_batch_size=config.global_batch_size,
+                      clip_norm=config.clip_norm,
+                      nan_policy=config.nan_policy)
+  split = config.model_parallel
+  if split.mode == "none":
+    report = check_trainer_class(
+        trainer_cls, build_model, make_optimizer, strategy, batch,
+        seed=config.seed, print_fn=print_fn, **trainer_args)
+  else:
+    # The split model against the unsplit step on one device; a tensor
+    # split against its own shards all on one device (same variables).
+    split_cls = split.trainer_factory(trainer_cls)
+    reference_cls, reference_strategy = trainer_cls, strategies.make_strategy(
+        "one_device")
+    if split.mode == "tensor":
+      devices = [strategies.make_strategy("one_device").extended.worker_devices[
+          0]] * split.num_shards
+      reference_cls = functools.partial(split_cls, devices=devices)
+      reference_strategy = tf.distribute.get_strategy()
+
+    def factory(cls, s):
+      def make():
+        with s.scope():
+          model, optimizer = build_model(), make_optimizer()
+        return cls(model, optimizer, s, **trainer_args)
+      return make
+
+    keras.utils.set_random_seed(config.seed)
+    report = check_distribution(factory(split_cls, strategy),
+                                factory(reference_cls, reference_strategy),
+                                batch, print_fn=print_fn)
   if report.verdict == FAIL:
     raise DistributionCheckError(
         "distribution check failed: " +
