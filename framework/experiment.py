@@ -97,8 +97,12 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
   return trainer, controller
 
 
-def run(config, trainer_cls=Trainer, strategy=None):
-  """Trains and evaluates per `config`; returns the final eval metrics."""
+def run(config, trainer_cls=Trainer, strategy=None, prepare_controller=None):
+  """Trains and evaluates per `config`; returns the final eval metrics.
+
+  `prepare_controller(controller)`, if given, runs before training starts
+  (e.g. to add `on_loop_end` hooks such as preemption handling).
+  """
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
@@ -115,6 +119,8 @@ def run(config, trainer_cls=Trainer, strategy=None):
                config.strategy, replicas, dataset.name, len(dataset.train_x),
                len(dataset.test_x))
   trainer, controller = build(config, strategy, dataset, trainer_cls)
+  if prepare_controller is not None:
+    prepare_controller(controller)
   results = controller.run()
   if strategies.is_chief(strategy):
     trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))

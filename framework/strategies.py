@@ -129,6 +129,18 @@ def make_strategy(name, *, tpu=None):
     tpu: the TPU to connect to, for `name="tpu"`.
   """
   check_choice("strategy", name, STRATEGIES)
+  # Cluster strategies first: listing devices initialises TensorFlow, after
+  # which collective ops can no longer be configured.
+  if name == "multi_worker_mirrored":
+    from framework import cluster  # pylint: disable=g-import-not-at-top
+    cluster.configure_coordination_service(
+        _require_tf_config(name, needs_ps=False))
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+  if name == "parameter_server":
+    _require_tf_config(name, needs_ps=True)
+    return tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver())
   gpus = tf.config.list_logical_devices("GPU")
   local = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
   if name == "default":
@@ -140,14 +152,6 @@ def make_strategy(name, *, tpu=None):
   if name == "central_storage":
     return tf.distribute.experimental.CentralStorageStrategy(
         compute_devices=local, parameter_device="/cpu:0")
-  if name == "multi_worker_mirrored":
-    _require_tf_config(name, needs_ps=False)
-    return tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
-  if name == "parameter_server":
-    _require_tf_config(name, needs_ps=True)
-    return tf.distribute.experimental.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.TFConfigClusterResolver())
   resolver = tpu_cluster_resolver(tpu)
   tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)

@@ -79,6 +79,11 @@ flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
 flags.DEFINE_integer("log_every", 100, "Steps between progress lines.")
+# Multi-process jobs.
+flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
+                   "of a multi-worker/parameter-server cluster to start "
+                   "before exiting with the missing tasks named (0: wait "
+                   "forever).")
 
 # Recorded in TensorBoard as the run's configuration.
 TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
@@ -89,7 +94,8 @@ for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints"):
 for _name in ("train_steps", "epochs", "cpu_devices"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
-for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every"):
+for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
+              "startup_timeout"):
   flags.register_validator(_name, lambda v: v is not None and v >= 0,
                            message=f"--{_name} must be >= 0")
 
@@ -131,6 +137,59 @@ def config_from_flags():
       hparams=hparams)
 
 
+def _run_config(config, trainer_cls):
+  """Runs `config` as this process's task; returns the final eval metrics.
+
+  Cluster strategies: `ps` tasks, and `worker` tasks under parameter_server,
+  only serve; the chief coordinates. A start-up watchdog turns a task that
+  never starts into an error, and SIGTERM saves a checkpoint and exits with
+  status 42 (see framework/preemption.py).
+  """
+  # pylint: disable=g-import-not-at-top
+  import framework
+  from framework import cluster, preemption, ps_training, strategies
+  # pylint: enable=g-import-not-at-top
+  tf_config = None
+  if config.strategy in ("multi_worker_mirrored", "parameter_server"):
+    tf_config = strategies._require_tf_config(  # pylint: disable=protected-access
+        config.strategy, needs_ps=config.strategy == "parameter_server")
+  if config.strategy == "parameter_server":
+    # Recommended for every task of a parameter-server job: a lost peer
+    # surfaces as an error instead of endless gRPC retries.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    if tf_config["task"]["type"] in ("worker", "ps"):
+      cluster.run_server(tf_config)
+      return None
+  program = os.path.basename(sys.argv[0])
+  watchdog = cluster.StartupWatchdog(tf_config, timeout=FLAGS.startup_timeout,
+                                     program=program)
+  on_loop_end = [lambda step: watchdog.started()]
+  with watchdog:
+    if config.strategy == "parameter_server":
+      return ps_training.run(config, trainer_cls, on_loop_end=on_loop_end)
+    controllers = []
+
+    def prepare(controller):
+      controller.on_loop_end.extend(on_loop_end)
+      preemption.install(controller)
+      controllers.append(controller)
+
+    results = framework.experiment.run(config, trainer_cls=trainer_cls,
+                                       prepare_controller=prepare)
+    logging.info("final weights sha256=%s",
+                 weights_digest(controllers[0].trainer.model))
+    return results
+
+
+def weights_digest(model):
+  """A digest of the model's weights (equal digests: identical weights)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  for weight in model.weights:
+    digest.update(weight.numpy().tobytes())
+  return digest.hexdigest()[:16]
+
+
 def run_main(trainer_cls=None):
   """Runs the app; errors a user can fix end in one line and exit code 1."""
   import framework  # pylint: disable=g-import-not-at-top
@@ -139,8 +198,7 @@ def run_main(trainer_cls=None):
       # Must happen before TensorFlow creates its devices.
       framework.configure_cpu_devices(FLAGS.cpu_devices)
     config = config_from_flags()
-    results = framework.experiment.run(
-        config, trainer_cls=trainer_cls or framework.Trainer)
+    results = _run_config(config, trainer_cls or framework.Trainer)
   except framework.DistloopError as e:
     print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
     sys.exit(1)
