@@ -10,20 +10,20 @@
   the watchdog exits with a message naming the tasks that are not listening.
 """
 
+import json
 import os
 import socket
+import subprocess
 import sys
-import threading
 
 from absl import logging
 import tensorflow as tf
 
 from framework import strategies
-from framework.errors import ConfigError
+from framework.errors import ClusterError, ConfigError
 
 # Seconds without heartbeats after which a peer counts as dead.
 HEARTBEAT_TIMEOUT = 5
-STARTUP_EXIT_CODE = 1
 
 
 def _cluster_spec(config):
@@ -39,7 +39,7 @@ def configure_coordination_service(config=None, *,
   TF_CONFIG or when TensorFlow is already configured.
   """
   # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import coordination_config_pb2
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
   from tensorflow.python.distribute import multi_worker_util
   from tensorflow.python.eager import context
   # pylint: enable=g-import-not-at-top
@@ -82,23 +82,60 @@ def _listening(address, timeout=1.0):
     return False
 
 
-def unreachable_tasks(config):
-  """['role:index (address)'] of the other tasks not accepting connections."""
+def _other_tasks(config):
   task = config["task"]
   me = (task["type"], task.get("index", 0))
-  return [f"{role}:{i} ({address})"
+  return [(f"{role}:{i}", address)
           for role, addresses in sorted(config["cluster"].items())
-          for i, address in enumerate(addresses)
-          if (role, i) != me and not _listening(address)]
+          for i, address in enumerate(addresses) if (role, i) != me]
+
+
+def unreachable_tasks(config):
+  """['role:index (address)'] of the other tasks not accepting connections."""
+  return [f"{name} ({address})" for name, address in _other_tasks(config)
+          if not _listening(address)]
+
+
+# The watchdog runs in a small separate process: while TensorFlow waits for
+# peers, the main thread is blocked in C++ holding the GIL, so neither a
+# Python thread nor a signal handler of this process could act.
+_WATCHDOG_CODE = r"""
+import json, os, select, signal, socket, sys
+parent, timeout, program, tasks = json.loads(sys.argv[1])
+ready, _, _ = select.select([sys.stdin], [], [], timeout)
+if ready:
+  sys.exit(0)  # started (or the parent exited and closed the pipe)
+def listening(address):
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host, int(port)), timeout=1.0).close()
+    return True
+  except OSError:
+    return False
+missing = [f"{name} ({address})" for name, address in tasks
+           if not listening(address)]
+if missing:
+  reason = "these tasks never started: " + ", ".join(missing)
+else:
+  reason = ("every task is listening, but the cluster did not finish "
+            "starting (a task may be stuck or have another TF_CONFIG)")
+print(f"{program}: error: startup_timeout={timeout:g}s passed; {reason}",
+      file=sys.stderr, flush=True)
+os.kill(parent, signal.SIGKILL)
+"""
 
 
 class StartupWatchdog:
-  """Exits the process if the cluster has not started within `timeout` s.
+  """Kills this process if the cluster has not started within `timeout` s.
 
-  Use as a context manager around strategy creation and the first step:
+  TensorFlow waits forever for a task that never starts. The watchdog prints
+  `<program>: error: startup_timeout=...; these tasks never started: ...`
+  and kills the process (exit status 137, the process being blocked inside
+  TensorFlow), unless `started()` is called in time:
 
-      with StartupWatchdog(config, timeout=120, program="train.py"):
-        ...   # blocks until every peer is up
+      with StartupWatchdog(config, timeout=120, program="train.py") as dog:
+        ...              # strategy, model, first steps: needs every peer
+        dog.started()
 
   Args:
     config: the parsed TF_CONFIG (None: the watchdog does nothing).
@@ -112,33 +149,46 @@ class StartupWatchdog:
     self.config = config
     self.timeout = timeout
     self.program = program
-    self._started = threading.Event()
-    self._thread = None
-
-  def _watch(self):
-    if self._started.wait(self.timeout):
-      return
-    missing = unreachable_tasks(self.config)
-    if missing:
-      reason = f"these tasks never started: {', '.join(missing)}"
-    else:
-      reason = ("every task is listening, but the cluster did not finish "
-                "starting (a task may be stuck or use another TF_CONFIG)")
-    print(f"{self.program}: error: startup_timeout={self.timeout:g}s "
-          f"passed; {reason}", file=sys.stderr, flush=True)
-    # The main thread is blocked inside TensorFlow: only _exit ends it.
-    os._exit(STARTUP_EXIT_CODE)  # pylint: disable=protected-access
+    self._process = None
 
   def __enter__(self):
     if self.config is not None and self.timeout:
-      self._thread = threading.Thread(target=self._watch, daemon=True,
-                                      name="StartupWatchdog")
-      self._thread.start()
+      args = json.dumps([os.getpid(), float(self.timeout), self.program,
+                         _other_tasks(self.config)])
+      self._process = subprocess.Popen(
+          [sys.executable, "-c", _WATCHDOG_CODE, args],
+          stdin=subprocess.PIPE)
     return self
 
   def started(self):
-    """Marks the cluster as started; the watchdog stops watching."""
-    self._started.set()
+    """Marks the cluster as started; the watchdog exits."""
+    if self._process is not None:
+      self._process.stdin.close()
+      self._process.wait()
+      self._process = None
 
   def __exit__(self, *exc):
     self.started()
+
+
+# Errors that mean a peer task died, restarted or cannot be reached.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+               tf.errors.CancelledError, tf.errors.DeadlineExceededError,
+               tf.errors.FailedPreconditionError)
+
+
+def peer_failure(error, config=None):
+  """A one-line ConfigError-style ClusterError for a TensorFlow peer error."""
+  config = config or strategies.parse_tf_config()
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  tasks = [l for l in lines if l.startswith("/job:")]
+  if tasks:
+    detail = "unhealthy (stopped sending heartbeats): " + ", ".join(tasks)
+  else:
+    lost = unreachable_tasks(config) if config else []
+    detail = ("unreachable: " + ", ".join(lost) if lost else
+              next((l for l in lines if "UNAVAILABLE" in l), lines[0]
+                   if lines else type(error).__name__))
+  return ClusterError(f"a task of the cluster failed ({type(error).__name__}"
+                      f"; {detail[:300]}); relaunch every task to resume "
+                      "from the latest checkpoint")

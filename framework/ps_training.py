@@ -28,9 +28,9 @@ import time
 from absl import logging
 import tensorflow as tf
 
-from framework import inputs
+from framework import cluster, inputs
 from framework.checkpointing import CheckpointManager
-from framework.errors import ClusterError, NonFiniteLossError
+from framework.errors import NonFiniteLossError
 from framework.summaries import SummaryWriter, markdown_table
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -161,14 +161,10 @@ class ParameterServerController:
     """Trains to `train_steps` from the latest checkpoint; then evaluates."""
     try:
       return self._run()
-    except (tf.errors.UnavailableError, tf.errors.AbortedError,
-            tf.errors.CancelledError, tf.errors.DeadlineExceededError) as e:
-      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-      raise ClusterError(
-          f"lost a parameter server or the cluster ({type(e).__name__}: "
-          f"{first[:300]}); relaunch the job to resume from "
-          f"{self.checkpoints.latest or 'the start (no checkpoint yet)'}"
-      ) from None
+    except cluster.PEER_ERRORS as e:
+      # Worker failures are retried by the coordinator; what reaches here
+      # is fatal (typically a lost ps task, whose variables are gone).
+      raise cluster.peer_failure(e) from None
 
   def _run(self):
     c, trainer = self.config, self.trainer

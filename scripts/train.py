@@ -174,8 +174,13 @@ def _run_config(config, trainer_cls):
       preemption.install(controller)
       controllers.append(controller)
 
-    results = framework.experiment.run(config, trainer_cls=trainer_cls,
-                                       prepare_controller=prepare)
+    try:
+      results = framework.experiment.run(config, trainer_cls=trainer_cls,
+                                         prepare_controller=prepare)
+    except cluster.PEER_ERRORS as e:
+      if tf_config is None:
+        raise
+      raise cluster.peer_failure(e, tf_config) from None
     logging.info("final weights sha256=%s",
                  weights_digest(controllers[0].trainer.model))
     return results
