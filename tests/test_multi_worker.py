@@ -1,0 +1,179 @@
+"""MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1.
+
+One uninterrupted 2-worker run (through the launcher) is the reference: a
+single process with 2 CPU replicas must match it, and so must runs that were
+killed or preempted and then relaunched.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from framework import launcher
+from tests import cluster_utils as cu
+
+STEPS = 30  # the reference run's steps
+MWMS = cu.MLP + ["--strategy=multi_worker_mirrored", "--checkpoint_every=5"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """(model_dir, launcher output) of an uninterrupted 2-worker run."""
+  model_dir = str(tmp_path_factory.mktemp("mwms_reference"))
+  proc = cu.launch(MWMS + [f"--train_steps={STEPS}", f"--model_dir={model_dir}"])
+  assert proc.returncode == 0, proc.stdout[-4000:]
+  return model_dir, proc.stdout
+
+
+def _interrupted_then_relaunched(tmp_path, interrupt):
+  """Starts 2 workers, `interrupt(processes)` after the first checkpoint,
+  then relaunches to STEPS; returns (exit codes, seconds, model_dir, log)."""
+  model_dir = str(tmp_path / "run")
+  cluster = launcher.local_cluster(2)
+  # Far more steps than needed: the run is interrupted long before.
+  args = MWMS + ["--train_steps=100000", f"--model_dir={model_dir}"]
+  logs = [str(tmp_path / f"worker{i}.log") for i in range(2)]
+  processes = [cu.start_task(cluster, "worker", i, args, logs[i])
+               for i in range(2)]
+  try:
+    cu.wait_for_checkpoint(model_dir, 5, processes)
+    start = time.monotonic()
+    interrupt(processes)
+    codes = [cu.wait_exit(p, timeout=40) for p in processes]
+    seconds = time.monotonic() - start
+  finally:
+    cu.stop_all(processes)
+  saved = cu.checkpoint_step(model_dir)
+  assert 0 < saved < STEPS, f"interrupted too late (step {saved})"
+  relaunch = cu.launch(MWMS + [f"--train_steps={STEPS}",
+                               f"--model_dir={model_dir}"])
+  assert relaunch.returncode == 0, relaunch.stdout[-4000:]
+  assert f"Restored checkpoint {model_dir}/ckpt-{saved}" in relaunch.stdout
+  return codes, seconds, model_dir, [open(l).read() for l in logs]
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_process_with_two_replicas(reference, tmp_path):
+  model_dir, output = reference
+  # Both workers end with identical weights.
+  digests = {line.split("sha256=")[1] for line in output.splitlines()
+             if "final weights sha256=" in line}
+  assert len(digests) == 1, output[-3000:]
+  assert output.count("final weights sha256=") == 2
+  # Only the chief (worker 0) wrote summaries and checkpoints; the other
+  # worker's temporary checkpoint directory is gone.
+  assert len(os.listdir(os.path.join(model_dir, "train"))) == 1
+  assert not [n for n in os.listdir(model_dir) if n.startswith(".tmp")]
+  assert cu.global_step(model_dir) == STEPS
+  # Same global batches on 2 replicas in one process.
+  single = str(tmp_path / "mirrored")
+  proc = subprocess.run(
+      cu.TRAIN + cu.MLP + ["--strategy=mirrored", "--cpu_devices=2",
+                           "--checkpoint_every=5", f"--train_steps={STEPS}",
+                           f"--model_dir={single}"],
+      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=180)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert cu.max_weight_difference(model_dir, single) <= 1e-5
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_other_then_relaunch_resumes_exactly(
+    reference, tmp_path):
+  codes, seconds, model_dir, logs = _interrupted_then_relaunched(
+      tmp_path, lambda processes: processes[1].kill())
+  assert codes[1] == -signal.SIGKILL
+  assert codes[0] == 1, logs[0][-3000:]
+  assert seconds < 20, f"worker 0 took {seconds:.1f}s to notice"
+  [line] = cu.error_lines(logs[0])
+  assert line.startswith("train.py: error: a task of the cluster failed")
+  assert "task:1" in line
+  assert cu.max_weight_difference(reference[0], model_dir) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_checkpoints_all_then_resumes_exactly(
+    reference, tmp_path):
+  codes, _, model_dir, logs = _interrupted_then_relaunched(
+      tmp_path, lambda processes: processes[1].send_signal(signal.SIGTERM))
+  assert codes == [42, 42], logs[0][-3000:]
+  for log in logs:
+    assert "Preempted: checkpoint saved at step" in log
+  assert cu.max_weight_difference(reference[0], model_dir) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_under_a_single_process_strategy_saves_a_checkpoint(tmp_path):
+  model_dir = str(tmp_path / "single")
+  process = subprocess.Popen(
+      cu.TRAIN + cu.MLP + ["--strategy=default", "--train_steps=100000",
+                           "--checkpoint_every=5", f"--model_dir={model_dir}"],
+      cwd=cu.ROOT, env=cu.ENV, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    first = cu.wait_for_checkpoint(model_dir, 5, [process])
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+  finally:
+    cu.stop_all([process])
+  assert process.returncode == 42, stderr[-3000:]
+  saved = cu.checkpoint_step(model_dir)
+  assert saved >= first
+  assert f"Preempted: checkpoint saved at step {saved}" in stderr
+  assert cu.global_step(model_dir) == saved
+
+
+@pytest.mark.slow
+def test_startup_timeout_names_the_task_that_never_started(tmp_path):
+  cluster = launcher.local_cluster(2)
+  log = str(tmp_path / "worker0.log")
+  process = cu.start_task(cluster, "worker", 0, cu.MLP + [
+      "--strategy=multi_worker_mirrored", "--train_steps=10",
+      "--startup_timeout=3", f"--model_dir={tmp_path / 'run'}"], log)
+  code = cu.wait_exit(process, timeout=90)
+  assert code != 0
+  assert cu.error_lines(open(log).read()) == [
+      "train.py: error: startup_timeout=3s passed; these tasks never "
+      f"started: worker:1 ({cluster['worker'][1]})"]
+
+
+BAD_TF_CONFIGS = {
+    "malformed": ('{"cluster": {"worker": ["127.0.0.1:1"]', "not valid JSON"),
+    "index_out_of_range": (
+        '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+        '"task": {"type": "worker", "index": 2}}',
+        "task.index=2 is out of range for cluster.worker with 2 task(s)"),
+    "two_chiefs": (
+        '{"cluster": {"chief": ["127.0.0.1:1", "127.0.0.1:2"], "worker": '
+        '["127.0.0.1:3"]}, "task": {"type": "worker", "index": 0}}',
+        "cluster.chief lists 2 addresses"),
+    "address_without_port": (
+        '{"cluster": {"worker": ["127.0.0.1:1", "localhost"]}, '
+        '"task": {"type": "worker", "index": 0}}',
+        "cluster.worker[1]='localhost' is not 'host:port'"),
+    "no_tf_config": (None, "strategy=multi_worker_mirrored needs TF_CONFIG"),
+}
+
+
+@pytest.mark.slow
+def test_bad_tf_config_is_one_clear_line(tmp_path):
+  processes = {}
+  for name, (tf_config, _) in BAD_TF_CONFIGS.items():
+    env = {k: v for k, v in cu.ENV.items() if k != "TF_CONFIG"}
+    if tf_config is not None:
+      env["TF_CONFIG"] = tf_config
+    # All at once: each case only pays TensorFlow's import.
+    processes[name] = subprocess.Popen(
+        cu.TRAIN + cu.MLP + ["--strategy=multi_worker_mirrored",
+                             "--train_steps=10",
+                             f"--model_dir={tmp_path / name}"],
+        cwd=cu.ROOT, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+  for name, process in processes.items():
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, (name, stderr[-2000:])
+    [line] = cu.error_lines(stderr)
+    assert line.startswith("train.py: error: ")
+    assert BAD_TF_CONFIGS[name][1] in line, (name, line)
