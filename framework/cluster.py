@@ -12,6 +12,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,9 +182,10 @@ def peer_failure(error, config=None):
   """A one-line ConfigError-style ClusterError for a TensorFlow peer error."""
   config = config or strategies.parse_tf_config()
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  tasks = [l for l in lines if l.startswith("/job:")]
+  tasks = [f"{m.group(1)}:{m.group(2)}" for l in lines
+           for m in [re.match(r"/job:(\w+)/replica:\d+/task:(\d+)$", l)] if m]
   if tasks:
-    detail = "unhealthy (stopped sending heartbeats): " + ", ".join(tasks)
+    detail = "stopped sending heartbeats: " + ", ".join(tasks)
   else:
     lost = unreachable_tasks(config) if config else []
     detail = ("unreachable: " + ", ".join(lost) if lost else

@@ -77,10 +77,12 @@ def stop_all(processes):
 
 
 def model_weights(model_dir):
-  """{name: array} of the model variables in the latest checkpoint."""
+  """{name: array} of the weights and optimizer slots in the latest
+  checkpoint (Keras 3 checkpoints list the weights under the optimizer)."""
   reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
   return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
-          if k.startswith("model/") and k.endswith("VARIABLE_VALUE")}
+          if k.startswith(("optimizer/_trainable_variables/",
+                           "optimizer/_variables/"))}
 
 
 def max_weight_difference(dir_a, dir_b):
