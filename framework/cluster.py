@@ -13,6 +13,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -194,3 +195,43 @@ def peer_failure(error, config=None):
   return ClusterError(f"a task of the cluster failed ({type(error).__name__}"
                       f"; {detail[:300]}); relaunch every task to resume "
                       "from the latest checkpoint")
+
+
+def tf_config_from_slurm(*, ps_tasks=0, port_base=8888, gpus_per_node=None):
+  """TF_CONFIG (a dict) for this Slurm task, from `SlurmClusterResolver`.
+
+  Without `ps_tasks` every Slurm task is a worker (MultiWorkerMirrored-
+  Strategy); with `ps_tasks` there is one chief (the coordinator), the ps
+  tasks and the remaining workers, assigned to SLURM_PROCIDs by the resolver
+  (jobs in alphabetical order: chief, ps, worker).
+
+  Args:
+    ps_tasks: number of parameter-server tasks.
+    port_base: first port; tasks sharing a node get consecutive ports.
+    gpus_per_node: GPUs per node (None: nvidia-smi counts them; CPU-only
+      nodes need nothing).
+  """
+  num_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS",
+                                 os.environ.get("SLURM_NTASKS", "0")))
+  if not num_tasks:
+    raise ConfigError("cluster_resolver=slurm: SLURM_STEP_NUM_TASKS / "
+                      "SLURM_NTASKS is not set; run the script under srun")
+  workers = num_tasks - ps_tasks - (1 if ps_tasks else 0)
+  if workers < 1:
+    raise ConfigError(f"slurm_ps_tasks={ps_tasks} leaves no worker among "
+                      f"the {num_tasks} Slurm tasks")
+  jobs = ({"chief": 1, "worker": workers, "ps": ps_tasks} if ps_tasks
+          else {"worker": workers})
+  if gpus_per_node is not None:
+    gpu_options = dict(gpus_per_node=gpus_per_node)
+  elif shutil.which("nvidia-smi"):
+    gpu_options = {}  # the resolver counts the GPUs itself
+  else:
+    # CPU-only nodes: a (never used) GPU slot per task keeps the resolver's
+    # arithmetic valid; CUDA_VISIBLE_DEVICES is left alone.
+    gpu_options = dict(gpus_per_node=num_tasks, gpus_per_task=1,
+                       auto_set_gpu=False)
+  resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+      jobs=jobs, port_base=port_base, **gpu_options)
+  return {"cluster": resolver.cluster_spec().as_dict(),
+          "task": {"type": resolver.task_type, "index": resolver.task_id}}

@@ -8,6 +8,7 @@ Flags are the only configuration; `--flagfile=scripts/configs/<run>.cfg`
 replays a recorded experiment.
 """
 
+import json
 import os
 import sys
 
@@ -80,6 +81,14 @@ flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
 flags.DEFINE_integer("log_every", 100, "Steps between progress lines.")
 # Multi-process jobs.
+flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm"],
+                  "Where the cluster comes from: the TF_CONFIG environment "
+                  "variable, or Slurm's (srun) variables through "
+                  "SlurmClusterResolver.")
+flags.DEFINE_integer("slurm_ps_tasks", 0, "--cluster_resolver=slurm: number "
+                     "of ps tasks (task 0 is then the chief).")
+flags.DEFINE_integer("slurm_port_base", 8888, "--cluster_resolver=slurm: "
+                     "first gRPC port on each node.")
 flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
                    "of a multi-worker/parameter-server cluster to start "
                    "before exiting with the missing tasks named (0: wait "
@@ -150,6 +159,9 @@ def _run_config(config, trainer_cls):
   from framework import cluster, preemption, ps_training, strategies
   # pylint: enable=g-import-not-at-top
   tf_config = None
+  if FLAGS.cluster_resolver == "slurm":
+    os.environ["TF_CONFIG"] = json.dumps(cluster.tf_config_from_slurm(
+        ps_tasks=FLAGS.slurm_ps_tasks, port_base=FLAGS.slurm_port_base))
   if config.strategy in ("multi_worker_mirrored", "parameter_server"):
     tf_config = strategies._require_tf_config(  # pylint: disable=protected-access
         config.strategy, needs_ps=config.strategy == "parameter_server")

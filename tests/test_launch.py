@@ -85,3 +85,20 @@ def test_launcher_without_command_is_one_error_line():
   assert cu.error_lines(proc.stderr) == [
       "launch.py: error: no command to launch: put it after '--', e.g. "
       "launch.py --workers=2 -- python scripts/train.py ..."]
+
+
+def test_slurm_tasks_become_a_tf_config(monkeypatch):
+  from framework import cluster  # pylint: disable=g-import-not-at-top
+  # Task 2 of 4, two per node, as srun sets it.
+  monkeypatch.setenv("SLURM_PROCID", "2")
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")
+  monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+  monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+  monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+  assert cluster.tf_config_from_slurm(port_base=9000) == {
+      "cluster": {"worker": ["node01:9000", "node01:9001", "node02:9000",
+                             "node02:9001"]},
+      "task": {"type": "worker", "index": 2}}
+  config = cluster.tf_config_from_slurm(ps_tasks=1)
+  assert sorted(config["cluster"]) == ["chief", "ps", "worker"]
+  assert len(config["cluster"]["worker"]) == 2
