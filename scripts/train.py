@@ -156,14 +156,15 @@ def _run_config(config, trainer_cls):
   """
   # pylint: disable=g-import-not-at-top
   import framework
-  from framework import cluster, preemption, ps_training, strategies
+  from framework import cluster, preemption, ps_training
+  from framework.tf_config import require_tf_config
   # pylint: enable=g-import-not-at-top
   tf_config = None
   if FLAGS.cluster_resolver == "slurm":
     os.environ["TF_CONFIG"] = json.dumps(cluster.tf_config_from_slurm(
         ps_tasks=FLAGS.slurm_ps_tasks, port_base=FLAGS.slurm_port_base))
   if config.strategy in ("multi_worker_mirrored", "parameter_server"):
-    tf_config = strategies._require_tf_config(  # pylint: disable=protected-access
+    tf_config = require_tf_config(
         config.strategy, needs_ps=config.strategy == "parameter_server")
   if config.strategy == "parameter_server":
     # Recommended for every task of a parameter-server job: a lost peer
@@ -223,9 +224,43 @@ def run_main(trainer_cls=None):
     logging.info("final eval: %s", results)
 
 
+_CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+
+
+def check_tf_config_early():
+  """Checks TF_CONFIG before TensorFlow's multi-second import.
+
+  A bad cluster description then fails at once, with one line; the run
+  checks it again later. framework/__init__.py imports TensorFlow, so
+  framework.tf_config (which needs none) is loaded without it and unloaded.
+  """
+  if (FLAGS.strategy not in _CLUSTER_STRATEGIES or
+      FLAGS.cluster_resolver != "tf_config" or "framework" in sys.modules):
+    return
+  import importlib  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  package = types.ModuleType("framework")
+  package.__path__ = [os.path.join(root, "framework")]
+  sys.modules["framework"] = package
+  try:
+    tf_config = importlib.import_module("framework.tf_config")
+    try:
+      tf_config.require_tf_config(
+          FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")
+    except tf_config.ConfigError as e:
+      print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+      sys.exit(1)
+  finally:
+    for name in [n for n in sys.modules
+                 if n == "framework" or n.startswith("framework.")]:
+      del sys.modules[name]
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  check_tf_config_early()
   run_main()
 
 
