@@ -176,14 +176,18 @@ def _run_config(config, trainer_cls):
   program = os.path.basename(sys.argv[0])
   watchdog = cluster.StartupWatchdog(tf_config, timeout=FLAGS.startup_timeout,
                                      program=program)
-  on_loop_end = [lambda step: watchdog.started()]
   with watchdog:
     if config.strategy == "parameter_server":
-      return ps_training.run(config, trainer_cls, on_loop_end=on_loop_end)
+      # The coordinator copes with missing workers, but a missing ps blocks
+      # the first loop: the cluster is up once a loop ran.
+      return ps_training.run(config, trainer_cls,
+                             on_loop_end=[lambda step: watchdog.started()])
     controllers = []
 
     def prepare(controller):
-      controller.on_loop_end.extend(on_loop_end)
+      # The model's variables exist: under MultiWorkerMirroredStrategy
+      # their creation needed every peer, so the cluster is up.
+      watchdog.started()
       preemption.install(controller)
       controllers.append(controller)
 

@@ -34,6 +34,10 @@ def test_coordinator_trains_to_the_requested_step(tmp_path):
   # The step counter is a variable on the ps: exactly the requested steps.
   assert cu.global_step(model_dir) == 60
   assert cu.checkpoint_step(model_dir) == 60
+  # Trainer.apply_gradients under PS: one optimizer update per step.
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
+  assert reader.get_tensor(
+      "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 60
   # Metrics and summaries come from the coordinator.
   losses = _scalars(os.path.join(model_dir, "train"), "loss")
   assert [step for step, _ in losses] == [20, 40, 60]
