@@ -220,8 +220,12 @@ def _crossed(every, previous, step):
   return bool(every) and step // every > previous // every
 
 
-def run(config, trainer_cls=None, strategy=None, on_loop_end=()):
-  """`experiment.run` for ParameterServerStrategy, on the coordinator."""
+def run(config, trainer_cls=None, strategy=None, on_loop_end=(),
+        prepare_controller=None):
+  """`experiment.run` for ParameterServerStrategy, on the coordinator.
+
+  `prepare_controller(controller)`, if given, runs before training starts.
+  """
   # pylint: disable=g-import-not-at-top
   import dataclasses
   import os
@@ -264,6 +268,8 @@ def run(config, trainer_cls=None, strategy=None, on_loop_end=()):
                                        seed=config.seed),
       eval_dataset=eval_dataset, hparams=config.hparams,
       on_loop_end=on_loop_end)
+  if prepare_controller is not None:
+    prepare_controller(controller)
   results = controller.run()
   model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
   return results

@@ -180,8 +180,10 @@ def _run_config(config, trainer_cls):
     if config.strategy == "parameter_server":
       # The coordinator copes with missing workers, but a missing ps blocks
       # the first loop: the cluster is up once a loop ran.
+      # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
       return ps_training.run(config, trainer_cls,
-                             on_loop_end=[lambda step: watchdog.started()])
+                             on_loop_end=[lambda step: watchdog.started()],
+                             prepare_controller=preemption.install)
     controllers = []
 
     def prepare(controller):
