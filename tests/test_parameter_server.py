@@ -83,6 +83,7 @@ def test_worker_restart_is_survived_and_a_lost_ps_is_a_clear_error(tmp_path):
     log = open(tmp_path / "chief2.log").read()
     assert f"Restored checkpoint {model_dir}/ckpt-600" in log
     assert code == 1, log[-3000:]
+    print(f"the coordinator exited {seconds:.1f}s after the ps was killed")
     assert seconds < 15, f"the coordinator took {seconds:.1f}s to fail"
     [line] = cu.error_lines(log)
     assert line.startswith("train.py: error: a task of the cluster failed")
