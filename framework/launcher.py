@@ -82,14 +82,22 @@ def exit_status(returncode):
   return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent():
-  # Linux: the task gets SIGKILL if the launcher itself dies (even by
-  # SIGKILL), so that no task outlives it.
+def _libc_prctl():
   try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  except (OSError, AttributeError):
-    pass
+    return ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):  # not Linux
+    return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _die_with_parent():
+  # Runs in the child between fork and exec: only a foreign call, no
+  # imports or allocations. Linux: the task gets SIGKILL if the launcher
+  # itself dies (even by SIGKILL), so that no task outlives it.
+  if _PRCTL is not None:
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Launcher:
@@ -139,11 +147,13 @@ class Launcher:
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
           start_new_session=True, preexec_fn=_die_with_parent)
       self.processes[(role, index)] = process
-      name = f"{role}:{index}"
-      self._print(f"[launch] {name} pid={process.pid} "
+      self._print(f"[launch] {role}:{index} pid={process.pid} "
                   f"address={self.cluster[role][index]}\n")
-      reader = threading.Thread(target=self._pump, args=(name, process.stdout),
-                                daemon=True)
+    # Readers start after every fork: forking while other threads run can
+    # leave the child holding a lock it never gets back.
+    for (role, index), process in self.processes.items():
+      reader = threading.Thread(target=self._pump, daemon=True,
+                                args=(f"{role}:{index}", process.stdout))
       reader.start()
       self._readers.append(reader)
     return {task: p.pid for task, p in self.processes.items()}
