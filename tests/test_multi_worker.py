@@ -154,3 +154,17 @@ def test_bad_tf_config_is_one_clear_line_within_10s(case, tmp_path):
   [line] = cu.error_lines(proc.stderr)
   assert line.startswith("train.py: error: ")
   assert message in line, line
+
+
+def test_peer_failure_names_the_dead_task():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework import cluster  # pylint: disable=g-import-not-at-top
+  error = tf.errors.UnavailableError(None, None, (
+      "Collective ops is aborted by: Error reported from /job:worker/task:1: "
+      "The following tasks are unhealthy (stopped sending heartbeats):\n"
+      "/job:worker/replica:0/task:1\nThe tasks have crashed."))
+  config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+            "task": {"type": "worker", "index": 0}}
+  message = str(cluster.peer_failure(error, config))
+  assert "stopped sending heartbeats: worker:1" in message
+  assert "\n" not in message
