@@ -73,10 +73,13 @@ class Controller:
     hparams: a dict written once as a text summary (e.g. the run's flags).
     checkpoint_items: extra trackables to checkpoint besides model,
       optimizer and global step.
+    on_loop_end: callables `fn(step)` run after each loop's events (e.g.
+      preemption checks); more can be appended to `self.on_loop_end`.
   """
 
   def __init__(self, trainer, config, model_dir, *, train_input,
-               eval_input=None, hparams=None, checkpoint_items=None):
+               eval_input=None, hparams=None, checkpoint_items=None,
+               on_loop_end=()):
     self.trainer = trainer
     self.config = config
     self.model_dir = model_dir
@@ -99,6 +102,7 @@ class Controller:
     self._chief = chief
     self._writers = {}
     self.last_eval = None
+    self.on_loop_end = list(on_loop_end)
 
   def writer(self, name):
     """The SummaryWriter for `model_dir/<name>`, created on first use (so a
@@ -189,6 +193,8 @@ class Controller:
         last_saved = step
       if self._due(c.eval_every, step) and step != c.train_steps:
         self.evaluate()
+      for fn in self.on_loop_end:
+        fn(step)
     if last_saved != step:
       self.save(step)
     return self.evaluate()

@@ -17,6 +17,10 @@ class CheckpointError(DistloopError):
   """A checkpoint cannot be restored into this model, or its state is corrupt."""
 
 
+class ClusterError(DistloopError):
+  """A task of a multi-process job died or cannot be reached."""
+
+
 class NonFiniteLossError(DistloopError):
   """Training produced a NaN or Inf loss (see `nan_policy`)."""
 

@@ -122,12 +122,14 @@ def build(config, strategy, dataset, trainer_cls=None):
   return trainer, controller
 
 
-def run(config, trainer_cls=None, strategy=None):
+def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
   """Trains and evaluates per `config`; returns the final eval metrics.
 
   The chief also writes model_dir/model_info.json (before training), the
   final weights (model.weights.h5) and, if `export_saved_model`, a
-  SavedModel (export/).
+  SavedModel (export/). `prepare_controller(controller)`, if given, runs
+  before training starts (e.g. to add `on_loop_end` hooks such as
+  preemption handling).
   """
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
@@ -156,6 +158,8 @@ def run(config, trainer_cls=None, strategy=None):
   if chief:
     # Written first, so a side-car evaluator can rebuild the model.
     export.write_model_info(config.model_dir, info)
+  if prepare_controller is not None:
+    prepare_controller(controller)
   results = controller.run()
   if chief:
     trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))

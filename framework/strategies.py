@@ -2,20 +2,21 @@
 
 `make_strategy("mirrored")` is the only place that knows how each strategy is
 constructed; everything else in distloop takes the strategy object. Cluster
-strategies read TF_CONFIG, which is validated here so that a bad cluster
-description fails in seconds with the field named, instead of hanging in gRPC.
+strategies read TF_CONFIG, which is validated first (framework.tf_config) so
+that a bad cluster description fails in seconds with the field named, instead
+of hanging in gRPC.
 """
 
-import json
 import os
 
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.tf_config import parse_tf_config  # pylint: disable=unused-import
+from framework.tf_config import require_tf_config as _require_tf_config
 
 STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored",
               "central_storage", "parameter_server", "tpu")
-_CLUSTER_ROLES = ("chief", "worker", "ps", "evaluator")
 
 
 def configure_cpu_devices(num_devices):
@@ -36,79 +37,6 @@ def configure_cpu_devices(num_devices):
     raise ConfigError(
         f"cpu_devices={num_devices}: TensorFlow is already initialised with "
         f"{current} CPU device(s); set it before any TensorFlow op runs") from e
-
-
-def _check_address(where, address):
-  host, sep, port = str(address).rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise ConfigError(
-        f"TF_CONFIG {where}={address!r} is not 'host:port' with a port in "
-        "1..65535")
-
-
-def parse_tf_config(text=None):
-  """Parses and validates TF_CONFIG (default: the environment variable).
-
-  Returns:
-    The decoded dict, or None when TF_CONFIG is unset or empty.
-  Raises:
-    ConfigError naming the malformed field.
-  """
-  text = os.environ.get("TF_CONFIG", "") if text is None else text
-  if not text.strip():
-    return None
-  try:
-    config = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"TF_CONFIG is not valid JSON ({e})") from None
-  if not isinstance(config, dict):
-    raise ConfigError("TF_CONFIG must be a JSON object with 'cluster' and "
-                      "'task'")
-  cluster, task = config.get("cluster"), config.get("task")
-  if not isinstance(cluster, dict) or not cluster:
-    raise ConfigError("TF_CONFIG 'cluster' must be a non-empty object mapping "
-                      f"roles ({', '.join(_CLUSTER_ROLES)}) to address lists")
-  for role, addresses in cluster.items():
-    if role not in _CLUSTER_ROLES:
-      raise ConfigError(f"TF_CONFIG cluster role {role!r} is unknown; valid "
-                        f"roles: {', '.join(_CLUSTER_ROLES)}")
-    if not isinstance(addresses, list) or not addresses:
-      raise ConfigError(f"TF_CONFIG cluster.{role} must be a non-empty list "
-                        "of 'host:port' addresses")
-    for i, address in enumerate(addresses):
-      _check_address(f"cluster.{role}[{i}]", address)
-  if len(cluster.get("chief", [])) > 1:
-    raise ConfigError(f"TF_CONFIG cluster.chief lists {len(cluster['chief'])} "
-                      "addresses; a cluster has at most one chief")
-  if not isinstance(task, dict):
-    raise ConfigError("TF_CONFIG 'task' must be an object with 'type' and "
-                      "'index'")
-  task_type, index = task.get("type"), task.get("index", 0)
-  if task_type not in cluster:
-    raise ConfigError(f"TF_CONFIG task.type={task_type!r} is not a role of "
-                      f"the cluster ({', '.join(cluster)})")
-  if isinstance(index, bool) or not isinstance(index, int) or not (
-      0 <= index < len(cluster[task_type])):
-    raise ConfigError(f"TF_CONFIG task.index={index!r} is out of range for "
-                      f"cluster.{task_type} with {len(cluster[task_type])} "
-                      "task(s)")
-  return config
-
-
-def _require_tf_config(name, needs_ps):
-  config = parse_tf_config()
-  if config is None:
-    raise ConfigError(
-        f"strategy={name} needs TF_CONFIG describing the cluster (see BUILD.md "
-        "or scripts/launch.py); it is not set")
-  has_ps = "ps" in config["cluster"]
-  if needs_ps and not has_ps:
-    raise ConfigError(f"strategy={name} needs 'ps' tasks in TF_CONFIG "
-                      "cluster")
-  if not needs_ps and has_ps:
-    raise ConfigError(f"strategy={name} does not use 'ps' tasks; TF_CONFIG "
-                      "lists some (use strategy=parameter_server)")
-  return config
 
 
 def tpu_cluster_resolver(tpu):
@@ -140,6 +68,18 @@ def make_strategy(name, *, tpu=None):
     # TensorFlow's resolvers fail on an empty TF_CONFIG: it means unset.
     del os.environ["TF_CONFIG"]
   parse_tf_config()  # even local strategies read it; fail clearly first
+  # Cluster strategies first: listing devices initialises TensorFlow, after
+  # which collective ops can no longer be configured.
+  if name == "multi_worker_mirrored":
+    from framework import cluster  # pylint: disable=g-import-not-at-top
+    cluster.configure_coordination_service(
+        _require_tf_config(name, needs_ps=False))
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+  if name == "parameter_server":
+    _require_tf_config(name, needs_ps=True)
+    return tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver())
   gpus = tf.config.list_logical_devices("GPU")
   local = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
   if name == "default":
@@ -149,14 +89,6 @@ def make_strategy(name, *, tpu=None):
     if key not in _LOCAL_STRATEGIES:
       _LOCAL_STRATEGIES[key] = _make_local(name, local)
     return _LOCAL_STRATEGIES[key]
-  if name == "multi_worker_mirrored":
-    _require_tf_config(name, needs_ps=False)
-    return tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
-  if name == "parameter_server":
-    _require_tf_config(name, needs_ps=True)
-    return tf.distribute.experimental.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.TFConfigClusterResolver())
   resolver = tpu_cluster_resolver(tpu)
   tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)

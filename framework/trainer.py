@@ -239,7 +239,10 @@ class Trainer:
           # One central copy (central storage): replicas hold equal values.
           grad = strategy.experimental_local_results(grad)[0]
         strategy.extended.update(var, update_one, args=(grad,), group=False)
-      optimizer.iterations.assign_add(1)
+      # On the tf.Variable: Keras's assign_add is a read then an assign,
+      # which loses increments when PS workers update concurrently.
+      iterations = optimizer.iterations
+      getattr(iterations, "value", iterations).assign_add(1)
       return tf.constant(True)
 
     if self.nan_policy != "skip":

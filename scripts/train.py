@@ -8,6 +8,7 @@ Flags are the only configuration; `--flagfile=scripts/configs/<run>.cfg`
 replays a recorded experiment.
 """
 
+import json
 import os
 import sys
 
@@ -109,6 +110,19 @@ flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
 flags.DEFINE_integer("log_every", 100, "Steps between progress lines.")
+# Multi-process jobs.
+flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm"],
+                  "Where the cluster comes from: the TF_CONFIG environment "
+                  "variable, or Slurm's (srun) variables through "
+                  "SlurmClusterResolver.")
+flags.DEFINE_integer("slurm_ps_tasks", 0, "--cluster_resolver=slurm: number "
+                     "of ps tasks (task 0 is then the chief).")
+flags.DEFINE_integer("slurm_port_base", 8888, "--cluster_resolver=slurm: "
+                     "first gRPC port on each node.")
+flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
+                   "of a multi-worker/parameter-server cluster to start "
+                   "before exiting with the missing tasks named (0: wait "
+                   "forever).")
 
 # Recorded in TensorBoard as the run's configuration.
 TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
@@ -120,7 +134,8 @@ for _name in ("train_steps", "epochs", "cpu_devices", "image_size",
               "unet_depth", "unet_width"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
-for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every"):
+for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
+              "startup_timeout"):
   flags.register_validator(_name, lambda v: v is not None and v >= 0,
                            message=f"--{_name} must be >= 0")
 
@@ -172,6 +187,74 @@ def config_from_flags():
       model_parallel=model_parallel)
 
 
+def _run_config(config, trainer_cls):
+  """Runs `config` as this process's task; returns the final eval metrics.
+
+  Cluster strategies: `ps` tasks, and `worker` tasks under parameter_server,
+  only serve; the chief coordinates. A start-up watchdog turns a task that
+  never starts into an error, and SIGTERM saves a checkpoint and exits with
+  status 42 (see framework/preemption.py).
+  """
+  # pylint: disable=g-import-not-at-top
+  import framework
+  from framework import cluster, preemption, ps_training
+  from framework.tf_config import require_tf_config
+  # pylint: enable=g-import-not-at-top
+  tf_config = None
+  if FLAGS.cluster_resolver == "slurm":
+    os.environ["TF_CONFIG"] = json.dumps(cluster.tf_config_from_slurm(
+        ps_tasks=FLAGS.slurm_ps_tasks, port_base=FLAGS.slurm_port_base))
+  if config.strategy in ("multi_worker_mirrored", "parameter_server"):
+    tf_config = require_tf_config(
+        config.strategy, needs_ps=config.strategy == "parameter_server")
+  if config.strategy == "parameter_server":
+    # Recommended for every task of a parameter-server job: a lost peer
+    # surfaces as an error instead of endless gRPC retries.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    if tf_config["task"]["type"] in ("worker", "ps"):
+      cluster.run_server(tf_config)
+      return None
+  program = os.path.basename(sys.argv[0])
+  watchdog = cluster.StartupWatchdog(tf_config, timeout=FLAGS.startup_timeout,
+                                     program=program)
+  with watchdog:
+    if config.strategy == "parameter_server":
+      # The coordinator copes with missing workers, but a missing ps blocks
+      # the first loop: the cluster is up once a loop ran.
+      # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
+      return ps_training.run(config, trainer_cls,
+                             on_loop_end=[lambda step: watchdog.started()],
+                             prepare_controller=preemption.install)
+    controllers = []
+
+    def prepare(controller):
+      # The model's variables exist: under MultiWorkerMirroredStrategy
+      # their creation needed every peer, so the cluster is up.
+      watchdog.started()
+      preemption.install(controller)
+      controllers.append(controller)
+
+    try:
+      results = framework.experiment.run(config, trainer_cls=trainer_cls,
+                                         prepare_controller=prepare)
+    except cluster.PEER_ERRORS as e:
+      if tf_config is None:
+        raise
+      raise cluster.peer_failure(e, tf_config) from None
+    logging.info("final weights sha256=%s",
+                 weights_digest(controllers[0].trainer.model))
+    return results
+
+
+def weights_digest(model):
+  """A digest of the model's weights (equal digests: identical weights)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  for weight in model.weights:
+    digest.update(weight.numpy().tobytes())
+  return digest.hexdigest()[:16]
+
+
 def run_main(trainer_cls=None):
   """Runs the app; errors a user can fix end in one line and exit code 1."""
   import framework  # pylint: disable=g-import-not-at-top
@@ -181,7 +264,7 @@ def run_main(trainer_cls=None):
       framework.configure_cpu_devices(FLAGS.cpu_devices)
     config = config_from_flags()
     # No trainer_cls: the dataset's task picks it (see experiment.build).
-    results = framework.experiment.run(config, trainer_cls=trainer_cls)
+    results = _run_config(config, trainer_cls)
   except framework.DistloopError as e:
     print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
     sys.exit(1)
@@ -189,9 +272,43 @@ def run_main(trainer_cls=None):
     logging.info("final eval: %s", results)
 
 
+_CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+
+
+def check_tf_config_early():
+  """Checks TF_CONFIG before TensorFlow's multi-second import.
+
+  A bad cluster description then fails at once, with one line; the run
+  checks it again later. framework/__init__.py imports TensorFlow, so
+  framework.tf_config (which needs none) is loaded without it and unloaded.
+  """
+  if (FLAGS.strategy not in _CLUSTER_STRATEGIES or
+      FLAGS.cluster_resolver != "tf_config" or "framework" in sys.modules):
+    return
+  import importlib  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  package = types.ModuleType("framework")
+  package.__path__ = [os.path.join(root, "framework")]
+  sys.modules["framework"] = package
+  try:
+    tf_config = importlib.import_module("framework.tf_config")
+    try:
+      tf_config.require_tf_config(
+          FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")
+    except tf_config.ConfigError as e:
+      print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+      sys.exit(1)
+  finally:
+    for name in [n for n in sys.modules
+                 if n == "framework" or n.startswith("framework.")]:
+      del sys.modules[name]
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  check_tf_config_early()
   run_main()
 
 

@@ -1,0 +1,209 @@
+"""Runs a whole cluster on this machine: one process per task, over loopback.
+
+    cluster = local_cluster(workers=2, ps=1)   # chief + 2 workers + 1 ps
+    exit_code = Launcher(["python", "scripts/train.py", ...], cluster).run()
+
+Every task runs the same command with its own TF_CONFIG. Output lines are
+prefixed with `role:index`. The first task to fail decides the exit status and
+the others are stopped (SIGTERM, then SIGKILL after `grace_period`). Servers
+that never finish by themselves (`ps` tasks, and `worker` tasks when there is
+a `ps`) are stopped once every other task has exited successfully.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from framework.errors import ConfigError, check_positive
+
+ROLE_ORDER = ("chief", "worker", "ps", "evaluator")
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports(count, host="127.0.0.1"):
+  """`count` distinct TCP ports on `host` that are free right now."""
+  sockets = []
+  try:
+    for _ in range(count):
+      s = socket.socket()
+      s.bind((host, 0))
+      sockets.append(s)
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def local_cluster(workers, ps=0, *, chief=None, host="127.0.0.1"):
+  """A cluster dict {role: ['host:port', ...]} on free loopback ports.
+
+  Args:
+    workers: number of `worker` tasks.
+    ps: number of parameter-server tasks; with `ps > 0` there is also a
+      `chief` (the ParameterServerStrategy coordinator).
+    chief: add a chief task (default: only when `ps > 0`).
+  """
+  check_positive("workers", workers)
+  if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+    raise ConfigError(f"ps={ps!r} must be an integer >= 0")
+  chief = ps > 0 if chief is None else chief
+  counts = {"chief": int(chief), "worker": workers, "ps": ps}
+  ports = iter(free_ports(sum(counts.values()), host))
+  return {role: [f"{host}:{next(ports)}" for _ in range(n)]
+          for role, n in counts.items() if n}
+
+
+def tf_config(cluster, task_type, index):
+  """The TF_CONFIG JSON text for task `task_type:index` of `cluster`."""
+  return json.dumps({"cluster": cluster,
+                     "task": {"type": task_type, "index": index}})
+
+
+def tasks_of(cluster):
+  """[(role, index)] in a stable order: chief, workers, ps, evaluator."""
+  roles = sorted(cluster, key=lambda r: (ROLE_ORDER.index(r)
+                                         if r in ROLE_ORDER else 99, r))
+  return [(role, i) for role in roles for i in range(len(cluster[role]))]
+
+
+def is_server(cluster, role):
+  """Whether `role` only serves (never exits by itself) in this cluster."""
+  return role == "ps" or (role == "worker" and "ps" in cluster)
+
+
+def exit_status(returncode):
+  """A shell-style exit status: 128 + signal for a task killed by a signal."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def _libc_prctl():
+  try:
+    return ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):  # not Linux
+    return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _die_with_parent():
+  # Runs in the child between fork and exec: only a foreign call, no
+  # imports or allocations. Linux: the task gets SIGKILL if the launcher
+  # itself dies (even by SIGKILL), so that no task outlives it.
+  if _PRCTL is not None:
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Launcher:
+  """Starts, prefixes, watches and stops one process per task of `cluster`.
+
+  Args:
+    command: argv run for every task (TF_CONFIG differs).
+    cluster: {role: [address, ...]}, e.g. from `local_cluster`.
+    grace_period: seconds between SIGTERM and SIGKILL when stopping tasks.
+    env: extra environment variables for every task.
+    output: where prefixed lines go (default: sys.stdout).
+  """
+
+  def __init__(self, command, cluster, *, grace_period=10.0, env=None,
+               output=None):
+    if not command:
+      raise ConfigError("no command to launch: put it after '--', e.g. "
+                        "launch.py --workers=2 -- python scripts/train.py ...")
+    if not grace_period >= 0:
+      raise ConfigError(f"grace_period={grace_period} must be >= 0")
+    self.command = list(command)
+    self.cluster = cluster
+    self.grace_period = grace_period
+    self.env = dict(env or {})
+    self.output = output or sys.stdout
+    self.processes = {}  # (role, index) -> Popen
+    self._readers = []
+    self._lock = threading.Lock()
+
+  def _print(self, line):
+    with self._lock:
+      self.output.write(line)
+      self.output.flush()
+
+  def _pump(self, name, stream):
+    for raw in iter(stream.readline, b""):
+      self._print(f"[{name}] {raw.decode('utf-8', 'replace').rstrip()}\n")
+    stream.close()
+
+  def start(self):
+    """Starts every task; returns {(role, index): pid}."""
+    for role, index in tasks_of(self.cluster):
+      env = dict(os.environ, **self.env,
+                 TF_CONFIG=tf_config(self.cluster, role, index))
+      process = subprocess.Popen(
+          self.command, env=env, stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          start_new_session=True, preexec_fn=_die_with_parent)
+      self.processes[(role, index)] = process
+      self._print(f"[launch] {role}:{index} pid={process.pid} "
+                  f"address={self.cluster[role][index]}\n")
+    # Readers start after every fork: forking while other threads run can
+    # leave the child holding a lock it never gets back.
+    for (role, index), process in self.processes.items():
+      reader = threading.Thread(target=self._pump, daemon=True,
+                                args=(f"{role}:{index}", process.stdout))
+      reader.start()
+      self._readers.append(reader)
+    return {task: p.pid for task, p in self.processes.items()}
+
+  def wait(self, poll_seconds=0.1):
+    """Waits for the run to end; returns its exit status (0: success)."""
+    finishing = [t for t in self.processes
+                 if not is_server(self.cluster, t[0])]
+    while True:
+      for (role, index), process in self.processes.items():
+        code = process.poll()
+        if code:
+          self._print(f"[launch] {role}:{index} exited with status "
+                      f"{exit_status(code)}; stopping the other tasks\n")
+          self.stop()
+          return exit_status(code)
+      if all(self.processes[t].poll() == 0 for t in finishing):
+        self.stop()
+        return 0
+      time.sleep(poll_seconds)
+
+  def stop(self):
+    """SIGTERM to every running task, SIGKILL after the grace period."""
+    running = [p for p in self.processes.values() if p.poll() is None]
+    for process in running:
+      _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + self.grace_period
+    for process in running:
+      try:
+        process.wait(timeout=max(deadline - time.monotonic(), 0))
+      except subprocess.TimeoutExpired:
+        pass
+    for process in self.processes.values():
+      # Also reaps anything the task started in its own process group.
+      _signal_group(process, signal.SIGKILL)
+      process.wait()
+    for reader in self._readers:
+      reader.join(timeout=5)
+
+  def run(self):
+    """start() then wait(); always stops every task."""
+    try:
+      self.start()
+      return self.wait()
+    finally:
+      self.stop()
+
+
+def _signal_group(process, sig):
+  try:
+    os.killpg(process.pid, sig)
+  except (ProcessLookupError, PermissionError):
+    pass

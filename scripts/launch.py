@@ -1,0 +1,74 @@
+"""Runs a multi-worker or parameter-server job locally, one process per task.
+
+    python scripts/launch.py --workers=2 -- \
+        python scripts/train.py --strategy=multi_worker_mirrored --model=mlp ...
+    python scripts/launch.py --workers=2 --ps=1 -- \
+        python scripts/train.py --strategy=parameter_server --model=mlp ...
+
+Each task gets free loopback ports and its own TF_CONFIG; its output lines are
+prefixed with `role:index`. The launcher exits with the first non-zero task
+status (128 + N for a task killed by signal N) after stopping the other tasks
+(SIGTERM, then SIGKILL after --grace_period), and 0 when the job finished.
+"""
+
+import os
+import signal
+import sys
+import types
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+if "framework" not in sys.modules:
+  # The launcher needs no TensorFlow: load framework.launcher without running
+  # framework/__init__.py (which imports TensorFlow), so that starting a job
+  # costs no TensorFlow start-up and memory in this process.
+  _package = types.ModuleType("framework")
+  _package.__path__ = [os.path.join(_ROOT, "framework")]
+  sys.modules["framework"] = _package
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+
+from framework import launcher  # pylint: disable=g-import-not-at-top
+from framework.errors import DistloopError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)
+flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; with ps > 0 "
+                     "a chief (the coordinator) is added.", lower_bound=0)
+flags.DEFINE_bool("chief", None, "Add a chief task (default: only with "
+                  "--ps > 0).")
+flags.DEFINE_string("host", "127.0.0.1", "Address every task listens on.")
+flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
+                   "when stopping tasks.", lower_bound=0.0)
+
+
+def main(argv):
+  command = argv[1:]
+  try:
+    cluster = launcher.local_cluster(FLAGS.workers, FLAGS.ps,
+                                     chief=FLAGS.chief, host=FLAGS.host)
+    job = launcher.Launcher(command, cluster, grace_period=FLAGS.grace_period)
+  except DistloopError as e:
+    print(f"launch.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+  def on_signal(signum, frame):
+    del frame
+    # Stopping the launcher stops the job; the tasks get the same signal
+    # first, so that they can save a checkpoint.
+    job.stop()
+    sys.exit(128 + signum)
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  sys.exit(job.run())
+
+
+def entry():
+  """Console entry point `distloop-launch`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  app.run(main)

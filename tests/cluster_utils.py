@@ -1,0 +1,119 @@
+"""Helpers for tests that run real multi-process clusters on 127.0.0.1."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from framework import launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = [sys.executable, os.path.join(ROOT, "scripts", "train.py")]
+LAUNCH = [sys.executable, os.path.join(ROOT, "scripts", "launch.py")]
+# A tiny, learnable job: the MLP on synthetic images.
+MLP = ["--model=mlp", "--dataset=synthetic", "--global_batch_size=64",
+       "--steps_per_loop=5", "--log_every=5", "--summary_every=5"]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def start_task(cluster, role, index, args, log_path):
+  """Starts `train.py args` as task role:index; output goes to `log_path`."""
+  env = dict(ENV, TF_CONFIG=launcher.tf_config(cluster, role, index))
+  with open(log_path, "ab") as log:
+    return subprocess.Popen(TRAIN + list(args), env=env, cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def launch(args, workers=2, ps=0, timeout=240):
+  """Runs scripts/launch.py; returns the CompletedProcess (text output)."""
+  return subprocess.run(
+      LAUNCH + [f"--workers={workers}", f"--ps={ps}", "--grace_period=5",
+                "--"] + TRAIN + list(args),
+      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def checkpoint_step(model_dir):
+  """The step of the latest checkpoint in `model_dir` (0: none)."""
+  path = tf.train.latest_checkpoint(model_dir)
+  return int(path.rsplit("-", 1)[1]) if path else 0
+
+
+def wait_for_checkpoint(model_dir, min_step, processes, timeout=180):
+  """Waits until a checkpoint >= min_step exists; returns its step."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    state = os.path.join(model_dir, "checkpoint")
+    if os.path.exists(state):
+      match = re.search(r'"ckpt-(\d+)"', open(state).read())
+      if match and int(match.group(1)) >= min_step:
+        return int(match.group(1))
+    for process in processes:
+      if process.poll() is not None:
+        raise AssertionError(f"task exited with {process.returncode} before "
+                             f"a checkpoint >= {min_step} appeared")
+    time.sleep(0.02)
+  raise AssertionError(f"no checkpoint >= {min_step} in {timeout}s")
+
+
+def wait_exit(process, timeout):
+  """Its exit code, or AssertionError if still running after `timeout` s."""
+  try:
+    return process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+    raise AssertionError(f"process still running {timeout}s later") from None
+
+
+def stop_all(processes):
+  for process in processes:
+    if process.poll() is None:
+      process.kill()
+    process.wait()
+
+
+def model_weights(model_dir):
+  """{name: array} of the weights and optimizer slots in the latest
+  checkpoint (Keras 3 checkpoints list the weights under the optimizer)."""
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if k.startswith(("optimizer/_trainable_variables/",
+                           "optimizer/_variables/"))}
+
+
+def max_weight_difference(dir_a, dir_b):
+  a, b = model_weights(dir_a), model_weights(dir_b)
+  assert a and a.keys() == b.keys()
+  return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def global_step(model_dir):
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
+  return int(reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
+def error_lines(text):
+  return [l for l in text.splitlines() if ": error: " in l]
+
+
+def pids_alive(pids):
+  alive = []
+  for pid in pids:
+    try:
+      os.kill(pid, 0)
+      # A zombie still answers; check its state.
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().split(")")[-1].split()[0] != "Z":
+          alive.append(pid)
+    except (ProcessLookupError, FileNotFoundError):
+      pass
+  return alive
+
+
+def launched_pids(output):
+  return [int(p) for p in re.findall(r"^\[launch\] \S+ pid=(\d+)", output,
+                                     re.M)]

@@ -1,0 +1,104 @@
+"""The local launcher: TF_CONFIG per task, prefixed output, exit status, cleanup.
+
+The tasks here are small Python programs (no TensorFlow), so that the
+launcher's own behaviour is tested quickly; the training tests in
+test_multi_worker.py and test_parameter_server.py launch train.py.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from framework import launcher
+from tests import cluster_utils as cu
+
+# Prints its task, then: worker 1 fails with status 3 after a moment; every
+# other task ignores SIGTERM and sleeps, so the launcher must SIGKILL it.
+TASK = r"""
+import json, os, signal, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+task = config["task"]
+print("task", task["type"], task["index"], sorted(config["cluster"]), flush=True)
+if task["type"] == os.environ["FAIL_ROLE"] and task["index"] == 1:
+  time.sleep(1.0)
+  sys.exit(int(os.environ["FAIL_STATUS"]))
+if task["type"] == "chief":
+  time.sleep(1.0)
+  sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+
+
+def _launch(*flags, env=None):
+  return subprocess.run(
+      cu.LAUNCH + list(flags) + ["--grace_period=1", "--", sys.executable,
+                                 "-c", TASK],
+      cwd=cu.ROOT, env=dict(cu.ENV, **(env or {})), capture_output=True,
+      text=True, timeout=60)
+
+
+def test_local_cluster_addresses_are_distinct_loopback_ports():
+  cluster = launcher.local_cluster(2, ps=1)
+  assert sorted(cluster) == ["chief", "ps", "worker"]
+  addresses = [a for role in cluster.values() for a in role]
+  assert len(set(addresses)) == 4
+  assert all(a.startswith("127.0.0.1:") for a in addresses)
+  config = json.loads(launcher.tf_config(cluster, "worker", 1))
+  assert config["task"] == {"type": "worker", "index": 1}
+  assert launcher.tasks_of(cluster)[0] == ("chief", 0)
+
+
+@pytest.mark.slow
+def test_first_failure_is_the_exit_status_and_no_task_survives():
+  proc = _launch("--workers=3", env={"FAIL_ROLE": "worker",
+                                     "FAIL_STATUS": "3"})
+  assert proc.returncode == 3, proc.stdout + proc.stderr
+  for index in range(3):
+    assert f"[worker:{index}] task worker {index} ['worker']" in proc.stdout
+  assert "[launch] worker:1 exited with status 3" in proc.stdout
+  pids = cu.launched_pids(proc.stdout)
+  assert len(pids) == 3
+  # Workers 0 and 2 ignored SIGTERM: they were SIGKILLed after the grace.
+  assert cu.pids_alive(pids) == []
+
+
+@pytest.mark.slow
+def test_parameter_server_job_ends_when_the_chief_finishes():
+  # ps and workers only serve; the chief (coordinator) decides the end.
+  proc = _launch("--workers=2", "--ps=1", env={"FAIL_ROLE": "none",
+                                               "FAIL_STATUS": "0"})
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "[chief:0] task chief 0 ['chief', 'ps', 'worker']" in proc.stdout
+  assert "[ps:0] task ps 0" in proc.stdout
+  pids = cu.launched_pids(proc.stdout)
+  assert len(pids) == 4
+  assert cu.pids_alive(pids) == []
+
+
+def test_launcher_without_command_is_one_error_line():
+  proc = subprocess.run(cu.LAUNCH + ["--workers=2"], cwd=cu.ROOT, env=cu.ENV,
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 1
+  assert cu.error_lines(proc.stderr) == [
+      "launch.py: error: no command to launch: put it after '--', e.g. "
+      "launch.py --workers=2 -- python scripts/train.py ..."]
+
+
+def test_slurm_tasks_become_a_tf_config(monkeypatch):
+  from framework import cluster  # pylint: disable=g-import-not-at-top
+  # Task 2 of 4, two per node, as srun sets it.
+  monkeypatch.setenv("SLURM_PROCID", "2")
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")
+  monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+  monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+  monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+  assert cluster.tf_config_from_slurm(port_base=9000) == {
+      "cluster": {"worker": ["node01:9000", "node01:9001", "node02:9000",
+                             "node02:9001"]},
+      "task": {"type": "worker", "index": 2}}
+  config = cluster.tf_config_from_slurm(ps_tasks=1)
+  assert sorted(config["cluster"]) == ["chief", "ps", "worker"]
+  assert len(config["cluster"]["worker"]) == 2
