@@ -162,8 +162,9 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
     prepare_controller(controller)
   results = controller.run()
   if chief:
-    trainer.model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
+    model = trainer.export_model()
+    model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
     if config.export_saved_model:
-      export.export_saved_model(trainer.model, info, os.path.join(
+      export.export_saved_model(model, info, os.path.join(
           config.model_dir, export.EXPORT_DIR))
   return results

@@ -188,6 +188,11 @@ class Trainer:
       return self._update(self.strategy, grads, variables, finite)
     return context.merge_call(self._update, args=(grads, variables, finite))
 
+  def export_model(self):
+    """The trained model as one plain Keras model (for weights files and
+    exports); model-parallel trainers reassemble their split here."""
+    return self.model
+
   def sync_replica_state(self):
     """Averages per-replica non-trainable state (BatchNorm moving statistics).
 

@@ -76,6 +76,11 @@ def test_hidden_layer_of_10_as_5_plus_5_equals_unsplit():
   assert len(joined) == len(reference.model.weights)
   for var, got in zip(reference.model.weights, joined):
     assert_close(got, var.numpy(), f"{var.path} after {ADAM_STEPS} steps")
+  # The exported (reassembled) model is the unsplit one, weights and all.
+  exported = split.export_model()
+  for var, got in zip(reference.model.weights, exported.weights):
+    assert_close(got.numpy(), var.numpy(), f"exported {var.path}")
+  assert_close(exported(x), placed(x), "exported forward")
 
 
 def test_shard_ops_forward_and_backward_are_on_their_devices():

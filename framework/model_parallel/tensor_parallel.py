@@ -13,6 +13,7 @@ the order of a float sum), e.g. a hidden layer of 10 units as 5 + 5.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
@@ -219,6 +220,22 @@ def split_dense_pair(model, index, devices):
   return placed
 
 
+def merge_dense_pair(placed, model, index):
+  """Writes the weights of `placed` (see `split_dense_pair`) into `model`."""
+  layers = model_layers(model)
+  column, row = placed.column, placed.row
+  for old, new in zip(layers[:index] + layers[index + 2:],
+                      placed.before + placed.after):
+    old.set_weights(new.get_weights())
+  kernels, biases = zip(*(shard.get_weights() for shard in column.shards))
+  layers[index].set_weights([np.concatenate(kernels, axis=1),
+                             np.concatenate(biases)])
+  row_kernels = [shard.get_weights()[0] for shard in row.shards]
+  layers[index + 1].set_weights([np.concatenate(row_kernels, axis=0),
+                                 row.output_layer.get_weights()[0]])
+  return model
+
+
 class TensorParallelTrainer(StagedTrainer):
   """Trains a Sequential model with one hidden Dense split across devices.
 
@@ -245,6 +262,7 @@ class TensorParallelTrainer(StagedTrainer):
     with strategy.scope():
       placed = split_dense_pair(model, split_layer, devices)
     self.split_layer = split_layer
+    self._unsplit = model
     host = devices[0]
     # before (host) -> D branches (column shard + row shard) -> sum,
     # bias and after (host).
@@ -257,3 +275,7 @@ class TensorParallelTrainer(StagedTrainer):
                                       *placed.after])]
     super().__init__(placed, optimizer, strategy, stages=stages,
                      num_microbatches=num_microbatches, **kwargs)
+
+  def export_model(self):
+    """The unsplit model with the trained weights (shards concatenated)."""
+    return merge_dense_pair(self.model, self._unsplit, self.split_layer)
