@@ -101,6 +101,7 @@ class Controller:
         max_to_keep=config.keep_checkpoints)
     self._chief = chief
     self._writers = {}
+    self._restored = False
     self.last_eval = None
     self.on_loop_end = list(on_loop_end)
 
@@ -148,10 +149,16 @@ class Controller:
     self.last_eval = results
     return results
 
+  def restore(self):
+    """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
+    if not self._restored:
+      self.checkpoints.restore_latest()
+      self._restored = True
+
   def run(self):
     """Trains to `train_steps`, resuming from the latest checkpoint."""
     c, trainer = self.config, self.trainer
-    self.checkpoints.restore_latest()
+    self.restore()
     step = self.step
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,

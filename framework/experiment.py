@@ -152,6 +152,8 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
     distribution_check.check_experiment(
         config, strategy, dataset, trainer_cls or default_trainer_cls(dataset))
   trainer, controller = build(config, strategy, dataset, trainer_cls)
+  # Restore (or fail on a mismatched checkpoint) before writing anything.
+  controller.restore()
   chief = strategies.is_chief(strategy)
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps)
