@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 import models
-from framework import datasets, inputs, strategies
+from framework import augment, datasets, inputs, precision, strategies
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.optimizers import OptimizerConfig, make_optimizer
@@ -43,6 +43,9 @@ class ExperimentConfig:
   seed: int = 0
   deterministic: bool = True
   input_mode: str = "global"
+  grad_accum_steps: int = 1
+  mixed_precision: str = "float32"
+  augment: str = "none"
   model_options: dict = dataclasses.field(default_factory=dict)
   hparams: dict = dataclasses.field(default_factory=dict)
 
@@ -55,6 +58,10 @@ class ExperimentConfig:
     check_positive("train_steps" if self.epochs is None else "epochs",
                    self.train_steps if self.epochs is None else self.epochs)
     check_choice("input_mode", self.input_mode, inputs.INPUT_MODES)
+    check_positive("grad_accum_steps", self.grad_accum_steps)
+    check_choice("mixed_precision", self.mixed_precision,
+                 precision.PRECISIONS)
+    check_choice("augment", self.augment, augment.AUGMENTATIONS)
 
 
 def total_steps(config, num_train_examples):
@@ -73,19 +80,33 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
   if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
   keras.utils.set_random_seed(config.seed)
-  with strategy.scope():
-    model = models.build_model(config.model, dataset.input_shape,
-                               dataset.num_classes, **config.model_options)
-    optimizer = make_optimizer(optimizer_config)
+  # Layers keep the dtype policy they are built with; restore the global one.
+  policy = keras.mixed_precision.global_policy()
+  precision.set_precision(config.mixed_precision)
+  try:
+    with strategy.scope():
+      model = models.build_model(config.model, dataset.input_shape,
+                                 dataset.num_classes, **config.model_options)
+      optimizer = make_optimizer(optimizer_config)
+  finally:
+    keras.mixed_precision.set_global_policy(policy)
+  extra = {}
+  loss_scale = None
+  if precision.needs_loss_scale(config.mixed_precision):
+    loss_scale = precision.LossScale(strategy)
+    extra["loss_scale"] = loss_scale
   trainer = trainer_cls(model, optimizer, strategy,
                         global_batch_size=config.global_batch_size,
                         clip_norm=config.clip_norm,
-                        nan_policy=config.nan_policy)
+                        nan_policy=config.nan_policy,
+                        grad_accum_steps=config.grad_accum_steps, **extra)
+  augment_fn = augment.get_augmentation(config.augment)
 
   def train_input(start_step):
     return inputs.distribute_train(
         strategy, dataset, config.global_batch_size, seed=config.seed,
-        start_step=start_step, input_mode=config.input_mode)
+        start_step=start_step, augment=augment_fn,
+        input_mode=config.input_mode)
 
   def eval_input():
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
@@ -93,7 +114,9 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
 
   controller = Controller(trainer, loop, config.model_dir,
                           train_input=train_input, eval_input=eval_input,
-                          hparams=config.hparams)
+                          hparams=config.hparams,
+                          checkpoint_items=(loss_scale.checkpoint_items()
+                                            if loss_scale else None))
   return trainer, controller
 
 
