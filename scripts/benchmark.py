@@ -46,9 +46,12 @@ flags.DEFINE_bool("xla", False, "Also jit-compile the Trainer's step (Keras "
 flags.DEFINE_list("variants", ["float32", "bfloat16", "float16",
                                "float32/accum4"],
                   "Trainer-only variants: precision[/accumK].")
+flags.DEFINE_bool("breakdown", True, "Also time the stages of a step "
+                  "(input, forward, backward, full step).")
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 # Internal: one measurement process.
-flags.DEFINE_enum("role", "main", ["main", "compare", "variant"], "Internal.")
+flags.DEFINE_enum("role", "main", ["main", "compare", "variant",
+                                   "breakdown"], "Internal.")
 flags.DEFINE_string("strategy", "default", "Internal: this process's strategy.")
 flags.DEFINE_integer("cpu_devices", None, "Internal: logical CPU devices.")
 flags.DEFINE_string("variant", "float32", "Internal: this process's variant.")
@@ -145,19 +148,25 @@ def compare_main():
 
   # (A) Keras fit: compiled as its docs say, same pipeline, same batches.
   fit_side = _Setup(strategy, dataset)
-  with strategy.scope():
-    fit_side.model.compile(
-        optimizer=fit_side.optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], steps_per_execution=spl)
+
+  def compile_fit(steps_per_execution):
+    with strategy.scope():
+      fit_side.model.compile(
+          optimizer=fit_side.optimizer,
+          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          metrics=["accuracy"], steps_per_execution=steps_per_execution)
+    return steps_per_execution
+
+  fit_spe = compile_fit(spl)
   fit_data = framework.train_dataset(dataset, batch)
-  fit_steps = (loops + 1) * spl  # +1: the first execution is not timed
+  fit_steps = (loops + 1) * spl  # +1: the first `spl` steps are not timed
 
   def run_fit():
     timer = _FitTimer()
     fit_side.model.fit(fit_data, epochs=1, steps_per_epoch=fit_steps,
                        verbose=0, callbacks=[timer])
-    return timer.times[-1] - timer.times[0]
+    # One callback per execution of `fit_spe` steps.
+    return timer.times[-1] - timer.times[spl // fit_spe - 1]
 
   # (B) the distloop Trainer.
   trainer_side = _Setup(strategy, dataset)
@@ -168,7 +177,16 @@ def compare_main():
   iterator = iter(framework.distribute_train(strategy, dataset, batch))
 
   # Warm-up: tracing, pipeline start, thread pools.
-  run_fit()
+  fit_note = ""
+  try:
+    run_fit()
+  except tf.errors.InvalidArgumentError:
+    # Keras 3 fit with steps_per_execution > 1 fails under MirroredStrategy
+    # ("You must feed a value for placeholder", keras-team/keras#19246).
+    fit_note = (f"fit steps_per_execution={spl} fails under {FLAGS.strategy} "
+                "(keras-team/keras#19246); fit runs with 1")
+    fit_spe = compile_fit(1)
+    run_fit()
   _time_trainer(trainer, iterator, 1, spl)
   examples = loops * spl * batch
   fit_rates, trainer_rates, ratios = [], [], []
@@ -187,6 +205,7 @@ def compare_main():
       "replicas": strategy.num_replicas_in_sync, "global_batch_size": batch,
       "steps_per_loop": spl, "rounds": FLAGS.rounds,
       "fit_jit_compile": bool(fit_side.model.jit_compile),
+      "fit_steps_per_execution": fit_spe, "fit_note": fit_note,
       "trainer_xla": FLAGS.xla,
       "fit_examples_per_s": statistics.median(fit_rates),
       "trainer_examples_per_s": statistics.median(trainer_rates),
@@ -218,6 +237,64 @@ def variant_main():
           "train_rss_growth_mb": _peak_rss_mb() - rss_before}
 
 
+def breakdown_main():
+  """One process: where a Trainer step's time goes, stage by stage."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
+  batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
+  setup = _Setup(strategy, dataset)
+  trainer = _make_trainer(setup, strategy, batch)
+  model, variables = setup.model, setup.model.trainable_variables
+  images, labels = next(iter(framework.train_dataset(dataset, batch)))
+  source = framework.train_dataset(dataset, batch)
+
+  @tf.function
+  def input_only(iterator, n):
+    total = tf.constant(0.0)
+    for _ in tf.range(n):
+      x, _ = next(iterator)
+      total += x[0, 0, 0, 0]
+    return total
+
+  @tf.function
+  def forward(n):
+    total = tf.constant(0.0)
+    for _ in tf.range(n):
+      total += trainer.average(trainer.loss_fn(labels, model(images,
+                                                             training=True)))
+    return total
+
+  @tf.function
+  def forward_backward(n):
+    total = tf.constant(0.0)
+    for _ in tf.range(n):
+      with tf.GradientTape() as tape:
+        loss = trainer.average(trainer.loss_fn(labels, model(images,
+                                                             training=True)))
+      total += tf.linalg.global_norm(tape.gradient(loss, variables))
+    return total
+
+  iterator = iter(source)
+  dist_iterator = iter(framework.distribute_train(strategy, dataset, batch))
+  stages = {
+      "input pipeline": lambda: input_only(iterator, spl),
+      "forward + loss": lambda: forward(spl),
+      "+ backward": lambda: forward_backward(spl),
+      "full Trainer step": lambda: trainer.train(dist_iterator, spl)["loss"],
+  }
+  for run in stages.values():
+    float(run())  # trace and warm up
+  times = {name: [] for name in stages}
+  for _ in range(max(2, FLAGS.rounds)):
+    for name, run in stages.items():
+      start = time.perf_counter()
+      float(run())
+      times[name].append((time.perf_counter() - start) / spl)
+  return {"strategy": FLAGS.strategy, "global_batch_size": batch,
+          "ms_per_step": {k: 1000 * statistics.median(v)
+                          for k, v in times.items()}}
+
+
 def _child(role, strategy_spec, variant=None):
   """Runs one measurement process; returns its result dict."""
   name, _, devices = strategy_spec.partition(":")
@@ -245,7 +322,7 @@ def _child(role, strategy_spec, variant=None):
   return result
 
 
-def _print_tables(compare, variants):
+def _print_tables(compare, variants, breakdown):
   print("\nKeras fit (A) vs distloop Trainer (B), seed CIFAR-10 CNN, "
         "median over rounds")
   header = (f"{'strategy':<12}{'batch':>6}{'spl':>5}{'fit ex/s':>10}"
@@ -262,6 +339,9 @@ def _print_tables(compare, variants):
           f"{r['fit_mfu']:>9.3f}{r['trainer_mfu']:>8.3f}"
           f"{r['matmul_peak_flops'] / 1e9:>11.1f}"
           f"{r['flops_per_example_graph'] / 1e6:>8.1f}")
+  for r in compare:
+    if r["fit_note"]:
+      print(f"note ({r['strategy']}): {r['fit_note']}")
   if compare:
     r = compare[0]
     print(f"training FLOPs/example: graph {r['flops_per_example_graph']:.4g}, "
@@ -279,12 +359,19 @@ def _print_tables(compare, variants):
       print(f"{r['variant']:<18}{r['examples_per_s']:>9.1f}"
             f"{r['examples_per_s'] / base['examples_per_s']:>10.3f}"
             f"{r['peak_rss_mb']:>13.0f}{r['train_rss_growth_mb']:>17.0f}")
+  if breakdown:
+    print(f"\nwhere a step's time goes ({breakdown['strategy']}, batch "
+          f"{breakdown['global_batch_size']}), ms per step")
+    full = breakdown["ms_per_step"]["full Trainer step"]
+    for name, ms in breakdown["ms_per_step"].items():
+      print(f"  {name:<20}{ms:>9.1f}{100 * ms / full:>7.1f}%")
 
 
 def main(argv):
   del argv
   if FLAGS.role != "main":
-    result = compare_main() if FLAGS.role == "compare" else variant_main()
+    result = {"compare": compare_main, "variant": variant_main,
+              "breakdown": breakdown_main}[FLAGS.role]()
     with open(FLAGS.result_file, "w") as f:
       json.dump(result, f)
     return
@@ -296,10 +383,13 @@ def main(argv):
   compare = [_child("compare", spec) for spec in FLAGS.strategies]
   variants = [_child("variant", FLAGS.strategies[0], v)
               for v in FLAGS.variants]
-  _print_tables(compare, variants)
+  breakdown = (_child("breakdown", FLAGS.strategies[0]) if FLAGS.breakdown
+               else None)
+  _print_tables(compare, variants, breakdown)
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump({"compare": compare, "variants": variants,
+                 "breakdown": breakdown,
                  "flags": {k: FLAGS[k].value for k in (
                      "quick", "global_batch_size", "steps_per_loop",
                      "loops_per_round", "rounds", "xla", "data_dir")}},
