@@ -35,3 +35,25 @@ def test_train_loop_traces_once_over_many_loops():
     trainer.evaluate(framework.distribute_eval(strategy, data.test_x,
                                                data.test_y, 16))
   assert trainer._eval_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+
+
+def test_graph_flops_match_the_analytic_count():
+  from framework import flops  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([
+      keras.Input((8, 8, 3)),
+      keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+      keras.layers.Conv2D(16, 3, padding="valid", activation="relu"),
+      keras.layers.Flatten(),
+      keras.layers.Dense(10)])
+  analytic = flops.analytic_flops_per_example(model)
+  conv1, conv2 = 2 * 8 * 8 * 16 * 9 * 3, 2 * 6 * 6 * 16 * 9 * 16
+  dense = 2 * 6 * 6 * 16 * 10
+  assert analytic["forward"] == conv1 + conv2 + dense
+  # Training: forward + weight gradients + input gradients (not layer 1's).
+  assert analytic["training"] == 3 * (conv1 + conv2 + dense) - conv1
+  counted = flops.training_flops_per_example(model, (8, 8, 3), batch_size=4)
+  assert counted["matmul"] == analytic["training"]
+  # TF's profiler also counts element-wise ops (and over-counts the gradient
+  # of a 'valid' convolution).
+  assert counted["all"] > counted["matmul"]
