@@ -9,16 +9,19 @@ process (logical devices are fixed when TensorFlow starts):
     and (B) `Trainer.train` with `steps_per_loop`; after warm-up, rounds
     alternate A B A B and the table reports each one's median examples/s and
     the median of the per-round ratios B / A;
-  * MFU = graph-counted training FLOPs per example x examples/s / float32
-    matmul peak, measured in the same process.
+  * MFU = training FLOPs per example (conv + matmul ops counted in the
+    traced graph of a step, equal to the analytic count) x examples/s /
+    float32 matmul peak, the peak measured in every round right after A and B
+    (median over rounds).
 Then the Trainer alone with `--mixed_precision` and `--grad_accum_steps`
-variants (speed, and peak resident memory of their own process).
+variants: speed alternating in one process (ratio to float32), memory as the
+peak RSS of a process that trains only that variant. Last, a breakdown of a
+step's time (input pipeline, forward, backward, the rest).
 Timings are noisy on a shared machine: compare the ratios, not the absolutes.
 """
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,14 +47,18 @@ flags.DEFINE_string("data_dir", None, "CIFAR-10 directory (default: "
 flags.DEFINE_bool("xla", False, "Also jit-compile the Trainer's step (Keras "
                   "fit uses XLA by default when op determinism is off).")
 flags.DEFINE_list("variants", ["float32", "bfloat16", "float16",
-                               "float32/accum4"],
+                               "float32/accum2", "float32/accum4"],
                   "Trainer-only variants: precision[/accumK].")
 flags.DEFINE_bool("breakdown", True, "Also time the stages of a step "
                   "(input, forward, backward, full step).")
+flags.DEFINE_integer("memory_batch_size", 1024, "Global batch for the "
+                     "variants' memory measurement (large, so that "
+                     "activations, not TensorFlow itself, dominate).")
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 # Internal: one measurement process.
 flags.DEFINE_enum("role", "main", ["main", "compare", "variant",
-                                   "breakdown"], "Internal.")
+                                   "variants_speed", "breakdown"],
+                  "Internal.")
 flags.DEFINE_string("strategy", "default", "Internal: this process's strategy.")
 flags.DEFINE_integer("cpu_devices", None, "Internal: logical CPU devices.")
 flags.DEFINE_string("variant", "float32", "Internal: this process's variant.")
@@ -67,7 +74,13 @@ def _rss_mb():
 
 
 def _peak_rss_mb():
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  # VmHWM: this process's peak (ru_maxrss survives exec, so it can be the
+  # parent's).
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) / 1024
+  return float("nan")
 
 
 class _Setup:
@@ -189,18 +202,24 @@ def compare_main():
     run_fit()
   _time_trainer(trainer, iterator, 1, spl)
   examples = loops * spl * batch
-  fit_rates, trainer_rates, ratios = [], [], []
-  for _ in range(FLAGS.rounds):
-    fit_rate = examples / run_fit()
-    trainer_rate = examples / _time_trainer(trainer, iterator, loops, spl)
-    fit_rates.append(fit_rate)
-    trainer_rates.append(trainer_rate)
-    ratios.append(trainer_rate / fit_rate)
-  peak = max(peak_before, flops.matmul_peak_flops())
   counted = flops.training_flops_per_example(trainer_side.model,
                                              dataset.input_shape)
   graph = counted["matmul"]
   analytic = flops.analytic_flops_per_example(trainer_side.model)
+  # Each round: A, B, then the matmul peak, so that every MFU divides by a
+  # peak measured under the same machine load (others share these cores).
+  fit_rates, trainer_rates, ratios, peaks = [], [], [], [peak_before]
+  fit_mfus, trainer_mfus = [], []
+  for _ in range(FLAGS.rounds):
+    fit_rate = examples / run_fit()
+    trainer_rate = examples / _time_trainer(trainer, iterator, loops, spl)
+    peak = flops.matmul_peak_flops(trials=2)
+    fit_rates.append(fit_rate)
+    trainer_rates.append(trainer_rate)
+    ratios.append(trainer_rate / fit_rate)
+    peaks.append(peak)
+    fit_mfus.append(graph * fit_rate / peak)
+    trainer_mfus.append(graph * trainer_rate / peak)
   return {
       "strategy": FLAGS.strategy, "cpu_devices": FLAGS.cpu_devices,
       "replicas": strategy.num_replicas_in_sync, "global_batch_size": batch,
@@ -214,29 +233,53 @@ def compare_main():
       "flops_per_example_graph": graph,
       "flops_per_example_analytic": analytic["training"],
       "flops_per_example_tf_profiler_all_ops": counted["all"],
-      "matmul_peak_flops": peak,
-      "fit_mfu": graph * statistics.median(fit_rates) / peak,
-      "trainer_mfu": graph * statistics.median(trainer_rates) / peak,
+      "matmul_peak_flops": statistics.median(peaks), "matmul_peaks": peaks,
+      "fit_mfu": statistics.median(fit_mfus),
+      "trainer_mfu": statistics.median(trainer_mfus),
+      "trainer_mfus": trainer_mfus,
   }
 
 
-def variant_main():
-  """One process: the Trainer alone with a precision / accumulation variant."""
-  framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
-  precision, _, accum = FLAGS.variant.partition("/accum")
-  batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
+def _variant_trainer(framework, strategy, dataset, variant):
+  precision, _, accum = variant.partition("/accum")
+  batch = FLAGS.global_batch_size
   setup = _Setup(strategy, dataset, precision, int(accum or 1))
   trainer = _make_trainer(setup, strategy, batch)
-  iterator = iter(framework.distribute_train(strategy, dataset, batch))
+  return trainer, iter(framework.distribute_train(strategy, dataset, batch))
+
+
+def variant_main():
+  """One process per variant: its memory (peak RSS while training)."""
+  framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
+  FLAGS.global_batch_size = FLAGS.memory_batch_size  # activations dominate
+  trainer, iterator = _variant_trainer(framework, strategy, dataset,
+                                       FLAGS.variant)
   rss_before = _rss_mb()
-  _time_trainer(trainer, iterator, 1, spl)  # warm-up
-  rates = [FLAGS.loops_per_round * spl * batch /
-           _time_trainer(trainer, iterator, FLAGS.loops_per_round, spl)
-           for _ in range(max(2, FLAGS.rounds // 2))]
-  return {"variant": FLAGS.variant, "strategy": FLAGS.strategy,
-          "examples_per_s": statistics.median(rates),
-          "peak_rss_mb": _peak_rss_mb(),
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM: the data loading peak is not training's
+  _time_trainer(trainer, iterator, 2, 1)
+  return {"variant": FLAGS.variant, "peak_rss_mb": _peak_rss_mb(),
           "train_rss_growth_mb": _peak_rss_mb() - rss_before}
+
+
+def variants_speed_main():
+  """One process: all variants' speed, alternating rounds (ratios to the first)."""
+  framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
+  runs = [_variant_trainer(framework, strategy, dataset, v)
+          for v in FLAGS.variants]
+  spl, loops = FLAGS.steps_per_loop, FLAGS.loops_per_round
+  examples = loops * spl * FLAGS.global_batch_size
+  for trainer, iterator in runs:
+    _time_trainer(trainer, iterator, 1, spl)  # warm-up
+  rates = [[] for _ in runs]
+  for _ in range(FLAGS.rounds):
+    for rate, (trainer, iterator) in zip(rates, runs):
+      rate.append(examples / _time_trainer(trainer, iterator, loops, spl))
+  return [{"variant": v, "strategy": FLAGS.strategy,
+           "examples_per_s": statistics.median(r),
+           "ratio_to_first": statistics.median(
+               [a / b for a, b in zip(r, rates[0])])}
+          for v, r in zip(FLAGS.variants, rates)]
 
 
 def breakdown_main():
@@ -307,7 +350,9 @@ def _child(role, strategy_spec, variant=None):
           f"--global_batch_size={FLAGS.global_batch_size}",
           f"--steps_per_loop={FLAGS.steps_per_loop}",
           f"--loops_per_round={FLAGS.loops_per_round}",
-          f"--rounds={FLAGS.rounds}", f"--xla={FLAGS.xla}"]
+          f"--rounds={FLAGS.rounds}", f"--xla={FLAGS.xla}",
+          f"--variants={','.join(FLAGS.variants)}",
+          f"--memory_batch_size={FLAGS.memory_batch_size}"]
   if devices:
     args.append(f"--cpu_devices={devices}")
   if FLAGS.data_dir:
@@ -353,15 +398,17 @@ def _print_tables(compare, variants, breakdown):
     print(f"fit jit_compile={r['fit_jit_compile']}, "
           f"trainer XLA={r['trainer_xla']}")
   if variants:
-    base = variants[0]
-    print("\ndistloop Trainer variants (each in its own process)")
+    print("\ndistloop Trainer variants: speed alternating in one process "
+          "(median ratio to the first);\nmemory: peak RSS of a process "
+          "training only that variant at global batch "
+          f"{FLAGS.memory_batch_size}, and its growth while training")
     header = (f"{'variant':<18}{'ex/s':>9}{'vs first':>10}{'peak RSS MB':>13}"
               f"{'train growth MB':>17}")
     print(header)
     print("-" * len(header))
     for r in variants:
       print(f"{r['variant']:<18}{r['examples_per_s']:>9.1f}"
-            f"{r['examples_per_s'] / base['examples_per_s']:>10.3f}"
+            f"{r['ratio_to_first']:>10.3f}"
             f"{r['peak_rss_mb']:>13.0f}{r['train_rss_growth_mb']:>17.0f}")
   if breakdown:
     print(f"\nwhere a step's time goes ({breakdown['strategy']}, batch "
@@ -375,6 +422,7 @@ def main(argv):
   del argv
   if FLAGS.role != "main":
     result = {"compare": compare_main, "variant": variant_main,
+              "variants_speed": variants_speed_main,
               "breakdown": breakdown_main}[FLAGS.role]()
     with open(FLAGS.result_file, "w") as f:
       json.dump(result, f)
@@ -385,8 +433,9 @@ def main(argv):
       if not FLAGS[name].present:
         FLAGS[name].value = value
   compare = [_child("compare", spec) for spec in FLAGS.strategies]
-  variants = [_child("variant", FLAGS.strategies[0], v)
-              for v in FLAGS.variants]
+  variants = _child("variants_speed", FLAGS.strategies[0])
+  for row in variants:
+    row.update(_child("variant", FLAGS.strategies[0], row["variant"]))
   breakdown = (_child("breakdown", FLAGS.strategies[0]) if FLAGS.breakdown
                else None)
   _print_tables(compare, variants, breakdown)
@@ -396,6 +445,7 @@ def main(argv):
                  "breakdown": breakdown,
                  "flags": {k: FLAGS[k].value for k in (
                      "quick", "global_batch_size", "steps_per_loop",
+                     "memory_batch_size",
                      "loops_per_round", "rounds", "xla", "data_dir")}},
                 f, indent=2)
 
