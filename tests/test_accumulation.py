@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import framework
 import models
+from tests import shared_strategy
 
 
 def _train(strategy, data, grad_accum_steps, steps=3, global_batch_size=32):
@@ -34,7 +35,7 @@ def data():
 
 def test_accumulation_equals_the_whole_batch(data):
   # Inside strategy.run on 2 replicas: each sums 4 micro-batches of 4.
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = shared_strategy.mirrored()
   whole, whole_metrics, whole_updates = _train(strategy, data, 1)
   accumulated, metrics, updates = _train(strategy, data, 4)
   assert updates == whole_updates == 3  # one update per step, not per micro
@@ -45,6 +46,6 @@ def test_accumulation_equals_the_whole_batch(data):
 
 
 def test_accumulation_must_divide_the_replica_batch(data):
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = shared_strategy.mirrored()
   with pytest.raises(framework.ConfigError, match="grad_accum_steps=3"):
     _train(strategy, data, 3)

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 import framework
 import models
+from tests import shared_strategy
 
 
 def _mlp_trainer(strategy, global_batch_size=16):
@@ -16,7 +17,7 @@ def _mlp_trainer(strategy, global_batch_size=16):
 
 
 def test_train_loop_traces_once_over_many_loops():
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = shared_strategy.mirrored()
   data = framework.synthetic(num_train=64, num_test=20, image_shape=(4, 4, 3))
   trainer = _mlp_trainer(strategy)
   iterator = iter(framework.distribute_train(strategy, data, 16))

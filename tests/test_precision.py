@@ -7,12 +7,13 @@ import tensorflow as tf
 
 import framework
 import models
+from tests import shared_strategy
 from framework import precision
 
 
 def _one_step(data, precision_name, loss_scale_kwargs=None, steps=1):
   """Trains `steps` SGD steps on 2 replicas; returns (trainer, before, after)."""
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = shared_strategy.mirrored()
   precision.set_precision(precision_name)
   try:
     keras.utils.set_random_seed(3)
@@ -82,3 +83,17 @@ def test_bfloat16_trains_with_float32_variables(data):
 def test_unknown_precision_is_rejected():
   with pytest.raises(framework.ConfigError, match="mixed_precision='fp8'"):
     precision.set_precision("fp8")
+
+
+def test_train_script_flags_reach_the_trainer(tmp_path):
+  from tests.helpers import run_script  # pylint: disable=g-import-not-at-top
+  run_script("train.py", "--model=mlp", "--dataset=synthetic",
+             "--hidden_units=8", "--global_batch_size=32", "--train_steps=4",
+             "--steps_per_loop=2", "--mixed_precision=float16",
+             "--grad_accum_steps=2", "--augment=crop_flip",
+             f"--model_dir={tmp_path}")
+  names = dict(tf.train.list_variables(str(tmp_path)))
+  # The loss scale is checkpointed, so a resumed float16 run keeps it.
+  assert any(name.startswith("loss_scale/") for name in names), names
+  reader = tf.train.load_checkpoint(str(tmp_path))
+  assert reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE") == 4
