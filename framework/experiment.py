@@ -90,7 +90,11 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
       optimizer = make_optimizer(optimizer_config)
   finally:
     keras.mixed_precision.set_global_policy(policy)
+  # Only non-default options, so Trainer subclasses with their own
+  # constructor keep working when they are not used.
   extra = {}
+  if config.grad_accum_steps != 1:
+    extra["grad_accum_steps"] = config.grad_accum_steps
   loss_scale = None
   if precision.needs_loss_scale(config.mixed_precision):
     loss_scale = precision.LossScale(strategy)
@@ -98,8 +102,7 @@ def build(config, strategy, dataset, trainer_cls=Trainer):
   trainer = trainer_cls(model, optimizer, strategy,
                         global_batch_size=config.global_batch_size,
                         clip_norm=config.clip_norm,
-                        nan_policy=config.nan_policy,
-                        grad_accum_steps=config.grad_accum_steps, **extra)
+                        nan_policy=config.nan_policy, **extra)
   augment_fn = augment.get_augmentation(config.augment)
 
   def train_input(start_step):
