@@ -12,8 +12,8 @@ import keras
 import tensorflow as tf
 
 import models
-from framework import (datasets, distribution_check, export, inputs,
-                       segmentation, strategies)
+from framework import (augment, datasets, distribution_check, export, inputs,
+                       precision, segmentation, strategies)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
@@ -45,6 +45,9 @@ class ExperimentConfig:
   seed: int = 0
   deterministic: bool = True
   input_mode: str = "global"
+  grad_accum_steps: int = 1
+  mixed_precision: str = "float32"
+  augment: str = "none"
   model_options: dict = dataclasses.field(default_factory=dict)
   dataset_options: dict = dataclasses.field(default_factory=dict)
   export_saved_model: bool = True
@@ -61,6 +64,10 @@ class ExperimentConfig:
     check_positive("train_steps" if self.epochs is None else "epochs",
                    self.train_steps if self.epochs is None else self.epochs)
     check_choice("input_mode", self.input_mode, inputs.INPUT_MODES)
+    check_positive("grad_accum_steps", self.grad_accum_steps)
+    check_choice("mixed_precision", self.mixed_precision,
+                 precision.PRECISIONS)
+    check_choice("augment", self.augment, augment.AUGMENTATIONS)
 
 
 def total_steps(config, num_train_examples):
@@ -92,27 +99,46 @@ def build(config, strategy, dataset, trainer_cls=None):
   if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
   keras.utils.set_random_seed(config.seed)
-  with strategy.scope():
-    model = models.build_model(config.model, dataset.input_shape,
-                               dataset.num_classes, **config.model_options)
-    optimizer = make_optimizer(optimizer_config)
+  # Layers keep the dtype policy they are built with; restore the global one.
+  policy = keras.mixed_precision.global_policy()
+  precision.set_precision(config.mixed_precision)
+  try:
+    with strategy.scope():
+      model = models.build_model(config.model, dataset.input_shape,
+                                 dataset.num_classes, **config.model_options)
+      optimizer = make_optimizer(optimizer_config)
+  finally:
+    keras.mixed_precision.set_global_policy(policy)
+  # Only non-default options, so Trainer subclasses with their own
+  # constructor keep working when they are not used.
+  extra = {}
+  if config.grad_accum_steps != 1:
+    extra["grad_accum_steps"] = config.grad_accum_steps
+  loss_scale = None
+  if precision.needs_loss_scale(config.mixed_precision):
+    loss_scale = precision.LossScale(strategy)
+    extra["loss_scale"] = loss_scale
   trainer_cls = config.model_parallel.trainer_factory(trainer_cls)
   trainer = trainer_cls(model, optimizer, strategy,
                         global_batch_size=config.global_batch_size,
                         clip_norm=config.clip_norm,
-                        nan_policy=config.nan_policy)
+                        nan_policy=config.nan_policy, **extra)
+  augment_fn = augment.get_augmentation(config.augment)
 
   def train_input(start_step):
     return inputs.distribute_train(
         strategy, dataset, config.global_batch_size, seed=config.seed,
-        start_step=start_step, input_mode=config.input_mode)
+        start_step=start_step, augment=augment_fn,
+        input_mode=config.input_mode)
 
   def eval_input():
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
                                   config.global_batch_size)
 
   kwargs = dict(train_input=train_input, eval_input=eval_input,
-                hparams=config.hparams)
+                hparams=config.hparams,
+                checkpoint_items=(loss_scale.checkpoint_items()
+                                  if loss_scale else None))
   if per_pixel:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,

@@ -81,8 +81,8 @@ class OptimizerConfig:
       raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
     if self.warmup_steps < 0:
       raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
-    if self.schedule == "cosine":
-      check_positive("total_steps (for lr_schedule=cosine)", self.total_steps)
+    if self.total_steps < 0:  # 0: filled in from the run's length (cosine)
+      raise ConfigError(f"total_steps={self.total_steps} must be >= 0")
     if self.schedule == "step" and not self.step_boundaries:
       raise ConfigError("lr_schedule=step needs lr_step_boundaries, e.g. "
                         "'5000,8000'")
@@ -95,6 +95,7 @@ def make_schedule(config):
   """The learning-rate schedule (a function of the optimizer step)."""
   peak = config.learning_rate
   if config.schedule == "cosine":
+    check_positive("total_steps (for lr_schedule=cosine)", config.total_steps)
     after = keras.optimizers.schedules.CosineDecay(
         peak, decay_steps=max(config.total_steps - config.warmup_steps, 1),
         alpha=config.min_lr_ratio)

@@ -7,12 +7,13 @@ strategy.
 
 One training step, per replica, inside `strategy.run` inside a `tf.function`:
 
-    logits    = model(x)                            # forward
-    per_ex    = loss_fn(y, logits)                  # per-example loss
-    loss      = sum(per_ex) / global_batch_size     # this replica's share of
+    for each of grad_accum_steps micro-batches (x, y) of this replica's batch:
+      logits  = model(x)                            # forward
+      per_ex  = loss_fn(y, logits)                  # per-example loss
+      loss    = sum(per_ex) / global_batch_size     # this replica's share of
                                                     # the global-batch mean
-    grads     = d loss / d weights                  # local gradients
-    grads     = all_reduce_sum(grads)               # = grad of the global mean
+      grads  += d (loss * loss_scale) / d weights   # local gradients
+    grads     = all_reduce_sum(grads) / loss_scale  # = grad of the global mean
     grads     = clip_by_global_norm(grads)          # on the reduced gradient
     apply(grads)                                    # exactly one update
     return {"loss": loss, "accuracy": ...}          # shares; the trainer sums
@@ -32,9 +33,9 @@ SUM = tf.distribute.ReduceOp.SUM
 
 
 def sparse_categorical_loss(labels, logits):
-  """Per-example (or per-pixel) cross-entropy from logits."""
+  """Per-example (or per-pixel) cross-entropy from logits, in float32."""
   return keras.losses.sparse_categorical_crossentropy(
-      labels, logits, from_logits=True)
+      labels, tf.cast(logits, tf.float32), from_logits=True)
 
 
 class Trainer:
@@ -51,17 +52,27 @@ class Trainer:
     clip_norm: clip the all-reduced gradient to this global norm (None: off).
     nan_policy: `stop` (the controller stops at a non-finite loss) or `skip`
       (a step whose reduced loss or gradient is not finite changes nothing).
+    grad_accum_steps: split each replica's batch into this many micro-batches
+      and sum their gradients before the one all-reduce and update: the same
+      update as the whole batch at 1/grad_accum_steps of the activations.
+    loss_scale: a `framework.precision.LossScale` (float16 training), or None.
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
-               nan_policy="stop"):
+               nan_policy="stop", grad_accum_steps=1, loss_scale=None):
     check_positive("global_batch_size", global_batch_size)
+    check_positive("grad_accum_steps", grad_accum_steps)
     replicas = strategy.num_replicas_in_sync
     if global_batch_size % replicas:
       raise ConfigError(
           f"global_batch_size={global_batch_size} is not divisible by the "
           f"{replicas} replicas of this strategy; use a multiple of {replicas}")
+    if (global_batch_size // replicas) % grad_accum_steps:
+      raise ConfigError(
+          f"grad_accum_steps={grad_accum_steps} does not divide the per-replica "
+          f"batch {global_batch_size // replicas} (global_batch_size="
+          f"{global_batch_size} / {replicas} replicas)")
     if clip_norm is not None and not clip_norm > 0:
       raise ConfigError(f"clip_norm={clip_norm} must be > 0 (or unset)")
     check_choice("nan_policy", nan_policy, NAN_POLICIES)
@@ -72,6 +83,8 @@ class Trainer:
     self.loss_fn = loss_fn
     self.clip_norm = clip_norm
     self.nan_policy = nan_policy
+    self.grad_accum_steps = grad_accum_steps
+    self.loss_scale = loss_scale
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
@@ -96,23 +109,34 @@ class Trainer:
       (use `average` for per-example values, `replica_share` for values that
       are already equal on every replica, such as a reduced gradient norm).
     """
+    # This replica's share of the gradient (micro-batch by micro-batch).
+    grads, metrics = self.accumulate_gradients(batch)
+    # One SUM over replicas turns the shares into the gradient of the mean;
+    # undo the float16 loss scale only after it (the scale is the same
+    # everywhere, and the reduced gradient decides the skip on overflow).
+    grads = self.unscale(self.all_reduce(grads))
+    # Clip the global gradient; clipping shares would clip something else.
+    grads, grad_norm = self.clip_by_global_norm(grads)
+    self.apply_gradients(grads)
+    return {**metrics, "grad_norm": self.replica_share(grad_norm)}
+
+  def compute_gradients(self, batch):
+    """(d loss_share / d weights, metric shares) for one (micro-)batch."""
     features, labels = batch
     with tf.GradientTape() as tape:
       logits = self.model(features, training=True)
       # Mean over the *global* batch, so that summing replicas gives the mean.
       loss = self.average(self.loss_fn(labels, logits))
-      # Layer regularisers are per model, not per example: split them evenly.
+      # Layer regularisers are per model, not per example: split them evenly
+      # over replicas and micro-batches.
       if self.model.losses:
-        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
-    grads = tape.gradient(loss, self.model.trainable_variables)
-    # One SUM over replicas turns the shares into the gradient of the mean.
-    grads = self.all_reduce(grads)
-    # Clip the global gradient; clipping shares would clip something else.
-    grads, grad_norm = self.clip_by_global_norm(grads)
-    self.apply_gradients(grads)
-    return {"loss": loss,
-            "accuracy": self.average(self.correct(labels, logits)),
-            "grad_norm": self.replica_share(grad_norm)}
+        loss += tf.nn.scale_regularization_loss(
+            tf.add_n(self.model.losses)) / self.grad_accum_steps
+      # float16: scale up so that small gradients do not underflow.
+      scaled_loss = self.scale_loss(loss)
+    grads = tape.gradient(scaled_loss, self.model.trainable_variables)
+    return grads, {"loss": loss,
+                   "accuracy": self.average(self.correct(labels, logits))}
 
   def eval_step(self, batch):
     """Sums over this replica's part of an evaluation batch.
@@ -134,6 +158,34 @@ class Trainer:
     return results
 
   # --- Helpers for train steps. ---------------------------------------------
+
+  def accumulate_gradients(self, batch):
+    """`compute_gradients` summed over `grad_accum_steps` micro-batches.
+
+    Shares are already divided by the global batch size, so their sum over
+    micro-batches is this replica's share of the whole batch; micro-batches
+    run one after another, so only one micro-batch's activations are live.
+    """
+    k = self.grad_accum_steps
+    if k == 1:
+      return self.compute_gradients(batch)
+    micro = tf.nest.map_structure(
+        lambda t: tf.reshape(t, [k, -1] + t.shape[1:].as_list()), batch)
+    micro_batch = lambda i: tf.nest.map_structure(lambda t: t[i], micro)
+    grads, metrics = self.compute_gradients(micro_batch(0))
+    for i in tf.range(1, k):
+      more_grads, more_metrics = self.compute_gradients(micro_batch(i))
+      grads = [g + h for g, h in zip(grads, more_grads)]
+      metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
+    return grads, metrics
+
+  def scale_loss(self, loss):
+    """`loss` times the float16 loss scale (unchanged without one)."""
+    return loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
+
+  def unscale(self, grads):
+    """Reduced gradients divided by the loss scale (unchanged without one)."""
+    return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
 
   def average(self, values):
     """This replica's share of the global-batch mean of `values` [batch, ...]."""
@@ -250,10 +302,15 @@ class Trainer:
       getattr(iterations, "value", iterations).assign_add(1)
       return tf.constant(True)
 
-    if self.nan_policy != "skip":
+    if self.nan_policy != "skip" and self.loss_scale is None:
       return update_all()
+    # A float16 overflow is expected now and then: skip it, shrink the scale.
     finite = strategy.experimental_local_results(finite)[0]
-    return tf.cond(finite, update_all, lambda: tf.constant(False))
+    applied = tf.cond(finite, update_all, lambda: tf.constant(False))
+    if self.loss_scale is not None:
+      with tf.control_dependencies([self.loss_scale.update(finite)]):
+        applied = tf.identity(applied)
+    return applied
 
   def _reduce(self, per_replica):
     return {k: self.strategy.reduce(SUM, v, axis=None)

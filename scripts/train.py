@@ -73,6 +73,15 @@ flags.DEFINE_integer("global_batch_size", 128, "Examples per step, all "
 flags.DEFINE_integer("train_steps", None, "Global steps (or --epochs).")
 flags.DEFINE_integer("epochs", None, "Epochs (or --train_steps).")
 flags.DEFINE_integer("steps_per_loop", 100, "Steps inside one tf.function.")
+flags.DEFINE_integer("grad_accum_steps", 1, "Split each replica's batch into "
+                     "this many micro-batches; one all-reduce and update per "
+                     "step (same update, less activation memory).")
+flags.DEFINE_enum("mixed_precision", "float32",
+                  ["float32", "bfloat16", "float16"], "Compute dtype "
+                  "(float32 variables); float16 uses dynamic loss scaling.")
+flags.DEFINE_enum("augment", "none", ["none", "crop_flip"], "Training "
+                  "augmentation: crop_flip = 4-pixel random crop + "
+                  "horizontal flip.")
 flags.DEFINE_enum("optimizer", "adam", ["sgd", "momentum", "adam", "adamw"],
                   "Optimizer.")
 flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate.")
@@ -127,7 +136,8 @@ flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
 # Recorded in TensorBoard as the run's configuration.
 TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
 
-for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints"):
+for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints",
+              "grad_accum_steps"):
   flags.register_validator(_name, lambda v: v is not None and v > 0,
                            message=f"--{_name} must be a positive integer")
 for _name in ("train_steps", "epochs", "cpu_devices", "image_size",
@@ -177,6 +187,8 @@ def config_from_flags():
       optimizer=optimizer, clip_norm=FLAGS.clip_norm,
       nan_policy=FLAGS.nan_policy, loop=loop, seed=FLAGS.seed,
       deterministic=FLAGS.deterministic, input_mode=FLAGS.input_mode,
+      grad_accum_steps=FLAGS.grad_accum_steps,
+      mixed_precision=FLAGS.mixed_precision, augment=FLAGS.augment,
       model_options=dict(
           hidden_units=_int_list("hidden_units", FLAGS.hidden_units),
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm,

@@ -1,0 +1,126 @@
+"""Counting FLOPs and measuring the machine's matmul peak (for MFU).
+
+    MFU = training FLOPs per example x examples/s / peak FLOP/s
+
+FLOPs are counted from the traced graph of one training step (forward, loss
+and backward; the optimizer's element-wise update is negligible and not
+counted), and cross-checked with an analytic count of the conv and dense
+layers. The peak is a float32 matmul timed on this machine in the same run.
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def _elements(tensor):
+  return int(np.prod(tensor.shape.as_list()))
+
+
+def graph_matmul_flops(concrete_function):
+  """2 x multiply-adds of the conv and matmul ops in a traced graph.
+
+  Counted op by op from the static shapes: Conv2D and its two gradients
+  (each 2 x output-gradient elements x kernel height x width x input
+  channels) and MatMul (2 x output elements x inner dimension).
+  TF's profiler counts a conv gradient over the conv's *input* size, which
+  overcounts 'valid' convolutions; this count is exact.
+  """
+  graph = concrete_function.graph
+  returned = {t.ref() for t in graph.outputs}
+  total = 0
+  for op in graph.get_operations():
+    if op.type not in ("Conv2D", "Conv2DBackpropInput",
+                       "Conv2DBackpropFilter", "MatMul"):
+      continue
+    if not (op.outputs[0].consumers() or op.outputs[0].ref() in returned):
+      continue  # e.g. the unused input gradient of the first layer: pruned
+    if op.type in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
+      kernel = (op.outputs[0] if op.type == "Conv2DBackpropFilter"
+                else op.inputs[1]).shape.as_list()
+      out = op.outputs[0] if op.type == "Conv2D" else op.inputs[2]
+      total += 2 * _elements(out) * kernel[0] * kernel[1] * kernel[2]
+    elif op.type == "MatMul":
+      a = op.inputs[0].shape.as_list()
+      inner = a[0] if op.get_attr("transpose_a") else a[1]
+      total += 2 * _elements(op.outputs[0]) * inner
+  return total
+
+
+def graph_flops(concrete_function):
+  """All float operations of a traced `tf.function`, per TF's profiler."""
+  options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+  options["output"] = "none"
+  profile = tf.compat.v1.profiler.profile(graph=concrete_function.graph,
+                                          options=options)
+  return profile.total_float_ops
+
+
+def training_flops_per_example(model, input_shape, batch_size=8):
+  """FLOPs per example of forward + backward, counted in the traced graph.
+
+  Returns:
+    {"matmul": conv + matmul FLOPs (what MFU counts), "all": every op TF's
+     profiler has a FLOP count for (element-wise ops included)}.
+  """
+  variables = model.trainable_variables
+
+  @tf.function
+  def step(images, labels):
+    with tf.GradientTape() as tape:
+      logits = tf.cast(model(images, training=True), tf.float32)
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+          labels, logits, from_logits=True))
+    return tape.gradient(loss, variables)
+
+  concrete = step.get_concrete_function(
+      tf.TensorSpec([batch_size, *input_shape], tf.float32),
+      tf.TensorSpec([batch_size], tf.int32))
+  return {"matmul": graph_matmul_flops(concrete) / batch_size,
+          "all": graph_flops(concrete) / batch_size}
+
+
+def analytic_flops_per_example(model):
+  """2 x multiply-adds of conv/dense layers: forward, and x3 for training.
+
+  Training = forward + gradient w.r.t. inputs + gradient w.r.t. weights; a
+  layer that no trainable layer precedes needs no input gradient.
+  """
+  forward, no_input_grad, trainable_before = 0, 0, False
+  for layer in model.layers:
+    if isinstance(layer, keras.layers.Conv2D):
+      out = layer.output.shape  # [batch, h, w, filters]
+      kh, kw = layer.kernel_size
+      macs = out[1] * out[2] * out[3] * kh * kw * layer.input.shape[-1]
+    elif isinstance(layer, keras.layers.Dense):
+      macs = layer.input.shape[-1] * layer.units
+    else:
+      trainable_before |= bool(layer.trainable_weights)
+      continue
+    forward += 2 * macs
+    if not trainable_before:
+      no_input_grad += 2 * macs
+    trainable_before = True
+  return {"forward": forward, "training": 3 * forward - no_input_grad}
+
+
+def matmul_peak_flops(size=2048, repeats=4, trials=3):
+  """Best measured float32 matmul FLOP/s ([size, size] @ [size, size])."""
+  a = tf.constant(np.random.default_rng(0).standard_normal(
+      (size, size)).astype(np.float32))
+
+  @tf.function
+  def chain(x):
+    for _ in range(repeats):
+      x = tf.matmul(x, a) * (1.0 / size)  # keep values bounded
+    return x
+
+  chain(a).numpy()  # trace and warm up
+  best = float("inf")
+  for _ in range(trials):
+    start = time.perf_counter()
+    chain(a).numpy()
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size**3 * repeats / best

@@ -1,0 +1,60 @@
+"""Guards for the hot path: the train loop traces once per input signature."""
+
+import numpy as np
+import tensorflow as tf
+
+import framework
+import models
+from tests import shared_strategy
+
+
+def _mlp_trainer(strategy, global_batch_size=16):
+  with strategy.scope():
+    model = models.build_model("mlp", (4, 4, 3), 10, hidden_units=(8,))
+    optimizer = framework.make_optimizer(framework.OptimizerConfig())
+  return framework.Trainer(model, optimizer, strategy,
+                           global_batch_size=global_batch_size)
+
+
+def test_train_loop_traces_once_over_many_loops():
+  strategy = shared_strategy.mirrored()
+  data = framework.synthetic(num_train=64, num_test=20, image_shape=(4, 4, 3))
+  trainer = _mlp_trainer(strategy)
+  iterator = iter(framework.distribute_train(strategy, data, 16))
+  # Loops of different lengths, as the controller runs them between events.
+  for num_steps in (1, 3, 2, 5, 1, 4, 7, 2):
+    metrics = trainer.train(iterator, num_steps)
+  assert np.isfinite(float(metrics["loss"]))
+  assert int(trainer.global_step.numpy()) == 25
+  assert trainer._train_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+  # A fresh iterator over the same pipeline (a resumed run) reuses the trace.
+  trainer.train(iter(framework.distribute_train(strategy, data, 16,
+                                                start_step=25)), 3)
+  assert trainer._train_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+  # Evaluation: one trace for every pass over the eval set.
+  for _ in range(3):
+    trainer.evaluate(framework.distribute_eval(strategy, data.test_x,
+                                               data.test_y, 16))
+  assert trainer._eval_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+
+
+def test_graph_flops_match_the_analytic_count():
+  from framework import flops  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([
+      keras.Input((8, 8, 3)),
+      keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+      keras.layers.Conv2D(16, 3, padding="valid", activation="relu"),
+      keras.layers.Flatten(),
+      keras.layers.Dense(10)])
+  analytic = flops.analytic_flops_per_example(model)
+  conv1, conv2 = 2 * 8 * 8 * 16 * 9 * 3, 2 * 6 * 6 * 16 * 9 * 16
+  dense = 2 * 6 * 6 * 16 * 10
+  assert analytic["forward"] == conv1 + conv2 + dense
+  # Training: forward + weight gradients + input gradients (not layer 1's).
+  assert analytic["training"] == 3 * (conv1 + conv2 + dense) - conv1
+  counted = flops.training_flops_per_example(model, (8, 8, 3), batch_size=4)
+  assert counted["matmul"] == analytic["training"]
+  # TF's profiler also counts element-wise ops (and over-counts the gradient
+  # of a 'valid' convolution).
+  assert counted["all"] > counted["matmul"]
