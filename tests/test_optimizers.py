@@ -41,10 +41,16 @@ def test_optimizers_by_name(name, cls):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(name="lamb"), "optimizer='lamb'"),
     (dict(learning_rate=0.0), "learning_rate=0.0"),
-    (dict(schedule="cosine"), "total_steps"),
+    (dict(total_steps=-1), "total_steps=-1"),
     (dict(schedule="step"), "lr_step_boundaries"),
     (dict(schedule="step", step_boundaries=(8, 5)), "strictly increasing"),
 ])
 def test_bad_configs(kwargs, match):
   with pytest.raises(framework.ConfigError, match=match):
     framework.OptimizerConfig(**kwargs)
+
+
+def test_cosine_needs_the_run_length():
+  # total_steps=0 means "the run's length", filled in by experiment.build.
+  with pytest.raises(framework.ConfigError, match="total_steps"):
+    optimizers.make_schedule(framework.OptimizerConfig(schedule="cosine"))
