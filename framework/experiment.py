@@ -84,14 +84,8 @@ def default_trainer_cls(dataset):
   return Trainer
 
 
-def build(config, strategy, dataset, trainer_cls=None):
-  """(trainer, controller) for `config` under `strategy` on `dataset`.
-
-  Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
-  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries.
-  """
-  per_pixel = segmentation.is_segmentation(dataset)
-  trainer_cls = trainer_cls or default_trainer_cls(dataset)
+def build_model_and_optimizer(config, strategy, dataset):
+  """(model, optimizer, LoopConfig with the run's length) under `strategy`."""
   steps = total_steps(config, len(dataset.train_x))
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
@@ -109,6 +103,19 @@ def build(config, strategy, dataset, trainer_cls=None):
       optimizer = make_optimizer(optimizer_config)
   finally:
     keras.mixed_precision.set_global_policy(policy)
+  return model, optimizer, loop
+
+
+def build(config, strategy, dataset, trainer_cls=None):
+  """(trainer, controller) for `config` under `strategy` on `dataset`.
+
+  Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
+  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries.
+  """
+  per_pixel = segmentation.is_segmentation(dataset)
+  trainer_cls = trainer_cls or default_trainer_cls(dataset)
+  model, optimizer, loop = build_model_and_optimizer(config, strategy,
+                                                     dataset)
   # Only non-default options, so Trainer subclasses with their own
   # constructor keep working when they are not used.
   extra = {}

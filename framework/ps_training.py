@@ -227,30 +227,16 @@ def run(config, trainer_cls=None, strategy=None, on_loop_end=(),
   `prepare_controller(controller)`, if given, runs before training starts.
   """
   # pylint: disable=g-import-not-at-top
-  import dataclasses
   import os
-  import keras
-  import models
   from framework import datasets, strategies
-  from framework.controller import LoopConfig
-  from framework.experiment import WEIGHTS_FILE, total_steps
-  from framework.optimizers import make_optimizer
+  from framework.experiment import WEIGHTS_FILE, build_model_and_optimizer
   from framework.trainer import Trainer
   # pylint: enable=g-import-not-at-top
   strategy = strategy or strategies.make_strategy("parameter_server")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed)
-  steps = total_steps(config, len(dataset.train_x))
-  loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
-                             train_steps=steps)
-  optimizer_config = config.optimizer
-  if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
-    optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
-  keras.utils.set_random_seed(config.seed)
-  with strategy.scope():
-    model = models.build_model(config.model, dataset.input_shape,
-                               dataset.num_classes, **config.model_options)
-    optimizer = make_optimizer(optimizer_config)
+  model, optimizer, loop = build_model_and_optimizer(config, strategy,
+                                                     dataset)
   trainer = (trainer_cls or Trainer)(
       model, optimizer, strategy, global_batch_size=config.global_batch_size,
       clip_norm=config.clip_norm, nan_policy=config.nan_policy)

@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
+from scripts import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 FLAGS = flags.FLAGS
@@ -74,12 +75,8 @@ def run():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from framework import errors  # pylint: disable=g-import-not-at-top
-  try:
+  with cli.one_line_errors():
     run()
-  except errors.DistloopError as e:
-    print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-    sys.exit(1)
 
 
 def entry():

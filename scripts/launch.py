@@ -27,10 +27,10 @@ if "framework" not in sys.modules:
   sys.modules["framework"] = _package
 
 from absl import app  # pylint: disable=g-import-not-at-top
+from scripts import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 from framework import launcher  # pylint: disable=g-import-not-at-top
-from framework.errors import DistloopError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)
@@ -45,13 +45,10 @@ flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
 
 def main(argv):
   command = argv[1:]
-  try:
+  with cli.one_line_errors():
     cluster = launcher.local_cluster(FLAGS.workers, FLAGS.ps,
                                      chief=FLAGS.chief, host=FLAGS.host)
     job = launcher.Launcher(command, cluster, grace_period=FLAGS.grace_period)
-  except DistloopError as e:
-    print(f"launch.py: error: {e}", file=sys.stderr)
-    sys.exit(1)
 
   def on_signal(signum, frame):
     del frame

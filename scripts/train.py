@@ -16,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
+from scripts import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 from absl import logging
 
@@ -270,16 +271,13 @@ def weights_digest(model):
 def run_main(trainer_cls=None):
   """Runs the app; errors a user can fix end in one line and exit code 1."""
   import framework  # pylint: disable=g-import-not-at-top
-  try:
+  with cli.one_line_errors():
     if FLAGS.cpu_devices:
       # Must happen before TensorFlow creates its devices.
       framework.configure_cpu_devices(FLAGS.cpu_devices)
     config = config_from_flags()
     # No trainer_cls: the dataset's task picks it (see experiment.build).
     results = _run_config(config, trainer_cls)
-  except framework.DistloopError as e:
-    print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-    sys.exit(1)
   if results:
     logging.info("final eval: %s", results)
 
