@@ -13,6 +13,7 @@ a `ps`) are stopped once every other task has exited successfully.
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,8 +27,30 @@ ROLE_ORDER = ("chief", "worker", "ps", "evaluator")
 _PR_SET_PDEATHSIG = 1
 
 
+def _ephemeral_port_range():
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      low, high = (int(x) for x in f.read().split())
+    return low, high
+  except (OSError, ValueError):
+    return None
+
+
 def free_ports(count, host="127.0.0.1"):
-  """`count` distinct TCP ports on `host` that are free right now."""
+  """`count` distinct TCP ports on `host` that are free right now.
+
+  Ports come from below the kernel's ephemeral range where there is room:
+  a task needs a few seconds to import TensorFlow before it binds its port,
+  and meanwhile a port from the ephemeral range can be taken by any
+  process's outgoing connection (the gRPC channels of the tasks themselves).
+  """
+  ephemeral = _ephemeral_port_range()
+  if ephemeral and ephemeral[0] > 12000:
+    candidates = random.Random().sample(range(10000, ephemeral[0]),
+                                        min(ephemeral[0] - 10000, 200))
+    ports = [p for p in candidates if _bindable(host, p)][:count]
+    if len(ports) == count:
+      return ports
   sockets = []
   try:
     for _ in range(count):
@@ -38,6 +61,15 @@ def free_ports(count, host="127.0.0.1"):
   finally:
     for s in sockets:
       s.close()
+
+
+def _bindable(host, port):
+  with socket.socket() as s:
+    try:
+      s.bind((host, port))
+      return True
+    except OSError:
+      return False
 
 
 def local_cluster(workers, ps=0, *, chief=None, host="127.0.0.1"):

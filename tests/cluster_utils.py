@@ -2,6 +2,7 @@
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -24,8 +25,45 @@ def start_task(cluster, role, index, args, log_path):
   """Starts `train.py args` as task role:index; output goes to `log_path`."""
   env = dict(ENV, TF_CONFIG=launcher.tf_config(cluster, role, index))
   with open(log_path, "ab") as log:
-    return subprocess.Popen(TRAIN + list(args), env=env, cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(TRAIN + list(args), env=env, cwd=ROOT,
+                               stdout=log, stderr=subprocess.STDOUT)
+  process.log_path = log_path  # failure messages quote its tail
+  process.task = f"{role}:{index}"
+  return process
+
+
+def log_tail(process, chars=3000):
+  """The end of a `start_task` process's log, for failure messages."""
+  path = getattr(process, "log_path", None)
+  if not path or not os.path.exists(path):
+    return ""
+  lines = [l for l in open(path, errors="replace").read().splitlines()
+           if "cuda" not in l.lower() and "oneDNN" not in l]
+  return f"\n--- {process.task} log tail ---\n" + "\n".join(lines)[-chars:]
+
+
+def wait_listening(cluster, roles, processes, timeout=120):
+  """Waits until every task of `roles` in `cluster` accepts connections."""
+  addresses = [a for role in roles for a in cluster.get(role, [])]
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    for process in processes:
+      if process.poll() is not None:
+        raise AssertionError(f"task {process.task} exited with "
+                             f"{process.returncode}{log_tail(process)}")
+    if all(_accepts(a) for a in addresses):
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"{addresses} not all listening after {timeout}s")
+
+
+def _accepts(address):
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host, int(port)), timeout=1.0).close()
+    return True
+  except OSError:
+    return False
 
 
 def launch(args, workers=2, ps=0, timeout=240):
@@ -54,7 +92,8 @@ def wait_for_checkpoint(model_dir, min_step, processes, timeout=180):
     for process in processes:
       if process.poll() is not None:
         raise AssertionError(f"task exited with {process.returncode} before "
-                             f"a checkpoint >= {min_step} appeared")
+                             f"a checkpoint >= {min_step} appeared"
+                             f"{log_tail(process)}")
     time.sleep(0.02)
   raise AssertionError(f"no checkpoint >= {min_step} in {timeout}s")
 
@@ -66,7 +105,8 @@ def wait_exit(process, timeout):
   except subprocess.TimeoutExpired:
     process.kill()
     process.wait()
-    raise AssertionError(f"process still running {timeout}s later") from None
+    raise AssertionError(f"process still running {timeout}s later"
+                         f"{log_tail(process)}") from None
 
 
 def stop_all(processes):

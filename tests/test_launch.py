@@ -6,6 +6,7 @@ test_multi_worker.py and test_parameter_server.py launch train.py.
 """
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -52,6 +53,19 @@ def test_local_cluster_addresses_are_distinct_loopback_ports():
 
 
 @pytest.mark.slow
+def test_free_ports_are_bindable_and_outside_the_ephemeral_range():
+  ports = launcher.free_ports(6)
+  assert len(set(ports)) == 6
+  ephemeral = launcher._ephemeral_port_range()  # pylint: disable=protected-access
+  if ephemeral and ephemeral[0] > 12000:
+    # Outgoing connections take ephemeral ports; a task's port must not be
+    # one of them while the task is still importing TensorFlow.
+    assert all(p < ephemeral[0] for p in ports), (ports, ephemeral)
+  for port in ports:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", port))
+
+
 def test_first_failure_is_the_exit_status_and_no_task_survives():
   proc = _launch("--workers=3", env={"FAIL_ROLE": "worker",
                                      "FAIL_STATUS": "3"})
