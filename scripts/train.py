@@ -71,8 +71,10 @@ flags.DEFINE_integer("split_layer", None, "Tensor parallel: index of the "
 # How long and how.
 flags.DEFINE_integer("global_batch_size", 128, "Examples per step, all "
                      "replicas together.")
-flags.DEFINE_integer("train_steps", None, "Global steps (or --epochs).")
-flags.DEFINE_integer("epochs", None, "Epochs (or --train_steps).")
+flags.DEFINE_integer("train_steps", None, "Global steps (or --epochs); 0 "
+                     "unsets it, e.g. to override a flag file's --epochs.")
+flags.DEFINE_integer("epochs", None, "Epochs (or --train_steps); 0 unsets "
+                     "it, e.g. to override a flag file's --train_steps.")
 flags.DEFINE_integer("steps_per_loop", 100, "Steps inside one tf.function.")
 flags.DEFINE_integer("grad_accum_steps", 1, "Split each replica's batch into "
                      "this many micro-batches; one all-reduce and update per "
@@ -141,8 +143,10 @@ for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints",
               "grad_accum_steps"):
   flags.register_validator(_name, lambda v: v is not None and v > 0,
                            message=f"--{_name} must be a positive integer")
-for _name in ("train_steps", "epochs", "cpu_devices", "image_size",
-              "unet_depth", "unet_width"):
+for _name in ("train_steps", "epochs"):
+  flags.register_validator(_name, lambda v: v is None or v >= 0,
+                           message=f"--{_name} must be >= 0 (0: not set)")
+for _name in ("cpu_devices", "image_size", "unet_depth", "unet_width"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
 for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
@@ -184,7 +188,7 @@ def config_from_flags():
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,
       model_dir=FLAGS.model_dir, strategy=FLAGS.strategy, tpu=FLAGS.tpu,
       global_batch_size=FLAGS.global_batch_size,
-      train_steps=FLAGS.train_steps, epochs=FLAGS.epochs,
+      train_steps=FLAGS.train_steps or None, epochs=FLAGS.epochs or None,
       optimizer=optimizer, clip_norm=FLAGS.clip_norm,
       nan_policy=FLAGS.nan_policy, loop=loop, seed=FLAGS.seed,
       deterministic=FLAGS.deterministic, input_mode=FLAGS.input_mode,

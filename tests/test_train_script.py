@@ -105,6 +105,10 @@ def test_flagfile_and_epochs(tmp_path):
   # 2048 synthetic examples / 32 = 64 steps per epoch.
   assert "train step 128/128" in proc.stderr
   assert os.path.exists(tmp_path / "run" / "ckpt-128.index")
+  # --epochs=0 unsets the flag file's --epochs so --train_steps can replace it.
+  proc = run_script("train.py", f"--flagfile={flagfile}", "--epochs=0",
+                    "--train_steps=130", "--steps_per_loop=2")
+  assert "train step 130/130" in proc.stderr
 
 
 def test_custom_step_example_trains(tmp_path):
@@ -133,7 +137,7 @@ def assert_one_line_error(proc, *fragments):
     (["--optimizer=lamb"], ["--optimizer"]),
     (["--global_batch_size=33", "--strategy=mirrored", "--cpu_devices=2"],
      ["global_batch_size=33", "2 replicas"]),
-    (["--train_steps=0"], ["--train_steps"]),
+    (["--train_steps=0"], ["train_steps", "epochs"]),  # 0: unset
     (["--train_steps=-3"], ["--train_steps"]),
     (["--global_batch_size=0"], ["--global_batch_size"]),
     (["--cpu_devices=0"], ["--cpu_devices"]),
