@@ -1,30 +1,53 @@
-"""distloop: an explicit custom training loop on tf.distribute."""
+"""distloop: an explicit custom training loop on tf.distribute.
 
-from framework.checkpointing import CheckpointManager
-from framework.controller import Controller, LoopConfig
-from framework.datasets import ArrayDataset, load_cifar10, load_dataset, synthetic, write_cifar10
-from framework import experiment, export, segmentation, segmentation_data
-from framework.distribution_check import CheckReport, DistributionCheckError, check_distribution, check_trainer_class
-from framework.experiment import ExperimentConfig
-from framework.errors import CheckpointError, ConfigError, DataError, DistloopError, NonFiniteLossError
-from framework.metrics import ConfusionTrainer
-from framework.inputs import distribute_eval, distribute_train, eval_dataset, train_dataset
-from framework.optimizers import OptimizerConfig, make_optimizer
-from framework.strategies import STRATEGIES, configure_cpu_devices, is_chief, make_strategy, parse_tf_config
-from framework.segmentation import SegmentationController, SegmentationTrainer
-from framework.summaries import SummaryWriter
-from framework.trainer import Trainer, sparse_categorical_loss
+The public API is re-exported here and imported on first use (PEP 562), so
+that TensorFlow-free modules such as `framework.launcher` load without
+starting TensorFlow.
+"""
 
-__all__ = [
-    "ArrayDataset", "CheckReport", "ConfusionTrainer",
-    "DistributionCheckError", "ExperimentConfig", "experiment", "export",
-    "segmentation", "segmentation_data", "SegmentationController",
-    "SegmentationTrainer", "CheckpointError", "CheckpointManager",
-    "ConfigError",
-    "Controller", "DataError", "DistloopError", "LoopConfig",
-    "NonFiniteLossError", "OptimizerConfig", "STRATEGIES", "SummaryWriter",
-    "Trainer", "check_distribution", "check_trainer_class", "configure_cpu_devices", "distribute_eval", "distribute_train",
-    "eval_dataset", "is_chief", "load_cifar10", "load_dataset",
-    "make_optimizer", "make_strategy", "parse_tf_config",
-    "sparse_categorical_loss", "synthetic", "train_dataset", "write_cifar10",
-]
+import importlib
+import importlib.util
+
+_EXPORTS = {
+    "framework.checkpointing": ["CheckpointManager"],
+    "framework.controller": ["Controller", "LoopConfig"],
+    "framework.datasets": ["ArrayDataset", "load_cifar10", "load_dataset",
+                           "synthetic", "write_cifar10"],
+    "framework.distribution_check": ["CheckReport", "DistributionCheckError",
+                                     "check_distribution",
+                                     "check_trainer_class"],
+    "framework.experiment": ["ExperimentConfig"],
+    "framework.errors": ["CheckpointError", "ConfigError", "DataError",
+                         "DistloopError", "NonFiniteLossError"],
+    "framework.metrics": ["ConfusionTrainer"],
+    "framework.inputs": ["distribute_eval", "distribute_train",
+                         "eval_dataset", "train_dataset"],
+    "framework.optimizers": ["OptimizerConfig", "make_optimizer"],
+    "framework.strategies": ["STRATEGIES", "configure_cpu_devices",
+                             "is_chief", "make_strategy", "parse_tf_config"],
+    "framework.segmentation": ["SegmentationController",
+                               "SegmentationTrainer"],
+    "framework.summaries": ["SummaryWriter"],
+    "framework.trainer": ["Trainer", "sparse_categorical_loss"],
+}
+_MODULES = ["experiment", "export", "segmentation", "segmentation_data"]
+_WHERE = {name: module for module, names in _EXPORTS.items()
+          for name in names}
+
+__all__ = sorted(_WHERE) + _MODULES
+
+
+def __getattr__(name):
+  if name in _WHERE:
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+  elif name in _MODULES or importlib.util.find_spec(f"framework.{name}"):
+    # As the eager `import framework` did: submodules are attributes.
+    value = importlib.import_module(f"framework.{name}")
+  else:
+    raise AttributeError(f"module 'framework' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

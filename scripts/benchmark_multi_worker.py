@@ -21,15 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import types
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-if "framework" not in sys.modules:
-  # No TensorFlow in this process (see scripts/launch.py).
-  _package = types.ModuleType("framework")
-  _package.__path__ = [os.path.join(_ROOT, "framework")]
-  sys.modules["framework"] = _package
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags

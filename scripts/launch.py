@@ -14,17 +14,9 @@ status (128 + N for a task killed by signal N) after stopping the other tasks
 import os
 import signal
 import sys
-import types
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-if "framework" not in sys.modules:
-  # The launcher needs no TensorFlow: load framework.launcher without running
-  # framework/__init__.py (which imports TensorFlow), so that starting a job
-  # costs no TensorFlow start-up and memory in this process.
-  _package = types.ModuleType("framework")
-  _package.__path__ = [os.path.join(_ROOT, "framework")]
-  sys.modules["framework"] = _package
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from scripts import cli  # pylint: disable=g-import-not-at-top

@@ -53,6 +53,14 @@ def test_local_cluster_addresses_are_distinct_loopback_ports():
 
 
 @pytest.mark.slow
+def test_the_launcher_starts_no_tensorflow():
+  # framework/__init__.py imports lazily: the launcher process stays light.
+  code = ("import sys, framework, framework.launcher; "
+          "assert 'tensorflow' not in sys.modules; "
+          "framework.Trainer; assert 'tensorflow' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], cwd=cu.ROOT, check=True)
+
+
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range():
   ports = launcher.free_ports(6)
   assert len(set(ports)) == 6
