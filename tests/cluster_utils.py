@@ -2,7 +2,6 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from framework import cluster as cluster_lib
 from framework import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,19 +51,10 @@ def wait_listening(cluster, roles, processes, timeout=120):
       if process.poll() is not None:
         raise AssertionError(f"task {process.task} exited with "
                              f"{process.returncode}{log_tail(process)}")
-    if all(_accepts(a) for a in addresses):
+    if all(cluster_lib._listening(a) for a in addresses):  # pylint: disable=protected-access
       return
     time.sleep(0.2)
   raise AssertionError(f"{addresses} not all listening after {timeout}s")
-
-
-def _accepts(address):
-  host, _, port = address.rpartition(":")
-  try:
-    socket.create_connection((host, int(port)), timeout=1.0).close()
-    return True
-  except OSError:
-    return False
 
 
 def launch(args, workers=2, ps=0, timeout=240):
