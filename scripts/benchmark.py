@@ -285,6 +285,7 @@ def variants_speed_main():
 def breakdown_main():
   """One process: where a Trainer step's time goes, stage by stage."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework import flops  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
   batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
   setup = _Setup(strategy, dataset)
@@ -330,14 +331,26 @@ def breakdown_main():
   for run in stages.values():
     float(run())  # trace and warm up
   times = {name: [] for name in stages}
+  peaks = []
   for _ in range(max(2, FLAGS.rounds)):
     for name, run in stages.items():
       start = time.perf_counter()
       float(run())
       times[name].append((time.perf_counter() - start) / spl)
+    peaks.append(flops.matmul_peak_flops(trials=2))
+  ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+  per_example = flops.training_flops_per_example(
+      model, dataset.input_shape)["matmul"]
+  peak = statistics.median(peaks)
+  # Ceilings no training loop can pass: forward + backward run at most at
+  # `kernel_mfu`, and a loop whose all-reduce, clip, update and metrics cost
+  # nothing would be `loop_ceiling` times as fast as this Trainer step.
   return {"strategy": FLAGS.strategy, "global_batch_size": batch,
-          "ms_per_step": {k: 1000 * statistics.median(v)
-                          for k, v in times.items()}}
+          "ms_per_step": ms, "matmul_peak_flops": peak,
+          "kernel_mfu": per_example * batch / (ms["+ backward"] / 1000) / peak,
+          "trainer_mfu": (per_example * batch
+                          / (ms["full Trainer step"] / 1000) / peak),
+          "loop_ceiling": ms["full Trainer step"] / ms["+ backward"]}
 
 
 def _child(role, strategy_spec, variant=None):
@@ -416,6 +429,10 @@ def _print_tables(compare, variants, breakdown):
     full = breakdown["ms_per_step"]["full Trainer step"]
     for name, ms in breakdown["ms_per_step"].items():
       print(f"  {name:<20}{ms:>9.1f}{100 * ms / full:>7.1f}%")
+    print(f"  forward + backward kernels alone: MFU {breakdown['kernel_mfu']:.3f}"
+          f" (the Trainer step: {breakdown['trainer_mfu']:.3f}); a loop "
+          f"costing nothing beyond them: {breakdown['loop_ceiling']:.3f}x "
+          "this Trainer")
 
 
 def main(argv):

@@ -1,0 +1,47 @@
+"""scripts/benchmark.py runs end to end and reports what issue 6 asks for.
+
+Only the structure and the counted FLOPs are checked: timings are measured by
+the benchmark, never asserted in tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
+  output = tmp_path / "bench.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"),
+       "--quick", "--strategies=default", "--variants=float32,float32/accum2",
+       "--global_batch_size=16", "--memory_batch_size=16",
+       "--steps_per_loop=2", "--loops_per_round=1", "--rounds=2",
+       f"--output_json={output}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(output.read_text())
+  [compare] = result["compare"]
+  assert compare["fit_steps_per_execution"] == 2  # same as steps_per_loop
+  assert len(compare["ratios"]) == 2
+  # FLOPs are counted in the graph and agree with the analytic count.
+  assert compare["flops_per_example_graph"] == 143_259_648
+  assert compare["flops_per_example_analytic"] == 143_259_648
+  for key in ("fit_mfu", "trainer_mfu", "ratio_median", "matmul_peak_flops"):
+    assert compare[key] > 0, key
+  assert [v["variant"] for v in result["variants"]] == [
+      "float32", "float32/accum2"]
+  assert all(v["train_rss_growth_mb"] is not None
+             for v in result["variants"])
+  breakdown = result["breakdown"]
+  assert set(breakdown["ms_per_step"]) == {
+      "input pipeline", "forward + loss", "+ backward", "full Trainer step"}
+  assert breakdown["kernel_mfu"] > 0 and breakdown["loop_ceiling"] > 0
+  for line in ("Keras fit (A) vs distloop Trainer (B)", "where a step's time goes",
+               "forward + backward kernels alone"):
+    assert line in proc.stdout, proc.stdout
