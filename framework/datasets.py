@@ -5,6 +5,7 @@ is a plain function returning numpy arrays that tests can build by hand.
 """
 
 import dataclasses
+import importlib
 import os
 import pickle
 
@@ -137,9 +138,15 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
                 seed=seed)}
 
 
+# Modules that add their datasets to DATASETS when imported.
+_REGISTERING_MODULES = ("framework.segmentation_data",)
+
+
 def load_dataset(name, data_dir=None, seed=0, **options):
   """Loads a dataset by name (see DATASETS); `options` (e.g. image_size) go
   to the loaders that take them."""
+  for module in _REGISTERING_MODULES:
+    importlib.import_module(module)
   if name not in DATASETS:
     raise ConfigError(f"dataset={name!r} is unknown; known datasets: "
                       f"{', '.join(sorted(DATASETS))}")
