@@ -18,3 +18,17 @@ def one_line_errors():
   except DistloopError as e:
     print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
     sys.exit(1)
+
+
+def main_running(run):
+  """An absl `main(argv)` that rejects positional arguments and runs `run()`
+  with one-line errors (the apps take flags only)."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    with one_line_errors():
+      run()
+
+  return main

@@ -72,11 +72,7 @@ def run():
     print("\n".join(result.lines()), flush=True)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  with cli.one_line_errors():
-    run()
+main = cli.main_running(run)
 
 
 def entry():

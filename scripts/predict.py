@@ -77,11 +77,7 @@ def run():
     Image.fromarray(image.squeeze()).save(FLAGS.save_image)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  with cli.one_line_errors():
-    run()
+main = cli.main_running(run)
 
 
 def entry():
