@@ -15,12 +15,13 @@ The trainer owns the math of a step; this class owns everything around it.
 
 import dataclasses
 import math
+import os
 import time
 
 from absl import logging
 import tensorflow as tf
 
-from framework import strategies
+from framework import profiling, strategies
 from framework.checkpointing import CheckpointManager
 from framework.errors import ConfigError, NonFiniteLossError, check_positive
 from framework.summaries import SummaryWriter, markdown_table
@@ -36,6 +37,9 @@ class LoopConfig:
     checkpoint_every, eval_every, summary_every, log_every: intervals in
       steps; a checkpoint and an evaluation also happen at the end.
     keep_checkpoints: how many checkpoints to keep.
+    profile_steps: `(first, last)` global steps (inclusive) to trace with
+      TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
+      tab); the time per op type goes to the log and a text summary.
   """
   train_steps: int
   steps_per_loop: int = 100
@@ -44,8 +48,11 @@ class LoopConfig:
   eval_every: int = 0
   summary_every: int = 100
   log_every: int = 100
+  profile_steps: tuple = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "profile_steps",
+                       profiling.check_profile_steps(self.profile_steps))
     check_positive("train_steps", self.train_steps)
     check_positive("steps_per_loop", self.steps_per_loop)
     check_positive("keep_checkpoints", self.keep_checkpoints)
@@ -104,6 +111,10 @@ class Controller:
     self._restored = False
     self.last_eval = None
     self.on_loop_end = list(on_loop_end)
+    # The chief traces; other workers run the same ops.
+    self.profiler = profiling.StepProfiler(
+        config.profile_steps if chief else (),
+        os.path.join(model_dir, "train"))
 
   def writer(self, name):
     """The SummaryWriter for `model_dir/<name>`, created on first use (so a
@@ -124,6 +135,7 @@ class Controller:
                   c.log_every):
       if every:
         candidates.append(every - step % every)
+    candidates += [b - step for b in self.profiler.boundaries() if b > step]
     return min(candidates)
 
   def _due(self, every, step):
@@ -149,6 +161,14 @@ class Controller:
     self.last_eval = results
     return results
 
+  def _report_profile(self, table, step):
+    if table is None:
+      return
+    first, last = self.config.profile_steps
+    logging.info("profile of steps %d..%d (trace: %s):\n%s", first, last,
+                 table.trace_path, table.markdown(top=10))
+    self.writer("train").text(step, "profile/op_time", table.markdown())
+
   def restore(self):
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
     if not self._restored:
@@ -168,13 +188,28 @@ class Controller:
     iterator = iter(self.train_input(step))
     last_saved = step
     start_step, start_time = step, time.time()
+    try:
+      step, last_saved = self._train_loops(iterator, step, last_saved,
+                                           start_step, start_time)
+    finally:
+      # A window past the last step, or a run that stopped inside it.
+      self._report_profile(self.profiler.maybe_stop(self.step, force=True),
+                           self.step)
+    if last_saved != step:
+      self.save(step)
+    return self.evaluate()
+
+  def _train_loops(self, iterator, step, last_saved, start_step, start_time):
+    c, trainer = self.config, self.trainer
     while step < c.train_steps:
       num_steps = self._steps_to_next_event(step)
+      self.profiler.maybe_start(step)
       loop_start = time.time()
       metrics = {k: float(v) for k, v in
                  trainer.train(iterator, num_steps).items()}
       elapsed = time.time() - loop_start
       step = self.step
+      self._report_profile(self.profiler.maybe_stop(step), step)
       if not math.isfinite(metrics["loss"]) and trainer.nan_policy == "stop":
         raise NonFiniteLossError(
             f"loss is {metrics['loss']} in steps {step - num_steps + 1}.."
@@ -202,6 +237,4 @@ class Controller:
         self.evaluate()
       for fn in self.on_loop_end:
         fn(step)
-    if last_saved != step:
-      self.save(step)
-    return self.evaluate()
+    return step, last_saved

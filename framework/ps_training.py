@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from framework import cluster, inputs
 from framework.checkpointing import CheckpointManager
-from framework.errors import NonFiniteLossError
+from framework.errors import ConfigError, NonFiniteLossError
 from framework.summaries import SummaryWriter, markdown_table
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -72,6 +72,11 @@ class ParameterServerController:
 
   def __init__(self, trainer, config, model_dir, *, dataset_fn,
                eval_dataset=None, hparams=None, on_loop_end=()):
+    if config.profile_steps:
+      raise ConfigError(
+          f"profile_steps={config.profile_steps} is not supported under "
+          "parameter_server: the steps run on the workers (trace one with "
+          "tf.profiler.experimental.client.trace)")
     self.trainer = trainer
     self.config = config
     self.model_dir = model_dir

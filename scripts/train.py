@@ -122,6 +122,10 @@ flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
 flags.DEFINE_integer("log_every", 100, "Steps between progress lines.")
+flags.DEFINE_list("profile_steps", [], "first,last: trace these global steps "
+                  "(inclusive) with TensorFlow's profiler into "
+                  "model_dir/train (TensorBoard's Profile tab) and log the "
+                  "time per op type, e.g. 10,14.")
 # Multi-process jobs.
 flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm"],
                   "Where the cluster comes from: the TF_CONFIG environment "
@@ -139,6 +143,14 @@ flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
 # Recorded in TensorBoard as the run's configuration.
 TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
 
+
+def _is_int_list(values):
+  try:
+    return all(int(v) is not None for v in values)
+  except ValueError:
+    return False
+
+
 for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints",
               "grad_accum_steps"):
   flags.register_validator(_name, lambda v: v is not None and v > 0,
@@ -149,17 +161,19 @@ for _name in ("train_steps", "epochs"):
 for _name in ("cpu_devices", "image_size", "unet_depth", "unet_width"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
+for _name in ("hidden_units", "lr_step_boundaries", "stage_boundaries",
+              "profile_steps"):
+  flags.register_validator(_name, _is_int_list,
+                           message=f"--{_name} must be integers separated "
+                           "by commas")
 for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
               "startup_timeout"):
   flags.register_validator(_name, lambda v: v is not None and v >= 0,
                            message=f"--{_name} must be >= 0")
 
 
-def _int_list(name, values):
-  try:
-    return tuple(int(v) for v in values)
-  except ValueError:
-    raise app.UsageError(f"--{name}={','.join(values)} must be integers")
+def _int_list(values):
+  return tuple(int(v) for v in values)  # checked by the flag validators
 
 
 def config_from_flags():
@@ -170,18 +184,18 @@ def config_from_flags():
       name=FLAGS.optimizer, learning_rate=FLAGS.learning_rate,
       momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
       schedule=FLAGS.lr_schedule, warmup_steps=FLAGS.warmup_steps,
-      step_boundaries=_int_list("lr_step_boundaries",
-                                FLAGS.lr_step_boundaries),
+      step_boundaries=_int_list(FLAGS.lr_step_boundaries),
       step_decay=FLAGS.lr_step_decay)
   loop = LoopConfig(
       train_steps=1, steps_per_loop=FLAGS.steps_per_loop,
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints, eval_every=FLAGS.eval_every,
-      summary_every=FLAGS.summary_every, log_every=FLAGS.log_every)
+      summary_every=FLAGS.summary_every, log_every=FLAGS.log_every,
+      profile_steps=_int_list(FLAGS.profile_steps))
   model_parallel = ModelParallelConfig(
       mode=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
       num_microbatches=FLAGS.num_microbatches,
-      stage_boundaries=_int_list("stage_boundaries", FLAGS.stage_boundaries),
+      stage_boundaries=_int_list(FLAGS.stage_boundaries),
       num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
@@ -195,7 +209,7 @@ def config_from_flags():
       grad_accum_steps=FLAGS.grad_accum_steps,
       mixed_precision=FLAGS.mixed_precision, augment=FLAGS.augment,
       model_options=dict(
-          hidden_units=_int_list("hidden_units", FLAGS.hidden_units),
+          hidden_units=_int_list(FLAGS.hidden_units),
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm,
           depth=FLAGS.unet_depth, width=FLAGS.unet_width),
       dataset_options=dict(image_size=FLAGS.image_size),

@@ -143,6 +143,8 @@ def assert_one_line_error(proc, *fragments):
     (["--cpu_devices=0"], ["--cpu_devices"]),
     (["--train_steps=5", "--epochs=2"], ["train_steps", "epochs"]),
     (["--strategy=multi_worker_mirrored"], ["needs TF_CONFIG"]),
+    (["--profile_steps=5,3"], ["profile_steps=(5, 3)", "first <= last"]),
+    (["--profile_steps=x"], ["--profile_steps", "integers"]),
     (["--dataset=cifar10", "--data_dir=/nonexistent/cifar"],
      ["/nonexistent/cifar", "data_batch_1"]),
 ])
