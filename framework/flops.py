@@ -82,6 +82,15 @@ def training_flops_per_example(model, input_shape, batch_size=8):
           "all": graph_flops(concrete) / batch_size}
 
 
+def _layer_macs(layer):
+  """Multiply-adds per example of a Conv2D or Dense layer's forward pass."""
+  if isinstance(layer, keras.layers.Conv2D):
+    out = layer.output.shape  # [batch, h, w, filters]
+    kh, kw = layer.kernel_size
+    return out[1] * out[2] * out[3] * kh * kw * layer.input.shape[-1]
+  return layer.input.shape[-1] * layer.units
+
+
 def analytic_flops_per_example(model):
   """2 x multiply-adds of conv/dense layers: forward, and x3 for training.
 
@@ -90,20 +99,67 @@ def analytic_flops_per_example(model):
   """
   forward, no_input_grad, trainable_before = 0, 0, False
   for layer in model.layers:
-    if isinstance(layer, keras.layers.Conv2D):
-      out = layer.output.shape  # [batch, h, w, filters]
-      kh, kw = layer.kernel_size
-      macs = out[1] * out[2] * out[3] * kh * kw * layer.input.shape[-1]
-    elif isinstance(layer, keras.layers.Dense):
-      macs = layer.input.shape[-1] * layer.units
-    else:
+    if not isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)):
       trainable_before |= bool(layer.trainable_weights)
       continue
+    macs = _layer_macs(layer)
     forward += 2 * macs
     if not trainable_before:
       no_input_grad += 2 * macs
     trainable_before = True
   return {"forward": forward, "training": 3 * forward - no_input_grad}
+
+
+def layer_kernel_times(model, batch_size, calls=10):
+  """Each conv/dense layer's forward + backward, timed alone.
+
+  A layer runs on random inputs of its real shape, with its real kernels
+  (TF fuses bias and activation as in the model), and nothing else runs:
+  no BatchNorm, pooling, dropout, loss or optimizer. Summed over layers, this
+  is what a step of `model` costs with TensorFlow's kernels on this machine
+  if every other op were free (less only where layers' kernels overlap), so
+  FLOPs / that time is the MFU ceiling of any training loop.
+
+  Returns:
+    [{"layer", "input_shape", "input_gradient", "flops", "ms"}] per layer
+    (FLOPs for the batch; ms the median of `calls` timed calls).
+  """
+  rng = np.random.default_rng(0)
+  rows, trainable_before = [], False
+  for layer in model.layers:
+    if not isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)):
+      trainable_before |= bool(layer.trainable_weights)
+      continue
+    # Same rule as the analytic count: the first trainable layer needs no
+    # input gradient.
+    input_gradient, trainable_before = trainable_before, True
+    x = tf.constant(rng.standard_normal(
+        (batch_size, *layer.input.shape[1:])).astype(np.float32))
+    dy = tf.constant(rng.standard_normal(
+        (batch_size, *layer.output.shape[1:])).astype(np.float32))
+
+    @tf.function
+    def step(x, dy, layer=layer, input_gradient=input_gradient):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)
+      sources = ([x] if input_gradient else []) + layer.trainable_variables
+      return tape.gradient(y, sources, output_gradients=dy)
+
+    for _ in range(2):
+      [g.numpy() for g in step(x, dy)]  # trace and warm up
+    times = []
+    for _ in range(calls):
+      start = time.perf_counter()
+      [g.numpy() for g in step(x, dy)]
+      times.append(time.perf_counter() - start)
+    passes = 3 if input_gradient else 2  # forward, weight (, input) grads
+    rows.append({"layer": layer.name,
+                 "input_shape": [batch_size, *layer.input.shape[1:]],
+                 "input_gradient": input_gradient,
+                 "flops": 2 * _layer_macs(layer) * batch_size * passes,
+                 "ms": 1000 * float(np.median(times))})
+  return rows
 
 
 def matmul_peak_flops(size=2048, repeats=4, trials=3):

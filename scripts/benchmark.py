@@ -22,9 +22,11 @@ Timings are noisy on a shared machine: compare the ratios, not the absolutes.
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -285,7 +287,7 @@ def variants_speed_main():
 def breakdown_main():
   """One process: where a Trainer step's time goes, stage by stage."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import flops  # pylint: disable=g-import-not-at-top
+  from framework import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
   batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
   setup = _Setup(strategy, dataset)
@@ -341,7 +343,23 @@ def breakdown_main():
   ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
   per_example = flops.training_flops_per_example(
       model, dataset.input_shape)["matmul"]
+  # Each conv/dense layer's kernels alone, with the peak measured around
+  # them: no loop, and no other op, can make a step faster than their sum.
+  layers = flops.layer_kernel_times(model, batch)
+  peaks.append(flops.matmul_peak_flops(trials=2))
   peak = statistics.median(peaks)
+  for row in layers:
+    row["fraction_of_peak"] = row["flops"] / (row["ms"] / 1000) / peak
+  layers_ms = sum(row["ms"] for row in layers)
+  # The op types of the full step, from TensorFlow's profiler.
+  logdir = tempfile.mkdtemp(prefix="distloop_breakdown_")
+  try:
+    tf.profiler.experimental.start(logdir)
+    float(trainer.train(dist_iterator, spl)["loss"])
+    tf.profiler.experimental.stop()
+    table = profiling.op_table(profiling.latest_trace(logdir))
+  finally:
+    shutil.rmtree(logdir, ignore_errors=True)
   # Ceilings no training loop can pass: forward + backward run at most at
   # `kernel_mfu`, and a loop whose all-reduce, clip, update and metrics cost
   # nothing would be `loop_ceiling` times as fast as this Trainer step.
@@ -350,7 +368,12 @@ def breakdown_main():
           "kernel_mfu": per_example * batch / (ms["+ backward"] / 1000) / peak,
           "trainer_mfu": (per_example * batch
                           / (ms["full Trainer step"] / 1000) / peak),
-          "loop_ceiling": ms["full Trainer step"] / ms["+ backward"]}
+          "loop_ceiling": ms["full Trainer step"] / ms["+ backward"],
+          "layers": layers, "layers_ms": layers_ms,
+          "layer_kernels_mfu": (sum(row["flops"] for row in layers)
+                                / (layers_ms / 1000) / peak),
+          "op_time": {"wall_ms": table.wall_ms, "total_ms": table.total_ms,
+                      "rows": [list(row) for row in table.rows[:12]]}}
 
 
 def _child(role, strategy_spec, variant=None):
@@ -433,6 +456,28 @@ def _print_tables(compare, variants, breakdown):
           f" (the Trainer step: {breakdown['trainer_mfu']:.3f}); a loop "
           f"costing nothing beyond them: {breakdown['loop_ceiling']:.3f}x "
           "this Trainer")
+    print(f"\nevery conv/dense layer's forward + backward kernels, each "
+          f"timed alone at batch {breakdown['global_batch_size']} (nothing "
+          "else runs)")
+    header = (f"  {'layer':<12}{'input':>20}{'dx':>4}{'GFLOP':>8}{'ms':>8}"
+              f"{'of peak':>9}")
+    print(header)
+    for row in breakdown["layers"]:
+      print(f"  {row['layer']:<12}{str(tuple(row['input_shape'])):>20}"
+            f"{'y' if row['input_gradient'] else 'n':>4}"
+            f"{row['flops'] / 1e9:>8.2f}{row['ms']:>8.1f}"
+            f"{row['fraction_of_peak']:>9.3f}")
+    print(f"  sum: {breakdown['layers_ms']:.1f} ms = "
+          f"{100 * breakdown['layers_ms'] / full:.1f}% of the full step; MFU "
+          f"if every other op were free: {breakdown['layer_kernels_mfu']:.3f}"
+          " (the ceiling for any loop on these kernels)")
+    op_time = breakdown["op_time"]
+    print(f"\nop types of {FLAGS.steps_per_loop} full Trainer steps "
+          f"(TensorFlow profiler; wall {op_time['wall_ms']:.1f} ms, op time "
+          f"{op_time['total_ms']:.1f} ms: parallel ops overlap)")
+    for name, ms, count in op_time["rows"]:
+      print(f"  {name:<42}{ms:>9.1f} ms{100 * ms / op_time['total_ms']:>7.1f}%"
+            f"{count:>7}")
 
 
 def main(argv):

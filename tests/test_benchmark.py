@@ -42,6 +42,16 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   assert set(breakdown["ms_per_step"]) == {
       "input pipeline", "forward + loss", "+ backward", "full Trainer step"}
   assert breakdown["kernel_mfu"] > 0 and breakdown["loop_ceiling"] > 0
+  # The layers timed alone are the model's conv/dense layers, and their
+  # FLOPs add up to the counted training FLOPs of the batch.
+  layers = breakdown["layers"]
+  assert [row["layer"].split("_")[0] for row in layers] == [
+      "conv2d"] * 4 + ["dense"] * 2
+  assert sum(row["flops"] for row in layers) == 143_259_648 * 16
+  assert breakdown["layer_kernels_mfu"] > 0
+  op_names = [row[0] for row in breakdown["op_time"]["rows"]]
+  assert any("Conv2D" in name for name in op_names), op_names
   for line in ("Keras fit (A) vs distloop Trainer (B)", "where a step's time goes",
-               "forward + backward kernels alone"):
+               "forward + backward kernels alone", "each timed alone",
+               "op types of"):
     assert line in proc.stdout, proc.stdout
