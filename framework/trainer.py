@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.fused_updates import fused_update
 
 NAN_POLICIES = ("stop", "skip")
 SUM = tf.distribute.ReduceOp.SUM
@@ -56,11 +57,15 @@ class Trainer:
       and sum their gradients before the one all-reduce and update: the same
       update as the whole batch at 1/grad_accum_steps of the activations.
     loss_scale: a `framework.precision.LossScale` (float16 training), or None.
+    fused_updates: update each variable with TensorFlow's one-kernel
+      optimizer op where there is one (Adam, AdamW, SGD; see
+      `framework.fused_updates`), else the optimizer's `update_step`.
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
-               nan_policy="stop", grad_accum_steps=1, loss_scale=None):
+               nan_policy="stop", grad_accum_steps=1, loss_scale=None,
+               fused_updates=True):
     check_positive("global_batch_size", global_batch_size)
     check_positive("grad_accum_steps", grad_accum_steps)
     replicas = strategy.num_replicas_in_sync
@@ -85,6 +90,8 @@ class Trainer:
     self.nan_policy = nan_policy
     self.grad_accum_steps = grad_accum_steps
     self.loss_scale = loss_scale
+    self.fused_updates = fused_updates
+    self._update_step = None
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
@@ -273,6 +280,25 @@ class Trainer:
         self._sync_fn = tf.function(lambda: self.strategy.run(replica_fn))
     self._sync_fn()
 
+  def update_variable(self, grad, var, learning_rate):
+    """One variable's optimizer step with its reduced gradient.
+
+    Called once per variable copy (inside `strategy.extended.update`), with
+    `learning_rate` a tensor of `var`'s dtype; override to change where or
+    how a variable is updated. Keras's order: decoupled weight decay (AdamW),
+    then the step, as one fused kernel where TensorFlow has one
+    (`framework.fused_updates`).
+    """
+    optimizer = self.optimizer
+    weight_decay = getattr(optimizer, "weight_decay", None)
+    if weight_decay and optimizer._use_weight_decay(var):  # pylint: disable=protected-access
+      var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
+    if self._update_step is None:
+      # One kernel per variable instead of Keras's chain of element-wise ops.
+      self._update_step = ((self.fused_updates and fused_update(optimizer))
+                            or optimizer.update_step)
+    return self._update_step(grad, var, learning_rate)
+
   # --- Internals. -----------------------------------------------------------
 
   def _update(self, strategy, grads, variables, finite):
@@ -281,13 +307,9 @@ class Trainer:
 
     def update_all():
       lr = optimizer.learning_rate
-      weight_decay = getattr(optimizer, "weight_decay", None)
 
       def update_one(var, grad):
-        # Keras's order: decoupled weight decay, then the optimizer step.
-        if weight_decay and optimizer._use_weight_decay(var):  # pylint: disable=protected-access
-          var.assign_sub(var * tf.cast(weight_decay * lr, var.dtype))
-        optimizer.update_step(grad, var, tf.cast(lr, var.dtype))
+        return self.update_variable(grad, var, tf.cast(lr, var.dtype))
 
       for grad, var in zip(grads, variables):
         var = getattr(var, "value", var)  # the tf.Variable behind a Keras one

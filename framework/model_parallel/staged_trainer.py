@@ -22,7 +22,6 @@ Checkpoints, summaries and the Controller are unchanged: the model is still
 one Keras model whose variables happen to live on several devices.
 """
 
-import contextlib
 
 from absl import logging
 import tensorflow as tf
@@ -37,27 +36,6 @@ from framework.trainer import Trainer
 def update_scope(device):
   """The name scope of the optimizer updates on `device` (`update_CPU_1`)."""
   return "update_" + device.strip("/").replace(":", "_")
-
-
-@contextlib.contextmanager
-def _updates_on_variable_devices(optimizer):
-  """Runs each variable's optimizer math on that variable's device.
-
-  Unplaced ops go to device 0; without this, stage 1's Adam arithmetic would
-  run there and copy its results back.
-  """
-  update_step = optimizer.update_step
-
-  def placed_update_step(gradient, variable, learning_rate):
-    device = variable_device(variable)
-    with tf.device(device), tf.name_scope(update_scope(device) + "/"):
-      return update_step(gradient, variable, learning_rate)
-
-  optimizer.update_step = placed_update_step
-  try:
-    yield
-  finally:
-    del optimizer.update_step  # back to the class's method
 
 
 class StagedTrainer(Trainer):
@@ -171,10 +149,19 @@ class StagedTrainer(Trainer):
     grads, loss, accuracy = self.gradients(features, labels)
     # One update with the full-batch gradient, as the unsplit model does.
     grads, grad_norm = self.clip_by_global_norm(grads)
-    with _updates_on_variable_devices(self.optimizer):
-      self.apply_gradients(grads, self.variables)
+    self.apply_gradients(grads, self.variables)
     return {"loss": loss, "accuracy": accuracy,
             "grad_norm": self.replica_share(grad_norm)}
+
+  def update_variable(self, grad, var, learning_rate):
+    """Runs each variable's optimizer math on that variable's device.
+
+    Unplaced ops go to device 0; without this, stage 1's Adam arithmetic
+    would run there and copy its results back.
+    """
+    device = variable_device(var)
+    with tf.device(device), tf.name_scope(update_scope(device) + "/"):
+      return super().update_variable(grad, var, learning_rate)
 
   def _accumulate(self, stage, totals, grads):
     """totals + grads, each sum on its variable's device."""
