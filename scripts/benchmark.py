@@ -6,9 +6,10 @@ For each strategy (`default`, `mirrored` on 2 CPU devices), in its own
 process (logical devices are fixed when TensorFlow starts):
   * the same model, global batch, input pipeline (`framework.inputs`) and
     optimizer for (A) `model.fit` with `steps_per_execution = steps_per_loop`
-    and (B) `Trainer.train` with `steps_per_loop`; after warm-up, rounds
-    alternate A B A B and the table reports each one's median examples/s and
-    the median of the per-round ratios B / A;
+    and (B) `Trainer.train` with `steps_per_loop`, and (C) the same Trainer
+    with Keras's `update_step` instead of fused optimizer kernels (the
+    "before"); after warm-up, rounds alternate A B C A B C and the table
+    reports medians of examples/s and of the per-round ratios B / A, C / A;
   * MFU = training FLOPs per example (conv + matmul ops counted in the
     traced graph of a step, equal to the analytic count) x examples/s /
     float32 matmul peak, the peak measured in every round right after A and B
@@ -131,12 +132,13 @@ class _FitTimer:
     return Timer()
 
 
-def _make_trainer(setup, strategy, global_batch_size):
+def _make_trainer(setup, strategy, global_batch_size, fused_updates=True):
   import framework  # pylint: disable=g-import-not-at-top
   return framework.Trainer(setup.model, setup.optimizer, strategy,
                            global_batch_size=global_batch_size,
                            grad_accum_steps=setup.grad_accum_steps,
-                           loss_scale=setup.loss_scale)
+                           loss_scale=setup.loss_scale,
+                           fused_updates=fused_updates)
 
 
 def _load(strategy_name, cpu_devices):
@@ -190,6 +192,11 @@ def compare_main():
     trainer.compute_gradients = tf.function(trainer.compute_gradients,
                                             jit_compile=True)
   iterator = iter(framework.distribute_train(strategy, dataset, batch))
+  # (C) the Trainer before fused updates: Keras's `update_step` per variable.
+  unfused_side = _Setup(strategy, dataset)
+  unfused = _make_trainer(unfused_side, strategy, batch, fused_updates=False)
+  unfused_iterator = iter(framework.distribute_train(strategy, dataset,
+                                                     batch))
 
   # Warm-up: tracing, pipeline start, thread pools.
   fit_note = ""
@@ -203,6 +210,7 @@ def compare_main():
     fit_spe = compile_fit(1)
     run_fit()
   _time_trainer(trainer, iterator, 1, spl)
+  _time_trainer(unfused, unfused_iterator, 1, spl)
   examples = loops * spl * batch
   counted = flops.training_flops_per_example(trainer_side.model,
                                              dataset.input_shape)
@@ -211,14 +219,17 @@ def compare_main():
   # Each round: A, B, then the matmul peak, so that every MFU divides by a
   # peak measured under the same machine load (others share these cores).
   fit_rates, trainer_rates, ratios, peaks = [], [], [], [peak_before]
-  fit_mfus, trainer_mfus = [], []
+  fit_mfus, trainer_mfus, unfused_ratios = [], [], []
   for _ in range(FLAGS.rounds):
     fit_rate = examples / run_fit()
     trainer_rate = examples / _time_trainer(trainer, iterator, loops, spl)
+    unfused_rate = examples / _time_trainer(unfused, unfused_iterator, loops,
+                                            spl)
     peak = flops.matmul_peak_flops(trials=2)
     fit_rates.append(fit_rate)
     trainer_rates.append(trainer_rate)
     ratios.append(trainer_rate / fit_rate)
+    unfused_ratios.append(unfused_rate / fit_rate)
     peaks.append(peak)
     fit_mfus.append(graph * fit_rate / peak)
     trainer_mfus.append(graph * trainer_rate / peak)
@@ -232,6 +243,8 @@ def compare_main():
       "fit_examples_per_s": statistics.median(fit_rates),
       "trainer_examples_per_s": statistics.median(trainer_rates),
       "ratio_median": statistics.median(ratios), "ratios": ratios,
+      "unfused_ratio_median": statistics.median(unfused_ratios),
+      "unfused_ratios": unfused_ratios,
       "flops_per_example_graph": graph,
       "flops_per_example_analytic": analytic["training"],
       "flops_per_example_tf_profiler_all_ops": counted["all"],
@@ -406,10 +419,11 @@ def _child(role, strategy_spec, variant=None):
 
 
 def _print_tables(compare, variants, breakdown):
-  print("\nKeras fit (A) vs distloop Trainer (B), seed CIFAR-10 CNN, "
-        "median over rounds")
+  print("\nKeras fit (A) vs distloop Trainer (B; C: with Keras's "
+        "update_step instead of fused kernels), seed CIFAR-10 CNN, median "
+        "over rounds")
   header = (f"{'strategy':<12}{'batch':>6}{'spl':>5}{'fit ex/s':>10}"
-            f"{'distloop':>10}{'B/A':>7}{'fit MFU':>9}{'dl MFU':>8}"
+            f"{'distloop':>10}{'B/A':>7}{'C/A':>7}{'fit MFU':>9}{'dl MFU':>8}"
             f"{'peak GF/s':>11}{'MF/ex':>8}")
   print(header)
   print("-" * len(header))
@@ -419,6 +433,7 @@ def _print_tables(compare, variants, breakdown):
     print(f"{name:<12}{r['global_batch_size']:>6}{r['steps_per_loop']:>5}"
           f"{r['fit_examples_per_s']:>10.1f}"
           f"{r['trainer_examples_per_s']:>10.1f}{r['ratio_median']:>7.3f}"
+          f"{r['unfused_ratio_median']:>7.3f}"
           f"{r['fit_mfu']:>9.3f}{r['trainer_mfu']:>8.3f}"
           f"{r['matmul_peak_flops'] / 1e9:>11.1f}"
           f"{r['flops_per_example_graph'] / 1e6:>8.1f}")

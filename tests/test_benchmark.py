@@ -32,7 +32,8 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   # FLOPs are counted in the graph and agree with the analytic count.
   assert compare["flops_per_example_graph"] == 143_259_648
   assert compare["flops_per_example_analytic"] == 143_259_648
-  for key in ("fit_mfu", "trainer_mfu", "ratio_median", "matmul_peak_flops"):
+  for key in ("fit_mfu", "trainer_mfu", "ratio_median", "matmul_peak_flops",
+              "unfused_ratio_median"):
     assert compare[key] > 0, key
   assert [v["variant"] for v in result["variants"]] == [
       "float32", "float32/accum2"]
@@ -51,7 +52,7 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   assert breakdown["layer_kernels_mfu"] > 0
   op_names = [row[0] for row in breakdown["op_time"]["rows"]]
   assert any("Conv2D" in name for name in op_names), op_names
-  for line in ("Keras fit (A) vs distloop Trainer (B)", "where a step's time goes",
+  for line in ("Keras fit (A) vs distloop Trainer (B", "where a step's time goes",
                "forward + backward kernels alone", "each timed alone",
                "op types of"):
     assert line in proc.stdout, proc.stdout
