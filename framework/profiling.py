@@ -13,6 +13,8 @@ so a run's log and its text summary say where the time went.
 import dataclasses
 import glob
 import os
+import shutil
+import tempfile
 
 from absl import logging
 import tensorflow as tf
@@ -67,12 +69,16 @@ class OpTable:
     return "\n".join(lines)
 
 
-def _xplane_module():
+def load_xspace(trace_path):
+  """The `XSpace` protocol buffer of a `*.xplane.pb` profiler trace."""
   try:
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
   except ImportError:
     from tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
-  return xplane_pb2
+  space = xplane_pb2.XSpace()
+  with open(trace_path, "rb") as f:
+    space.ParseFromString(f.read())
+  return space
 
 
 def latest_trace(logdir):
@@ -84,9 +90,7 @@ def latest_trace(logdir):
 
 def op_table(trace_path):
   """Reads a profiler trace: time per op type on TF's executor threads."""
-  space = _xplane_module().XSpace()
-  with open(trace_path, "rb") as f:
-    space.ParseFromString(f.read())
+  space = load_xspace(trace_path)
   totals, counts = {}, {}
   first, last = None, None
   for plane in space.planes:
@@ -117,6 +121,20 @@ def op_table(trace_path):
                       key=lambda row: -row[1]))
   wall = (last - first) / 1e9 if rows else 0.0
   return OpTable(rows=rows, wall_ms=wall, trace_path=trace_path)
+
+
+def profile_op_table(fn):
+  """Runs `fn()` under the profiler (in a temporary directory); its OpTable."""
+  logdir = tempfile.mkdtemp(prefix="distloop_profile_")
+  try:
+    tf.profiler.experimental.start(logdir)
+    try:
+      fn()
+    finally:
+      tf.profiler.experimental.stop()
+    return op_table(latest_trace(logdir))
+  finally:
+    shutil.rmtree(logdir, ignore_errors=True)
 
 
 class StepProfiler:

@@ -23,11 +23,9 @@ Timings are noisy on a shared machine: compare the ratios, not the absolutes.
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -157,7 +155,7 @@ def compare_main():
   """One process: Keras fit vs Trainer, alternating, plus FLOPs and peak."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import flops  # pylint: disable=g-import-not-at-top
+  from framework import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = _load(FLAGS.strategy, FLAGS.cpu_devices)
   batch, spl, loops = (FLAGS.global_batch_size, FLAGS.steps_per_loop,
                        FLAGS.loops_per_round)
@@ -233,6 +231,14 @@ def compare_main():
     peaks.append(peak)
     fit_mfus.append(graph * fit_rate / peak)
     trainer_mfus.append(graph * trainer_rate / peak)
+  # The same `spl` steps of each under TensorFlow's profiler: which op
+  # types each side spends its time in (the kernels are the same).
+  op_time = {
+      "fit": profiling.profile_op_table(lambda: fit_side.model.fit(
+          fit_data, epochs=1, steps_per_epoch=spl, verbose=0)),
+      "trainer": profiling.profile_op_table(
+          lambda: _time_trainer(trainer, iterator, 1, spl)),
+  }
   return {
       "strategy": FLAGS.strategy, "cpu_devices": FLAGS.cpu_devices,
       "replicas": strategy.num_replicas_in_sync, "global_batch_size": batch,
@@ -252,6 +258,9 @@ def compare_main():
       "fit_mfu": statistics.median(fit_mfus),
       "trainer_mfu": statistics.median(trainer_mfus),
       "trainer_mfus": trainer_mfus,
+      "op_time": {side: {"wall_ms": t.wall_ms, "total_ms": t.total_ms,
+                         "rows": [list(row) for row in t.rows]}
+                  for side, t in op_time.items()},
   }
 
 
@@ -365,14 +374,8 @@ def breakdown_main():
     row["fraction_of_peak"] = row["flops"] / (row["ms"] / 1000) / peak
   layers_ms = sum(row["ms"] for row in layers)
   # The op types of the full step, from TensorFlow's profiler.
-  logdir = tempfile.mkdtemp(prefix="distloop_breakdown_")
-  try:
-    tf.profiler.experimental.start(logdir)
-    float(trainer.train(dist_iterator, spl)["loss"])
-    tf.profiler.experimental.stop()
-    table = profiling.op_table(profiling.latest_trace(logdir))
-  finally:
-    shutil.rmtree(logdir, ignore_errors=True)
+  table = profiling.profile_op_table(
+      lambda: float(trainer.train(dist_iterator, spl)["loss"]))
   # Ceilings no training loop can pass: forward + backward run at most at
   # `kernel_mfu`, and a loop whose all-reduce, clip, update and metrics cost
   # nothing would be `loop_ceiling` times as fast as this Trainer step.
@@ -418,6 +421,27 @@ def _child(role, strategy_spec, variant=None):
   return result
 
 
+def _print_op_comparison(r, top=16):
+  """Op types of `steps_per_loop` steps of fit and of the Trainer."""
+  sides = {side: {name: (ms, count) for name, ms, count in t["rows"]}
+           for side, t in r["op_time"].items()}
+  names = sorted(set(sides["fit"]) | set(sides["trainer"]),
+                 key=lambda n: -max(sides["fit"].get(n, (0, 0))[0],
+                                    sides["trainer"].get(n, (0, 0))[0]))
+  fit, trainer = r["op_time"]["fit"], r["op_time"]["trainer"]
+  print(f"\nop types of {r['steps_per_loop']} steps ({r['strategy']}; "
+        "TensorFlow profiler; op times overlap): fit wall "
+        f"{fit['wall_ms']:.1f} ms, op time {fit['total_ms']:.1f} ms; Trainer "
+        f"wall {trainer['wall_ms']:.1f} ms, op time {trainer['total_ms']:.1f}"
+        " ms")
+  print(f"  {'op type':<40}{'fit ms':>9}{'count':>7}{'Trainer ms':>12}"
+        f"{'count':>7}")
+  for name in names[:top]:
+    (fit_ms, fit_n), (tr_ms, tr_n) = (sides["fit"].get(name, (0.0, 0)),
+                                      sides["trainer"].get(name, (0.0, 0)))
+    print(f"  {name:<40}{fit_ms:>9.1f}{fit_n:>7}{tr_ms:>12.1f}{tr_n:>7}")
+
+
 def _print_tables(compare, variants, breakdown):
   print("\nKeras fit (A) vs distloop Trainer (B; C: with Keras's "
         "update_step instead of fused kernels), seed CIFAR-10 CNN, median "
@@ -448,6 +472,7 @@ def _print_tables(compare, variants, breakdown):
           f"{r['flops_per_example_tf_profiler_all_ops']:.6g}")
     print(f"fit jit_compile={r['fit_jit_compile']}, "
           f"trainer XLA={r['trainer_xla']}")
+    _print_op_comparison(r)
   if variants:
     print("\ndistloop Trainer variants: speed alternating in one process "
           "(median ratio to the first);\nmemory: peak RSS of a process "

@@ -17,7 +17,6 @@ pipeline cannot be faster than the unsplit model there: the ratio shows its
 overhead, the idle fraction shows the schedule.
 """
 
-import glob
 import os
 import re
 import shutil
@@ -81,13 +80,8 @@ def _union_length(intervals):
 
 def _stage_intervals(xspace_path, num_stages):
   """{stage: [(start_ps, end_ps)]} of ops named under `stage_i/`."""
-  try:
-    from tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
-  space = xplane_pb2.XSpace()
-  with open(xspace_path, "rb") as f:
-    space.ParseFromString(f.read())
+  from framework.profiling import load_xspace  # pylint: disable=g-import-not-at-top
+  space = load_xspace(xspace_path)
   pattern = re.compile(r"(?:^|/)stage_(\d+)(?:_\d+)?/[^:]*:")
   intervals = {i: [] for i in range(num_stages)}
   for plane in space.planes:
@@ -120,6 +114,7 @@ def _timeline(intervals, start, window, width=64):
 
 def _idle_fraction(tf, trainer, iterator, num_stages):
   """(median idle fraction, text timeline of the last profiled step)."""
+  from framework import profiling  # pylint: disable=g-import-not-at-top
   fractions = []
   for _ in range(FLAGS.profiled_steps):
     logdir = tempfile.mkdtemp(prefix="distloop_profile_")
@@ -127,8 +122,7 @@ def _idle_fraction(tf, trainer, iterator, num_stages):
       tf.profiler.experimental.start(logdir)
       float(trainer.train(iterator, 1)["loss"])
       tf.profiler.experimental.stop()
-      path = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
-                       recursive=True)[0]
+      path = profiling.latest_trace(logdir)
       intervals = _stage_intervals(path, num_stages)
     finally:
       shutil.rmtree(logdir, ignore_errors=True)

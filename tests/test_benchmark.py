@@ -35,6 +35,12 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   for key in ("fit_mfu", "trainer_mfu", "ratio_median", "matmul_peak_flops",
               "unfused_ratio_median"):
     assert compare[key] > 0, key
+  # Both sides were profiled over the same steps; the Trainer applies
+  # Adam with one fused kernel per variable, fit with Keras's op chain.
+  trainer_ops = {row[0]: row[2] for row in compare["op_time"]["trainer"]["rows"]}
+  fit_ops = {row[0]: row[2] for row in compare["op_time"]["fit"]["rows"]}
+  assert trainer_ops["ResourceApplyAdam"] == 16 * 2  # 16 variables, 2 steps
+  assert "ResourceApplyAdam" not in fit_ops
   assert [v["variant"] for v in result["variants"]] == [
       "float32", "float32/accum2"]
   assert all(v["train_rss_growth_mb"] is not None
@@ -54,5 +60,5 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   assert any("Conv2D" in name for name in op_names), op_names
   for line in ("Keras fit (A) vs distloop Trainer (B", "where a step's time goes",
                "forward + backward kernels alone", "each timed alone",
-               "op types of"):
+               "op types of", "Trainer ms"):
     assert line in proc.stdout, proc.stdout
