@@ -89,7 +89,11 @@ def latest_trace(logdir):
 
 
 def op_table(trace_path):
-  """Reads a profiler trace: time per op type on TF's executor threads."""
+  """Reads a profiler trace: time per op type on TF's executor threads.
+
+  Long windows (seconds, thousands of ops) can lose some short op events in
+  the profiler itself; keep windows to a few steps when counts matter.
+  """
   space = load_xspace(trace_path)
   totals, counts = {}, {}
   first, last = None, None
