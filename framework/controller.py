@@ -177,7 +177,7 @@ class Controller:
 
   def run(self):
     """Trains to `train_steps`, resuming from the latest checkpoint."""
-    c, trainer = self.config, self.trainer
+    c = self.config
     self.restore()
     step = self.step
     if step >= c.train_steps:
@@ -186,11 +186,8 @@ class Controller:
       return self.evaluate()
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
     iterator = iter(self.train_input(step))
-    last_saved = step
-    start_step, start_time = step, time.time()
     try:
-      step, last_saved = self._train_loops(iterator, step, last_saved,
-                                           start_step, start_time)
+      step, last_saved = self._train_loops(iterator, step)
     finally:
       # A window past the last step, or a run that stopped inside it.
       self._report_profile(self.profiler.maybe_stop(self.step, force=True),
@@ -199,8 +196,11 @@ class Controller:
       self.save(step)
     return self.evaluate()
 
-  def _train_loops(self, iterator, step, last_saved, start_step, start_time):
+  def _train_loops(self, iterator, step):
+    """Loops from `step` to `train_steps`; (last step, last saved step)."""
     c, trainer = self.config, self.trainer
+    last_saved = start_step = step
+    start_time = time.time()
     while step < c.train_steps:
       num_steps = self._steps_to_next_event(step)
       self.profiler.maybe_start(step)
