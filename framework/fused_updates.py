@@ -1,8 +1,8 @@
 """One fused kernel per variable for the optimizer update.
 
 Keras 3 optimizers are written once for every backend, so `Adam.update_step`
-is seven element-wise ops, each a separate pass over the variable and its
-slots. TensorFlow has had the whole update as one kernel since TF 1
+is about a dozen element-wise ops, each a separate pass over the variable
+or its slots. TensorFlow has had the whole update as one kernel since TF 1
 (`ResourceApplyAdam`, `ResourceApplyKerasMomentum`,
 `ResourceApplyGradientDescent`): the same formula, one pass. Because the
 Trainer owns the update (see `Trainer.apply_gradients`), it can use them:
