@@ -91,7 +91,6 @@ class Trainer:
     self.grad_accum_steps = grad_accum_steps
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
-    self._update_step = None
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
@@ -293,11 +292,12 @@ class Trainer:
     weight_decay = getattr(optimizer, "weight_decay", None)
     if weight_decay and optimizer._use_weight_decay(var):  # pylint: disable=protected-access
       var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
-    if self._update_step is None:
-      # One kernel per variable instead of Keras's chain of element-wise ops.
-      self._update_step = ((self.fused_updates and fused_update(optimizer))
-                            or optimizer.update_step)
-    return self._update_step(grad, var, learning_rate)
+    # One kernel per variable instead of Keras's chain of element-wise ops.
+    # Chosen while tracing, from the optimizer the trainer has now (the
+    # distribution check swaps in a probe and back).
+    update_step = ((self.fused_updates and fused_update(optimizer))
+                   or optimizer.update_step)
+    return update_step(grad, var, learning_rate)
 
   # --- Internals. -----------------------------------------------------------
 

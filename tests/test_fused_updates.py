@@ -66,3 +66,17 @@ def test_the_step_runs_one_kernel_per_variable():
     type("MyAdam", (keras.optimizers.Adam,), {})()])
 def test_no_fused_kernel_falls_back_to_update_step(optimizer):
   assert fused_updates.fused_update(optimizer) is None
+
+
+def test_the_update_follows_the_trainer_s_current_optimizer(data):
+  # The distribution check traces a step with a probe SGD swapped in, then
+  # restores the trainer's Adam: training afterwards must use Adam's kernel
+  # and slots, exactly as a trainer that was never checked.
+  import framework  # pylint: disable=g-import-not-at-top
+  plain, checked = [make_trainer("one_device", optimizer="adam",
+                                 learning_rate=1e-3) for _ in range(2)]
+  batch = next(iter(framework.train_dataset(data, 32)))
+  framework.check_distribution(
+      checked, lambda: make_trainer("one_device", optimizer="adam",
+                                    learning_rate=1e-3), batch, print_fn=None)
+  assert max_diff(train(plain, data)[0], train(checked, data)[0]) == 0.0
