@@ -58,6 +58,11 @@ class OpTable:
   def total_ms(self):
     return sum(ms for _, ms, _ in self.rows)
 
+  def as_dict(self, top=None):
+    """JSON-ready: wall and op time, and the `top` rows (all by default)."""
+    return {"wall_ms": self.wall_ms, "total_ms": self.total_ms,
+            "rows": [list(row) for row in self.rows[:top]]}
+
   def markdown(self, top=15):
     """The `top` op types as a markdown table (share of all op time)."""
     total = self.total_ms or 1.0

@@ -214,7 +214,7 @@ def compare_main():
                                              dataset.input_shape)
   graph = counted["matmul"]
   analytic = flops.analytic_flops_per_example(trainer_side.model)
-  # Each round: A, B, then the matmul peak, so that every MFU divides by a
+  # Each round: A, B, C, then the matmul peak, so that every MFU divides by a
   # peak measured under the same machine load (others share these cores).
   fit_rates, trainer_rates, ratios, peaks = [], [], [], [peak_before]
   fit_mfus, trainer_mfus, unfused_ratios = [], [], []
@@ -258,9 +258,7 @@ def compare_main():
       "fit_mfu": statistics.median(fit_mfus),
       "trainer_mfu": statistics.median(trainer_mfus),
       "trainer_mfus": trainer_mfus,
-      "op_time": {side: {"wall_ms": t.wall_ms, "total_ms": t.total_ms,
-                         "rows": [list(row) for row in t.rows]}
-                  for side, t in op_time.items()},
+      "op_time": {side: t.as_dict() for side, t in op_time.items()},
   }
 
 
@@ -366,7 +364,8 @@ def breakdown_main():
   per_example = flops.training_flops_per_example(
       model, dataset.input_shape)["matmul"]
   # Each conv/dense layer's kernels alone, with the peak measured around
-  # them: no loop, and no other op, can make a step faster than their sum.
+  # them: unless kernels overlap, no loop can make a step faster than their
+  # sum.
   layers = flops.layer_kernel_times(model, batch)
   peaks.append(flops.matmul_peak_flops(trials=2))
   peak = statistics.median(peaks)
@@ -388,8 +387,7 @@ def breakdown_main():
           "layers": layers, "layers_ms": layers_ms,
           "layer_kernels_mfu": (sum(row["flops"] for row in layers)
                                 / (layers_ms / 1000) / peak),
-          "op_time": {"wall_ms": table.wall_ms, "total_ms": table.total_ms,
-                      "rows": [list(row) for row in table.rows[:12]]}}
+          "op_time": table.as_dict(top=12)}
 
 
 def _child(role, strategy_spec, variant=None):

@@ -146,9 +146,10 @@ TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
 
 def _is_int_list(values):
   try:
-    return all(int(v) is not None for v in values)
+    [int(v) for v in values]  # pylint: disable=expression-not-assigned
   except ValueError:
     return False
+  return True
 
 
 for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints",
@@ -333,11 +334,12 @@ def check_tf_config_early():
       del sys.modules[name]
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def _check_and_run():
   check_tf_config_early()
   run_main()
+
+
+main = cli.main_running(_check_and_run)
 
 
 def entry():
