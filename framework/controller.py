@@ -16,14 +16,17 @@ The trainer owns the math of a step; this class owns everything around it.
 import dataclasses
 import math
 import os
+import re
 import time
 
 from absl import logging
+import keras
 import tensorflow as tf
 
 from framework import profiling, strategies
 from framework.checkpointing import CheckpointManager
-from framework.errors import ConfigError, NonFiniteLossError, check_positive
+from framework.errors import (ConfigError, DataError, NonFiniteLossError,
+                              check_positive)
 from framework.summaries import SummaryWriter, markdown_table
 
 
@@ -63,6 +66,51 @@ class LoopConfig:
         raise ConfigError(f"{name}={value!r} must be an integer >= 0")
 
 
+def learning_rate(optimizer):
+  """The optimizer's current learning rate as a float, whatever it holds: a
+  constant, a (mirrored) variable, or a schedule evaluated at its step."""
+  return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+_PARTIAL = "distloop_partial_batch"
+
+
+def _check_batch_size(dataset, global_batch_size):
+  """`dataset` with every batch's leading dimension checked against
+  `global_batch_size` (DataError now if it is known to differ)."""
+  dims = {t.shape[0] if t.shape.rank else None
+          for t in tf.nest.flatten(dataset.element_spec)}
+  if dims == {global_batch_size}:
+    return dataset
+  if None not in dims:
+    raise DataError(
+        f"train_input gives batches of {sorted(dims)[0]} examples; every "
+        f"training batch must have global_batch_size={global_batch_size} "
+        "examples (batch with drop_remainder=True)")
+
+  def check(*batch):
+    flat = tf.nest.flatten(batch)
+    size = tf.shape(flat[0])[0]
+    with tf.control_dependencies([tf.debugging.Assert(
+        tf.equal(size, global_batch_size), [_PARTIAL, size])]):
+      return tf.nest.map_structure(tf.identity, batch if len(batch) > 1
+                                   else batch[0])
+
+  return dataset.map(check)
+
+
+def _partial_batch_error(error, global_batch_size):
+  """The DataError for a failed `_check_batch_size` assertion, else None."""
+  if _PARTIAL not in str(error):
+    return None
+  size = re.search(_PARTIAL + r"\W*(\d+)", str(error))
+  return DataError(
+      f"train_input gave a batch of {size.group(1) if size else 'another'} "
+      f"examples; every training batch must have global_batch_size="
+      f"{global_batch_size} examples (a partial batch would be averaged over "
+      "the wrong count: repeat() before batch(), or drop_remainder=True)")
+
+
 def _format_seconds(seconds):
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -71,12 +119,39 @@ def _format_seconds(seconds):
 class Controller:
   """Runs a Trainer for `config.train_steps` with checkpoints and summaries.
 
+  The trainer: a `framework.Trainer` (or subclass), or any object with
+  `model`, `optimizer` (any Keras optimizer: constant, variable or schedule
+  learning rate), `strategy`, `global_step` (an int64 variable the steps
+  advance), `train(iterator, n) -> dict of scalars` (the mean of `n` steps;
+  every entry is logged and summarised under its own name),
+  `evaluate(distributed_dataset) -> dict of floats`, `sync_replica_state()`
+  (may do nothing), and `global_batch_size` and `nan_policy` as Trainer's.
+
+  Input contract:
+    train_input(start_step) returns endless global batches for steps
+    `start_step, start_step + 1, ...`: skipping what the run already
+    consumed is the function's job (a restored run calls it with the
+    restored step; the framework never skips), e.g.
+    `lambda start_step: ds.repeat().batch(64, drop_remainder=True)
+    .skip(start_step)` for a deterministic `ds`. It returns either a
+    `tf.data.Dataset` whose elements are whole global batches (leading
+    dimension `global_batch_size`, split over the replicas with
+    `strategy.experimental_distribute_dataset`), or an already distributed
+    dataset or iterator (e.g. from `distribute_datasets_from_function`),
+    used as is. A batch of another size is a `DataError` (before training
+    if the dataset's static shape shows it, else when the batch comes), not
+    a loss averaged over the wrong count.
+
+    eval_input() returns one pass over the eval set, as a `tf.data.Dataset`
+    of batches (the last one may be partial; the framework distributes it)
+    or an already distributed dataset.
+
   Args:
-    trainer: a `framework.Trainer`.
+    trainer: a `framework.Trainer` (or an object as above).
     config: a `LoopConfig`.
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
-    train_input: `start_step -> distributed dataset` of global batches.
-    eval_input: `() -> distributed dataset` over the whole test set, or None.
+    train_input: `start_step -> dataset` of global batches (see above).
+    eval_input: `() -> dataset` over the whole eval set, or None.
     hparams: a dict written once as a text summary (e.g. the run's flags).
     checkpoint_items: extra trackables to checkpoint besides model,
       optimizer and global step.
@@ -151,7 +226,10 @@ class Controller:
     if self.eval_input is None:
       return None
     self.trainer.sync_replica_state()
-    results = self.trainer.evaluate(self.eval_input())
+    data = self.eval_input()
+    if isinstance(data, tf.data.Dataset):
+      data = self.trainer.strategy.experimental_distribute_dataset(data)
+    results = self.trainer.evaluate(data)
     step = self.step
     self.writer("eval").scalars(step, {k: v for k, v in results.items()
                                     if k != "examples"})
@@ -185,7 +263,7 @@ class Controller:
                    c.train_steps)
       return self.evaluate()
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
-    iterator = iter(self.train_input(step))
+    iterator = iter(self._distribute_train(self.train_input(step)))
     try:
       step, last_saved = self._train_loops(iterator, step)
     finally:
@@ -196,6 +274,27 @@ class Controller:
       self.save(step)
     return self.evaluate()
 
+  def _distribute_train(self, data):
+    """A plain dataset from `train_input`, checked and distributed."""
+    if not isinstance(data, tf.data.Dataset):
+      return data
+    batch_size = getattr(self.trainer, "global_batch_size", None)
+    if batch_size:
+      data = _check_batch_size(data, batch_size)
+    return self.trainer.strategy.experimental_distribute_dataset(data)
+
+  def _train(self, iterator, num_steps):
+    """`trainer.train` as floats; a partial batch becomes a DataError."""
+    try:
+      return {k: float(v) for k, v in
+              self.trainer.train(iterator, num_steps).items()}
+    except tf.errors.InvalidArgumentError as e:
+      error = _partial_batch_error(
+          e, getattr(self.trainer, "global_batch_size", None))
+      if error is None:
+        raise
+      raise error from None
+
   def _train_loops(self, iterator, step):
     """Loops from `step` to `train_steps`; (last step, last saved step)."""
     c, trainer = self.config, self.trainer
@@ -205,8 +304,7 @@ class Controller:
       num_steps = self._steps_to_next_event(step)
       self.profiler.maybe_start(step)
       loop_start = time.time()
-      metrics = {k: float(v) for k, v in
-                 trainer.train(iterator, num_steps).items()}
+      metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
       step = self.step
       self._report_profile(self.profiler.maybe_stop(step), step)
@@ -216,20 +314,24 @@ class Controller:
             f"{step}; stopped without saving (latest good checkpoint: "
             f"{self.checkpoints.latest or 'none'}); lower learning_rate, set "
             "clip_norm, or use nan_policy=skip")
-      metrics["learning_rate"] = float(trainer.optimizer.learning_rate)
+      step_metrics = dict(metrics)
+      metrics["learning_rate"] = learning_rate(trainer.optimizer)
       metrics["steps_per_second"] = num_steps / elapsed
-      metrics["examples_per_second"] = (num_steps * trainer.global_batch_size
-                                        / elapsed)
+      if getattr(trainer, "global_batch_size", None):
+        metrics["examples_per_second"] = (
+            num_steps * trainer.global_batch_size / elapsed)
       if self._due(c.summary_every, step) or step == c.train_steps:
         self.writer("train").scalars(step, metrics)
       if self._due(c.log_every, step) or step == c.train_steps:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: loss=%.4f accuracy=%.4f examples/s=%.1f "
-            "ETA %s", step, c.train_steps, metrics["loss"],
-            metrics.get("accuracy", float("nan")),
-            metrics["examples_per_second"], _format_seconds(eta))
+            "train step %d/%d: %s examples/s=%.1f ETA %s", step,
+            c.train_steps, " ".join(f"{k}={v:.4f}" for k, v in
+                                    sorted(step_metrics.items(),
+                                           key=lambda kv: kv[0] != "loss")),
+            metrics.get("examples_per_second", float("nan")),
+            _format_seconds(eta))
       if self._due(c.checkpoint_every, step):
         self.save(step)
         last_saved = step

@@ -1,7 +1,9 @@
 """One training run from a frozen config: what `scripts/train.py` calls.
 
 Kept out of the script so that it can be imported, tested and reused by
-other apps (a custom train step only needs `run(config, trainer_cls=...)`).
+other apps. The registries are only defaults: `run(config, build_model=...,
+train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
+data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
 import dataclasses
@@ -12,6 +14,7 @@ import keras
 import tensorflow as tf
 
 import models
+from models import registry
 from framework import (augment, datasets, distribution_check, export, inputs,
                        precision, segmentation, strategies)
 from framework.controller import Controller, LoopConfig
@@ -84,8 +87,12 @@ def default_trainer_cls(dataset):
   return Trainer
 
 
-def build_model_and_optimizer(config, strategy, dataset):
-  """(model, optimizer, LoopConfig with the run's length) under `strategy`."""
+def build_model_and_optimizer(config, strategy, dataset, build_model=None):
+  """(model, optimizer, LoopConfig with the run's length) under `strategy`.
+
+  `build_model(input_shape, num_classes, **options)` builds the model
+  (default: the builder `config.model` names).
+  """
   steps = total_steps(config, len(dataset.train_x))
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
@@ -98,24 +105,31 @@ def build_model_and_optimizer(config, strategy, dataset):
   precision.set_precision(config.mixed_precision)
   try:
     with strategy.scope():
-      model = models.build_model(config.model, dataset.input_shape,
-                                 dataset.num_classes, **config.model_options)
+      if build_model is None:
+        model = models.build_model(config.model, dataset.input_shape,
+                                   dataset.num_classes, **config.model_options)
+      else:
+        model = registry.call_builder(build_model, dataset.input_shape,
+                                      dataset.num_classes,
+                                      config.model_options)
       optimizer = make_optimizer(optimizer_config)
   finally:
     keras.mixed_precision.set_global_policy(policy)
   return model, optimizer, loop
 
 
-def build(config, strategy, dataset, trainer_cls=None):
+def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
+          train_input=None, eval_input=None, make_trainer=None):
   """(trainer, controller) for `config` under `strategy` on `dataset`.
 
   Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
-  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries.
+  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries. The
+  keyword arguments replace the defaults; see `run`.
   """
   per_pixel = segmentation.is_segmentation(dataset)
   trainer_cls = trainer_cls or default_trainer_cls(dataset)
   model, optimizer, loop = build_model_and_optimizer(config, strategy,
-                                                     dataset)
+                                                     dataset, build_model)
   # Only non-default options, so Trainer subclasses with their own
   # constructor keep working when they are not used.
   extra = {}
@@ -125,24 +139,26 @@ def build(config, strategy, dataset, trainer_cls=None):
   if precision.needs_loss_scale(config.mixed_precision):
     loss_scale = precision.LossScale(strategy)
     extra["loss_scale"] = loss_scale
-  trainer_cls = config.model_parallel.trainer_factory(trainer_cls)
+  trainer_cls = make_trainer or config.model_parallel.trainer_factory(
+      trainer_cls)
   trainer = trainer_cls(model, optimizer, strategy,
                         global_batch_size=config.global_batch_size,
                         clip_norm=config.clip_norm,
                         nan_policy=config.nan_policy, **extra)
   augment_fn = augment.get_augmentation(config.augment)
 
-  def train_input(start_step):
+  def default_train_input(start_step):
     return inputs.distribute_train(
         strategy, dataset, config.global_batch_size, seed=config.seed,
         start_step=start_step, augment=augment_fn,
         input_mode=config.input_mode)
 
-  def eval_input():
+  def default_eval_input():
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
                                   config.global_batch_size)
 
-  kwargs = dict(train_input=train_input, eval_input=eval_input,
+  kwargs = dict(train_input=train_input or default_train_input,
+                eval_input=eval_input or default_eval_input,
                 hparams=config.hparams,
                 checkpoint_items=(loss_scale.checkpoint_items()
                                   if loss_scale else None))
@@ -155,7 +171,9 @@ def build(config, strategy, dataset, trainer_cls=None):
   return trainer, controller
 
 
-def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
+def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
+        build_model=None, train_input=None, eval_input=None,
+        make_trainer=None):
   """Trains and evaluates per `config`; returns the final eval metrics.
 
   The chief also writes model_dir/model_info.json (before training), the
@@ -163,7 +181,33 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
   SavedModel (export/). `prepare_controller(controller)`, if given, runs
   before training starts (e.g. to add `on_loop_end` hooks such as
   preemption handling).
+
+  Every keyword below replaces a default; `config.dataset` still gives the
+  input shape, classes and (without `train_input`) the epoch length.
+
+  Args:
+    build_model: a module-level `build(input_shape, num_classes, **options)
+      -> keras.Model` of logits, called with the `config.model_options` it
+      takes; recorded as `module:function` in model_info.json (so
+      `evaluate.py` / `predict.py` rebuild it). Default: `config.model`,
+      a registered name or such an import path.
+    train_input: `start_step -> tf.data.Dataset` of global batches (or a
+      distributed dataset); see `Controller` for the contract.
+    eval_input: `() -> tf.data.Dataset` of the whole eval set (or None to
+      use `config.dataset`'s test split).
+    make_trainer: `(model, optimizer, strategy, *, global_batch_size,
+      clip_norm, nan_policy, ...) -> trainer` (default: `trainer_cls`).
   """
+  if build_model is not None:
+    path = registry.import_path_of(build_model)
+    if path is None:
+      raise ConfigError(
+          f"build_model={build_model!r} must be a module-level function "
+          "(model_info.json records it as module:function so that "
+          "evaluate.py, predict.py and the export rebuild it)")
+    config = dataclasses.replace(config, model=path)
+  else:
+    registry.get_builder(config.model)  # a bad --model fails before any work
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
@@ -183,8 +227,12 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
     distribution_check.check_experiment(
-        config, strategy, dataset, trainer_cls or default_trainer_cls(dataset))
-  trainer, controller = build(config, strategy, dataset, trainer_cls)
+        config, strategy, dataset,
+        make_trainer or trainer_cls or default_trainer_cls(dataset))
+  trainer, controller = build(
+      config, strategy, dataset, trainer_cls, build_model=build_model,
+      train_input=train_input, eval_input=eval_input,
+      make_trainer=make_trainer)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
   controller.restore()
   chief = strategies.is_chief(strategy)

@@ -1,7 +1,8 @@
 """What a training run leaves for inference, besides its checkpoints.
 
-    model_dir/model_info.json    model name, options, input shape, class names
-                                 (written when training starts)
+    model_dir/model_info.json    model name or import path (and the directory
+                                 to import it from), options, input shape,
+                                 class names (written when training starts)
     model_dir/model.weights.h5   the final Keras weights (experiment.run)
     model_dir/export/            a SavedModel with serving signatures
 
@@ -17,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import models
+from models import registry
 from framework.errors import CheckpointError
 from framework.inputs import to_float
 
@@ -29,6 +31,9 @@ _TRAINING_ONLY_OPTIONS = {"sync_batch_norm": False}
 def model_info(config, dataset):
   """The JSON-able description `build_inference_model` needs (and context)."""
   return {"model": config.model,
+          # A `module:function` model is imported from here when it is not
+          # on the reading process's sys.path (another cwd, no PYTHONPATH).
+          "model_import_dir": registry.import_dir(config.model),
           "model_options": _jsonable(config.model_options),
           "input_shape": list(dataset.input_shape),
           "num_classes": dataset.num_classes,
@@ -78,7 +83,9 @@ def build_inference_model(info):
   options = {k: tuple(v) if isinstance(v, list) else v
              for k, v in options.items()}
   return models.build_model(info["model"], info["input_shape"],
-                            len(info["class_names"]), **options)
+                            len(info["class_names"]),
+                            search_dir=info.get("model_import_dir"),
+                            **options)
 
 
 class ServingModule(tf.Module):

@@ -1,11 +1,21 @@
-"""Model builders found by name.
+"""Model builders found by name or by import path.
 
 A builder is `build(input_shape, num_classes, **options) -> keras.Model` that
 returns logits. `build_model` passes each builder only the options its
-signature names, so one set of script flags serves every model.
+signature names (all of them if it takes `**kwargs`), so one set of script
+flags serves every model.
+
+A model is either a registered name (`cifar_cnn`, see `register`) or the
+import path of any builder, `package.module:function`: no registration, so
+`evaluate.py`, `predict.py` and the export rebuild it in a fresh process from
+what `model_info.json` records (`model` and `model_import_dir`, see
+`import_dir`).
 """
 
+import importlib
 import inspect
+import os
+import sys
 
 from framework.errors import ConfigError
 
@@ -14,6 +24,9 @@ _BUILDERS = {}
 
 def register(name):
   """Decorator: makes a builder available to `build_model(name, ...)`."""
+  if ":" in name:
+    raise ConfigError(f"model name {name!r} must not contain ':' (that "
+                      "marks an import path package.module:function)")
 
   def wrap(builder):
     _BUILDERS[name] = builder
@@ -26,16 +39,124 @@ def model_names():
   return sorted(_BUILDERS)
 
 
-def get_builder(name):
-  if name not in _BUILDERS:
-    raise ConfigError(f"model={name!r} is unknown; known models: "
-                      f"{', '.join(model_names())}")
-  return _BUILDERS[name]
+def is_import_path(name):
+  return ":" in name
 
 
-def build_model(name, input_shape, num_classes, **options):
+def _valid(name):
+  return (f"model={name!r} is not valid: use a registered model "
+          f"({', '.join(model_names())}) or an import path "
+          "package.module:function")
+
+
+def _import_module(name, module_name, search_dir):
+  """Imports `module_name`; if it is not on sys.path, also tries
+  `search_dir` (recorded by the training run) and the current directory
+  (scripts run from elsewhere do not have it on sys.path)."""
+  tried = []
+  for extra in (None, search_dir, os.getcwd()):
+    if extra is not None:
+      extra = os.path.abspath(extra)
+      if extra in tried or extra in map(os.path.abspath, sys.path):
+        continue
+      tried.append(extra)
+      sys.path.append(extra)  # after sys.path: never shadows installed code
+    try:
+      return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+      # Only "the module itself is missing" moves on; a missing dependency
+      # of the user's module is its own error.
+      if not (e.name and (module_name == e.name or
+                          module_name.startswith(e.name + "."))):
+        raise ConfigError(f"model={name!r}: importing {module_name} failed: "
+                          f"{e}") from None
+      if extra is not None:
+        sys.path.remove(extra)
+  where = ", ".join(["sys.path"] + tried)
+  raise ConfigError(f"{_valid(name)}; no module named {module_name!r} "
+                    f"(looked in {where}; add its directory to PYTHONPATH)")
+
+
+def get_builder(name, search_dir=None):
+  """The builder for a registered name or a `module:function` import path.
+
+  Args:
+    name: e.g. `mlp` or `my_models.nets:build_resnet`.
+    search_dir: a directory to import the module from if it is not on
+      sys.path (model_info.json's `model_import_dir`).
+  """
+  if not isinstance(name, str) or not name:
+    raise ConfigError(_valid(name))
+  if not is_import_path(name):
+    if name not in _BUILDERS:
+      raise ConfigError(f"model={name!r} is unknown; known models: "
+                        f"{', '.join(model_names())}, or an import path "
+                        "package.module:function")
+    return _BUILDERS[name]
+  module_name, _, attribute = name.partition(":")
+  if not module_name or not attribute:
+    raise ConfigError(_valid(name))
+  module = _import_module(name, module_name, search_dir)
+  builder = module
+  for part in attribute.split("."):
+    if not hasattr(builder, part):
+      hint = ""
+      if module_name == "__main__":
+        hint = (" (it was defined in the script that trained; move it to a "
+                "module so that other processes can import it)")
+      raise ConfigError(f"model={name!r}: module {module_name} has no "
+                        f"attribute {attribute!r}{hint}")
+    builder = getattr(builder, part)
+  if not callable(builder):
+    raise ConfigError(f"model={name!r}: {attribute} is a "
+                      f"{type(builder).__name__}, not a callable "
+                      "build(input_shape, num_classes, **options)")
+  return builder
+
+
+def import_dir(name):
+  """The directory to put on sys.path to import model `name` (None for a
+  registered name or a module that cannot be located).
+
+  `model_info.json` records it, so a later process (another directory, no
+  PYTHONPATH) imports the same module.
+  """
+  if not is_import_path(name):
+    return None
+  module_name = name.partition(":")[0]
+  top = sys.modules.get(module_name.split(".")[0])
+  if module_name == "__main__":
+    top = sys.modules["__main__"]
+  path = getattr(top, "__file__", None)
+  if path is None:
+    return None
+  path = os.path.dirname(os.path.abspath(path))
+  if os.path.basename(top.__file__).startswith("__init__."):
+    path = os.path.dirname(path)  # a package: its parent is on sys.path
+  return path
+
+
+def import_path_of(builder):
+  """`module:qualname` that imports `builder` again, or None (lambdas,
+  nested functions and objects without a module-level name)."""
+  module = getattr(builder, "__module__", None)
+  qualname = getattr(builder, "__qualname__", None)
+  if not module or not qualname or "<" in qualname:
+    return None
+  return f"{module}:{qualname}"
+
+
+def call_builder(builder, input_shape, num_classes, options):
+  """`builder(input_shape, num_classes, **options it accepts)`."""
+  parameters = inspect.signature(builder).parameters.values()
+  if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+    accepted = {p.name for p in parameters}
+    options = {k: v for k, v in options.items() if k in accepted}
+  return builder(tuple(input_shape), num_classes, **options)
+
+
+def build_model(name, input_shape, num_classes, *, search_dir=None,
+                **options):
   """Builds model `name`; options it does not take are ignored."""
-  builder = get_builder(name)
-  accepted = inspect.signature(builder).parameters
-  return builder(tuple(input_shape), num_classes,
-                 **{k: v for k, v in options.items() if k in accepted})
+  return call_builder(get_builder(name, search_dir), input_shape, num_classes,
+                      options)
