@@ -2,6 +2,7 @@
 then evaluated and used for prediction by fresh processes that never saw the
 user's directory; and `experiment.run` with a user's model and data."""
 
+import glob
 import json
 import os
 import subprocess
@@ -153,3 +154,16 @@ def test_experiment_run_with_own_model_and_data(tmp_path):
   with pytest.raises(framework.ConfigError, match="module-level function"):
     experiment.run(config, strategy=mirrored(),
                    build_model=lambda shape, n: build_tiny(shape, n))
+
+
+def test_own_model_and_data_example_runs(tmp_path):
+  proc = run_script("examples/own_model_and_data.py",
+                    f"--model_dir={tmp_path}", "--train_steps=20")
+  assert "resumed from step 10" in proc.stdout
+  assert "eval: accuracy=" in proc.stdout
+  assert os.path.isfile(tmp_path / "ckpt-20.index")
+  tags = set()
+  for path in glob.glob(str(tmp_path / "train" / "events.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      tags.update(v.tag for v in event.summary.value)
+  assert {"loss", "error_rate", "margin", "learning_rate"} <= tags
