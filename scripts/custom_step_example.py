@@ -54,6 +54,9 @@ class LabelSmoothingTrainer(framework.Trainer):
                               axis=tf.range(1, tf.rank(input_grads)))
       # Average over the GLOBAL batch so the replica shares sum to the mean.
       loss = self.average(per_example + self.gradient_penalty * penalty)
+      # Layer regularisers: once per model, split over the replicas.
+      if self.model.losses:
+        loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
     grads = tape.gradient(loss, self.model.trainable_variables)
     # One explicit SUM over replicas: the gradient of the global mean.
     grads = self.all_reduce(grads)
