@@ -1,6 +1,8 @@
-"""What every distloop app does with an error the user can fix."""
+"""What every distloop app does with an error the user can fix, and with
+TensorFlow's own log lines (quiet unless asked for)."""
 
 import contextlib
+import importlib.util
 import logging as py_logging
 import os
 import re
@@ -35,10 +37,7 @@ def import_tensorflow_quietly():
   XLA's CUDA probe logs through absl before absl's C++ logging is
   initialised, where TF_CPP_MIN_LOG_LEVEL is not read yet: every process
   printed "All log messages before absl::InitializeLog()" and "Could not
-  find cuda drivers" twice (two copies of the library). Only during the
-  import, stderr (fd 2) goes through a filter that drops C++ lines below
-  the level and that header; everything else passes unchanged and at once
-  (so a crash inside the import still shows its output).
+  find cuda drivers" twice (two copies of the library).
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   if "tensorflow" in sys.modules:
@@ -47,19 +46,31 @@ def import_tensorflow_quietly():
     min_level = int(os.environ["TF_CPP_MIN_LOG_LEVEL"])
   except ValueError:
     min_level = 0
-  if min_level <= 0:
+  with filtered_stderr(min_level):
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    return
+
+
+@contextlib.contextmanager
+def filtered_stderr(min_level):
+  """Drops C++ log lines below `min_level` (0..3 = I, W, E, F, as
+  TF_CPP_MIN_LOG_LEVEL counts) and absl's pre-initialisation header from
+  file descriptor 2 while inside.
+
+  Everything else passes unchanged and at once (so that a crash inside
+  still shows its output); a dropped line's continuation lines go too.
+  """
   sys.stderr.flush()
   try:
-    saved = os.dup(2)
+    saved = os.dup(2) if min_level > 0 else None
   except OSError:  # No stderr to filter.
-    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    saved = None
+  if saved is None:
+    yield
     return
   read_fd, write_fd = os.pipe()
 
   def forward():
-    dropping = False  # A dropped line's continuation lines go too.
+    dropping = False
     with os.fdopen(read_fd, "rb") as pipe:
       for line in pipe:
         text = line.decode(errors="replace")
@@ -76,7 +87,7 @@ def import_tensorflow_quietly():
   os.dup2(write_fd, 2)
   os.close(write_fd)
   try:
-    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import,redefined-outer-name
+    yield
   finally:
     sys.stderr.flush()
     os.dup2(saved, 2)  # Closes the pipe's last write end: forward() ends.
@@ -113,25 +124,42 @@ def quiet_tensorflow_logs():
     return
   dirs = []
   for name in ("tensorflow", "keras", "tensorboard"):
-    module = sys.modules.get(name)
-    for path in getattr(module, "__path__", None) or ():
-      dirs.append(os.path.realpath(path))
-      dirs.append(os.path.abspath(path))
+    spec = importlib.util.find_spec(name)
+    for path in (spec and spec.submodule_search_locations) or ():
+      dirs += [os.path.abspath(path), os.path.realpath(path)]
   handler.addFilter(_LibraryInfoFilter(dirs))
+
+
+def quiet_startup(*, import_tensorflow=True):
+  """Called at the top of every app, before TensorFlow is imported: a run
+  shows its own lines (progress, eval, saves, errors) and C++ errors;
+  TF_CPP_MIN_LOG_LEVEL=0 brings TensorFlow's C++ lines back, --verbosity=1
+  its Python ones.
+
+  Once absl has parsed the flags (so that `--help` stays fast), TensorFlow
+  is imported through `import_tensorflow_quietly` (unless
+  `import_tensorflow=False`, for an app that never imports it) and
+  `quiet_tensorflow_logs` is applied.
+  """
+  from absl import app  # pylint: disable=g-import-not-at-top
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+  def after_flags():
+    if import_tensorflow:
+      import_tensorflow_quietly()
+    quiet_tensorflow_logs()
+
+  app.call_after_init(after_flags)
 
 
 def main_running(run):
   """An absl `main(argv)` that rejects positional arguments and runs `run()`
-  with one-line errors (the apps take flags only) and TensorFlow's own log
-  lines held back (see `import_tensorflow_quietly`, `quiet_tensorflow_logs`).
-  """
+  with one-line errors (the apps take flags only)."""
   from absl import app  # pylint: disable=g-import-not-at-top
 
   def main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    import_tensorflow_quietly()
-    quiet_tensorflow_logs()
     with one_line_errors():
       run()
 
