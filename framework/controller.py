@@ -152,7 +152,8 @@ class Controller:
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
     train_input: `start_step -> dataset` of global batches (see above).
     eval_input: `() -> dataset` over the whole eval set, or None.
-    hparams: a dict written once as a text summary (e.g. the run's flags).
+    hparams: a dict (e.g. the run's flags) written as a text summary and
+      to TensorBoard's HParams dashboard (`model_dir` is the session).
     checkpoint_items: extra trackables to checkpoint besides model,
       optimizer and global step.
     on_loop_end: callables `fn(step)` run after each loop's events (e.g.
@@ -263,6 +264,7 @@ class Controller:
                    c.train_steps)
       return self.evaluate()
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
+    self.writer("").hparams(self.hparams)  # model_dir: train/, eval/ below.
     iterator = iter(self._distribute_train(self.train_input(step)))
     try:
       step, last_saved = self._train_loops(iterator, step)

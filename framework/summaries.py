@@ -2,7 +2,10 @@
 
 import os
 
+import numbers
+
 import tensorflow as tf
+from tensorboard.plugins.hparams import api as hp
 
 
 class SummaryWriter:
@@ -24,6 +27,22 @@ class SummaryWriter:
       tf.summary.text(tag, markdown)
     self._writer.flush()
 
+  def hparams(self, values, start_time_secs=None):
+    """Marks this directory as one session of TensorBoard's HParams
+    dashboard, with `values` (e.g. the run's flags) as its hyperparameters.
+
+    The dashboard's metrics are the last values of the scalars in this
+    directory and below it (e.g. `eval/accuracy`: tag `accuracy` of the
+    `eval` subdirectory), so a sweep's runs compare in one table. No
+    experiment config is written: TensorBoard takes one arbitrary run's, so
+    runs of a sweep would hide each other's hyperparameters; inferred, the
+    columns are the union over all runs.
+    """
+    with self._writer.as_default(step=0):
+      hp.hparams({k: hparam_value(v) for k, v in values.items()},
+                 start_time_secs=start_time_secs)
+    self._writer.flush()
+
   def images(self, step, tag, images, max_outputs=3):
     with self._writer.as_default(step=step):
       tf.summary.image(tag, images, max_outputs=max_outputs)
@@ -37,3 +56,17 @@ def markdown_table(values):
   """A two-column markdown table of `values` (e.g. the run's flags)."""
   rows = [f"| {k} | {v} |" for k, v in sorted(values.items())]
   return "\n".join(["| name | value |", "|---|---|"] + rows)
+
+
+def hparam_value(value):
+  """`value` as the HParams dashboard takes it: a bool, int, float or str
+  (lists as their comma-separated flag syntax, None as "None")."""
+  if isinstance(value, (bool, str)):
+    return value
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if isinstance(value, (list, tuple)):
+    return ",".join(str(v) for v in value)
+  return str(value)

@@ -1,8 +1,18 @@
-"""What every distloop app does with an error the user can fix."""
+"""What every distloop app does with an error the user can fix, and with
+TensorFlow's own log lines (quiet unless asked for)."""
 
 import contextlib
+import importlib.util
+import logging as py_logging
 import os
+import re
 import sys
+import threading
+
+# A C++ log line ("I0000 00:00:1796054826.357001    6137 cudart_stub.cc:31]
+# ...") and its severity: I, W, E, F = 0..3, as TF_CPP_MIN_LOG_LEVEL counts.
+_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:[\d.]+ +\d+ \S+:\d+\] ")
+_ABSL_PRE_INIT = "WARNING: All log messages before absl::InitializeLog()"
 
 
 @contextlib.contextmanager
@@ -18,6 +28,128 @@ def one_line_errors():
   except DistloopError as e:
     print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
     sys.exit(1)
+
+
+def import_tensorflow_quietly():
+  """Imports TensorFlow with its C++ start-up lines held to
+  TF_CPP_MIN_LOG_LEVEL (default 2: errors only).
+
+  XLA's CUDA probe logs through absl before absl's C++ logging is
+  initialised, where TF_CPP_MIN_LOG_LEVEL is not read yet: every process
+  printed "All log messages before absl::InitializeLog()" and "Could not
+  find cuda drivers" twice (two copies of the library).
+  """
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  if "tensorflow" in sys.modules:
+    return
+  try:
+    min_level = int(os.environ["TF_CPP_MIN_LOG_LEVEL"])
+  except ValueError:
+    min_level = 0
+  with filtered_stderr(min_level):
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+
+
+@contextlib.contextmanager
+def filtered_stderr(min_level):
+  """Drops C++ log lines below `min_level` (0..3 = I, W, E, F, as
+  TF_CPP_MIN_LOG_LEVEL counts) and absl's pre-initialisation header from
+  file descriptor 2 while inside.
+
+  Everything else passes unchanged and at once (so that a crash inside
+  still shows its output); a dropped line's continuation lines go too.
+  """
+  sys.stderr.flush()
+  try:
+    saved = os.dup(2) if min_level > 0 else None
+  except OSError:  # No stderr to filter.
+    saved = None
+  if saved is None:
+    yield
+    return
+  read_fd, write_fd = os.pipe()
+
+  def forward():
+    dropping = False
+    with os.fdopen(read_fd, "rb") as pipe:
+      for line in pipe:
+        text = line.decode(errors="replace")
+        match = _CPP_LOG_LINE.match(text)
+        if match:
+          dropping = "IWEF".index(match.group(1)) < min_level
+        elif text.startswith(_ABSL_PRE_INIT):
+          dropping = True
+        if not dropping:
+          os.write(saved, line)
+
+  thread = threading.Thread(target=forward, daemon=True)
+  thread.start()
+  os.dup2(write_fd, 2)
+  os.close(write_fd)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # Closes the pipe's last write end: forward() ends.
+    thread.join(timeout=10)
+    os.close(saved)
+
+
+class _LibraryInfoFilter(py_logging.Filter):
+  """Drops records below WARNING logged from inside the given packages."""
+
+  def __init__(self, package_dirs):
+    super().__init__()
+    self.package_dirs = tuple(os.path.join(d, "") for d in package_dirs)
+
+  def filter(self, record):
+    return (record.levelno >= py_logging.WARNING
+            or not record.pathname.startswith(self.package_dirs))
+
+
+def quiet_tensorflow_logs():
+  """TensorFlow's and Keras's Python INFO lines (one "Reduce to ... then
+  broadcast" per reduction, SavedModel and checkpoint internals) only with
+  --verbosity >= 1; the run's own absl INFO lines (progress, eval, saves)
+  stay, and so do every library's warnings.
+
+  TensorFlow logs both through the "tensorflow" logger and through absl
+  directly, so the filter sits on absl's handler and goes by source file.
+  """
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  handler = logging.get_absl_handler()
+  for f in [f for f in handler.filters if isinstance(f, _LibraryInfoFilter)]:
+    handler.removeFilter(f)
+  if logging.get_verbosity() >= logging.DEBUG:
+    return
+  dirs = []
+  for name in ("tensorflow", "keras", "tensorboard"):
+    spec = importlib.util.find_spec(name)
+    for path in (spec and spec.submodule_search_locations) or ():
+      dirs += [os.path.abspath(path), os.path.realpath(path)]
+  handler.addFilter(_LibraryInfoFilter(dirs))
+
+
+def quiet_startup(*, import_tensorflow=True):
+  """Called at the top of every app, before TensorFlow is imported: a run
+  shows its own lines (progress, eval, saves, errors) and C++ errors;
+  TF_CPP_MIN_LOG_LEVEL=0 brings TensorFlow's C++ lines back, --verbosity=1
+  its Python ones.
+
+  Once absl has parsed the flags (so that `--help` stays fast), TensorFlow
+  is imported through `import_tensorflow_quietly` (unless
+  `import_tensorflow=False`, for an app that never imports it) and
+  `quiet_tensorflow_logs` is applied.
+  """
+  from absl import app  # pylint: disable=g-import-not-at-top
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+  def after_flags():
+    if import_tensorflow:
+      import_tensorflow_quietly()
+    quiet_tensorflow_logs()
+
+  app.call_after_init(after_flags)
 
 
 def main_running(run):

@@ -14,8 +14,11 @@ gradient, apply once.
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts import cli  # pylint: disable=g-import-not-at-top
+cli.quiet_startup()  # Before TensorFlow is imported.
+cli.import_tensorflow_quietly()  # This module imports it right away.
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags

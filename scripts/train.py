@@ -12,11 +12,11 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from scripts import cli  # pylint: disable=g-import-not-at-top
+cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 from absl import logging
 
