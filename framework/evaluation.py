@@ -125,11 +125,20 @@ class Evaluator:
         model=model, global_step=self.trainer.global_step)
     self.samples = ((self.dataset.test_x[:3], self.dataset.test_y[:3])
                     if per_pixel else None)
-    self.writer = SummaryWriter(
-        os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
-                                                        "eval")),
-        os.path.basename(config.eval_dir or "eval"),
-        enabled=strategies.is_chief(self.strategy))
+    self._writer = None
+
+  @property
+  def writer(self):
+    """The eval SummaryWriter, created on first use: an evaluator that
+    finds nothing to evaluate leaves model_dir untouched."""
+    if self._writer is None:
+      config = self.config
+      self._writer = SummaryWriter(
+          os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
+                                                          "eval")),
+          os.path.basename(config.eval_dir or "eval"),
+          enabled=strategies.is_chief(self.strategy))
+    return self._writer
 
   def restore(self, path):
     """Loads the model weights and global step of checkpoint `path`."""
