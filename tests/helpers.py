@@ -73,6 +73,9 @@ def _file_digest(path):
 
 # `prog: error: message`, as scripts/cli.py (and absl's usage errors) print.
 _ERROR_LINE = re.compile(r"^[\w.-]+: error: ")
+# absl's own line for a flag that fails its validator (exit status 1; absl
+# adds a "Pass --helpshort ..." hint line).
+_FLAG_ERROR_LINE = re.compile(r"^FATAL Flags parsing error: ")
 # An exception printed without its traceback ("ValueError: ...").
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*: ")
 
@@ -81,7 +84,8 @@ def assert_one_line_error(proc, script, *fragments, unchanged=None):
   """Checks that `proc` failed the way distloop promises for bad input.
 
   Exit status 1, no traceback, exactly one `<script>: error: ...` line in
-  stderr and no other error or bare exception line (TensorFlow's own C++
+  stderr (or absl's `FATAL Flags parsing error: ...` for a flag its
+  validator rejects) and no other error or bare exception line (TensorFlow's own C++
   log lines, `E0000 ... error ...`, are not ours and are ignored), the line
   containing every one of `fragments`; and, with `unchanged` (a `snapshot`
   taken before the run), that path exactly as it was: nothing written,
@@ -94,11 +98,14 @@ def assert_one_line_error(proc, script, *fragments, unchanged=None):
   tail = stderr[-3000:]
   assert proc.returncode == 1, f"exit status {proc.returncode}:\n{tail}"
   assert "Traceback" not in stderr, tail
-  errors = [l for l in stderr.splitlines() if _ERROR_LINE.match(l)]
+  errors = [l for l in stderr.splitlines()
+            if _ERROR_LINE.match(l) or _FLAG_ERROR_LINE.match(l)]
   assert len(errors) == 1, f"{len(errors)} error lines:\n{tail}"
   line = errors[0]
-  assert line.startswith(f"{script}: error: "), line
-  assert line[len(f"{script}: error: "):].strip(), "empty message"
+  prefix = (_FLAG_ERROR_LINE.match(line) or
+            re.match(re.escape(f"{script}: error: "), line))
+  assert prefix, f"not a {script} error line: {line!r}"
+  assert line[prefix.end():].strip(), "empty message"
   exceptions = [l for l in stderr.splitlines() if _EXCEPTION_LINE.match(l)]
   assert not exceptions, f"bare exception lines {exceptions}:\n{tail}"
   for fragment in fragments:

@@ -202,3 +202,24 @@ def test_launch_strategy_from_a_flag_file(tmp_path):
                      "--strategy=parameter_server"):
     launcher.check_command(command + ["--strategy=multi_worker_mirrored"],
                            dict(cluster, ps=["127.0.0.1:3"]))
+
+
+@pytest.mark.parametrize("returncode,stderr,change", [
+    (1, "train.py: error: bad\n" * 4, False),  # four lines
+    (2, "train.py: error: bad\n", False),  # wrong status
+    (1, "Traceback (most recent call last):\ntrain.py: error: bad\n", False),
+    (1, "evaluate.py: error: bad\n", False),  # another script's line
+    (1, "train.py: error: bad\nValueError: boom\n", False),
+    (1, "train.py: error: bad\n", True),  # the directory changed
+])
+def test_the_helper_itself_can_fail(tmp_path, returncode, stderr, change):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  noise = "E0000 00:00:1.0 1 cuda_platform.cc:52] CUDA error: no GPU\n"
+  ok = subprocess.CompletedProcess([], 1, "", noise + "train.py: error: bad\n")
+  before = snapshot(tmp_path)
+  assert assert_one_line_error(ok, "train.py", "bad", unchanged=before)
+  if change:
+    (tmp_path / "new").write_text("")
+  bad = subprocess.CompletedProcess([], returncode, "", noise + stderr)
+  with pytest.raises(AssertionError):
+    assert_one_line_error(bad, "train.py", "bad", unchanged=before)
