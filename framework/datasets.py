@@ -42,6 +42,31 @@ class ArrayDataset:
     return len(self.class_names)
 
 
+def _first_line(error):
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_labels(dataset, where=""):
+  """Raises DataError unless every label is a class index of `dataset`.
+
+  Checked when the data loads, so that a bad label stops the run before it
+  writes anything (not as a NaN or an op error in the middle of training).
+  """
+  for split, labels in (("train", dataset.train_y), ("test", dataset.test_y)):
+    labels = np.asarray(labels)
+    bad = np.flatnonzero((labels < 0) | (labels >= dataset.num_classes))
+    if bad.size:
+      value = labels.reshape(-1)[bad[0]]
+      example = np.unravel_index(bad[0], labels.shape)[0]
+      raise DataError(
+          f"dataset={dataset.name}{where}: {split} example {example} has "
+          f"label {value}, outside the {dataset.num_classes} classes "
+          f"(0..{dataset.num_classes - 1}); {bad.size} bad label value(s) in "
+          f"the {split} split")
+  return dataset
+
+
 def _unpickle(path):
   try:
     with open(path, "rb") as f:
@@ -74,7 +99,13 @@ def load_cifar10(data_dir=None):
     data_dir = os.path.expanduser(KERAS_CACHE)
     if not os.path.isdir(data_dir):
       import keras  # pylint: disable=g-import-not-at-top
-      keras.datasets.cifar10.load_data()
+      try:
+        keras.datasets.cifar10.load_data()
+      except Exception as e:  # offline, proxy, disk: many types
+        raise DataError(
+            f"no data_dir given and Keras's CIFAR-10 cache {data_dir} is "
+            f"missing; downloading it failed ({_first_line(e)}): set data_dir "
+            "(--data_dir) to a cifar-10-batches-py directory") from None
   missing = [f for f in CIFAR10_FILES
              if not os.path.isfile(os.path.join(data_dir, f))]
   if missing:
@@ -150,4 +181,5 @@ def load_dataset(name, data_dir=None, seed=0, **options):
   if name not in DATASETS:
     raise ConfigError(f"dataset={name!r} is unknown; known datasets: "
                       f"{', '.join(sorted(DATASETS))}")
-  return DATASETS[name](data_dir=data_dir, seed=seed, **options)
+  dataset = DATASETS[name](data_dir=data_dir, seed=seed, **options)
+  return check_labels(dataset, f" (data_dir={data_dir!r})" if data_dir else "")

@@ -125,11 +125,20 @@ class Evaluator:
         model=model, global_step=self.trainer.global_step)
     self.samples = ((self.dataset.test_x[:3], self.dataset.test_y[:3])
                     if per_pixel else None)
-    self.writer = SummaryWriter(
-        os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
-                                                        "eval")),
-        os.path.basename(config.eval_dir or "eval"),
-        enabled=strategies.is_chief(self.strategy))
+    self._writer = None
+
+  @property
+  def writer(self):
+    """The eval SummaryWriter, created on first use: an evaluator that
+    finds nothing to evaluate leaves model_dir untouched."""
+    if self._writer is None:
+      config = self.config
+      self._writer = SummaryWriter(
+          os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
+                                                          "eval")),
+          os.path.basename(config.eval_dir or "eval"),
+          enabled=strategies.is_chief(self.strategy))
+    return self._writer
 
   def restore(self, path):
     """Loads the model weights and global step of checkpoint `path`."""
@@ -183,7 +192,8 @@ def watch(config, strategy=None):
   Waits for the run to start (model_info.json), then polls for checkpoints
   every `poll_seconds`; evaluates the newest one each time (skipping those
   written in between); stops after the checkpoint at the run's
-  `train_steps`, or after `timeout_seconds` with nothing new.
+  `train_steps`, or after `timeout_seconds` with nothing new: with a
+  warning if it evaluated something, else with a CheckpointError.
   """
   deadline = time.time() + config.timeout_seconds
   info = export.read_model_info(config.model_dir)
@@ -213,8 +223,15 @@ def watch(config, strategy=None):
       if result.step >= info.get("train_steps", float("inf")):
         return
     elif time.time() > deadline:
-      logging.info("No new checkpoint in %s for %gs; stopping",
-                   config.model_dir, config.timeout_seconds)
+      if last is None:
+        # Exiting quietly here would look like a side-car that did its job.
+        raise CheckpointError(
+            f"model_dir={config.model_dir!r}: no checkpoint appeared in "
+            f"{config.timeout_seconds:g}s after the run started (its "
+            f"{export.MODEL_INFO_FILE} exists); nothing was evaluated")
+      logging.warning("No new checkpoint in %s for %gs after %s; stopping "
+                      "before the run's last step", config.model_dir,
+                      config.timeout_seconds, last)
       return
     else:
       time.sleep(config.poll_seconds)

@@ -96,6 +96,11 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
   steps = total_steps(config, len(dataset.train_x))
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
+  if loop.profile_steps and loop.profile_steps[0] > steps:
+    raise ConfigError(
+        f"profile_steps={loop.profile_steps} starts after the run's last "
+        f"step (train_steps={steps}): nothing would be traced; choose steps "
+        f"in 1..{steps}")
   optimizer_config = config.optimizer
   if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
@@ -112,6 +117,9 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
         model = registry.call_builder(build_model, dataset.input_shape,
                                       dataset.num_classes,
                                       config.model_options)
+      # A model registered without its task is known once built.
+      models.check_task(config.model, segmentation.is_segmentation(dataset),
+                        config.dataset, model)
       optimizer = make_optimizer(optimizer_config)
   finally:
     keras.mixed_precision.set_global_policy(policy)
@@ -223,6 +231,9 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name, len(dataset.train_x),
                len(dataset.test_x))
+  # Before the distribution check, which builds the model too.
+  models.check_task(config.model, segmentation.is_segmentation(dataset),
+                    config.dataset)
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.

@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,9 @@ import time
 from framework.errors import ConfigError, check_positive
 
 ROLE_ORDER = ("chief", "worker", "ps", "evaluator")
+CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+# Programs whose --strategy defaults to a single-process one.
+_DISTLOOP_PROGRAMS = ("train.py", "custom_step_example.py", "distloop-train")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -132,6 +136,72 @@ def _die_with_parent():
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _expand_flagfiles(args):
+  """`args` with each readable `--flagfile=F` replaced by F's flag lines, in
+  place (as absl reads them), so that the last --strategy found wins."""
+  expanded = []
+  for arg in args:
+    if arg.startswith("--flagfile="):
+      try:
+        with open(arg.split("=", 1)[1]) as f:
+          expanded += _expand_flagfiles(
+              [l.strip() for l in f if l.strip().startswith("--")])
+      except OSError:
+        pass  # the task itself reports an unreadable flag file
+    else:
+      expanded.append(arg)
+  return expanded
+
+
+def command_strategy(command):
+  """The --strategy a launched command runs with, or None if unknown.
+
+  A distloop training script without --strategy runs its default strategy;
+  any other program without the flag is not distloop's to judge.
+  """
+  args = _expand_flagfiles(list(command))
+  strategy = None
+  for i, arg in enumerate(args):
+    if arg.startswith("--strategy="):
+      strategy = arg.split("=", 1)[1]
+    elif arg == "--strategy" and i + 1 < len(args):
+      strategy = args[i + 1]
+  if strategy is None and any(os.path.basename(a) in _DISTLOOP_PROGRAMS
+                              for a in command):
+    strategy = "default"
+  return strategy
+
+
+def check_command(command, cluster):
+  """Raises ConfigError unless `command` can run as every task of `cluster`.
+
+  The program must exist (else every task fails to start), and a distloop
+  script must use a cluster strategy: under any other strategy each task
+  would train on its own, all into one model_dir.
+  """
+  if not command:
+    raise ConfigError("no command to launch: put it after '--', e.g. "
+                      "launch.py --workers=2 -- python scripts/train.py ...")
+  if shutil.which(command[0]) is None:
+    raise ConfigError(f"command {command[0]!r} is not an executable file or "
+                      "a program on PATH")
+  strategy = command_strategy(command)
+  if strategy is None:
+    return
+  wanted = "parameter_server" if "ps" in cluster else "multi_worker_mirrored"
+  if strategy not in CLUSTER_STRATEGIES:
+    raise ConfigError(
+        f"the launched command runs strategy={strategy}, which would start "
+        f"{len(tasks_of(cluster))} independent runs; the launcher needs "
+        f"--strategy={' or '.join(CLUSTER_STRATEGIES)} (here: "
+        f"--strategy={wanted})")
+  if strategy != wanted:
+    raise ConfigError(
+        f"the launched command runs strategy={strategy}, but the cluster "
+        f"{'has' if 'ps' in cluster else 'has no'} ps tasks: use "
+        f"--strategy={wanted}" + ("" if "ps" in cluster else " or --ps=1"))
+
+
 class Launcher:
   """Starts, prefixes, watches and stops one process per task of `cluster`.
 
@@ -145,9 +215,7 @@ class Launcher:
 
   def __init__(self, command, cluster, *, grace_period=10.0, env=None,
                output=None):
-    if not command:
-      raise ConfigError("no command to launch: put it after '--', e.g. "
-                        "launch.py --workers=2 -- python scripts/train.py ...")
+    check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")
     self.command = list(command)
@@ -174,10 +242,14 @@ class Launcher:
     for role, index in tasks_of(self.cluster):
       env = dict(os.environ, **self.env,
                  TF_CONFIG=tf_config(self.cluster, role, index))
-      process = subprocess.Popen(
-          self.command, env=env, stdin=subprocess.DEVNULL,
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          start_new_session=True, preexec_fn=_die_with_parent)
+      try:
+        process = subprocess.Popen(
+            self.command, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent)
+      except OSError as e:  # e.g. not executable; run() stops the others
+        raise ConfigError(f"cannot start {self.command[0]!r} for task "
+                          f"{role}:{index}: {e.strerror or e}") from None
       self.processes[(role, index)] = process
       self._print(f"[launch] {role}:{index} pid={process.pid} "
                   f"address={self.cluster[role][index]}\n")

@@ -52,6 +52,17 @@ def parse_tf_config(text=None):
                         "of 'host:port' addresses")
     for i, address in enumerate(addresses):
       _check_address(f"cluster.{role}[{i}]", address)
+  seen = {}
+  for role, addresses in cluster.items():
+    for i, address in enumerate(addresses):
+      where = f"cluster.{role}[{i}]"
+      if address in seen:
+        # Two tasks cannot listen on one port: the cluster would wait out
+        # its whole start-up timeout for a task that never comes up.
+        raise ConfigError(f"TF_CONFIG {where} and {seen[address]} are both "
+                          f"{address!r}; every task needs its own "
+                          "host:port")
+      seen[address] = where
   if len(cluster.get("chief", [])) > 1:
     raise ConfigError(f"TF_CONFIG cluster.chief lists {len(cluster['chief'])} "
                       "addresses; a cluster has at most one chief")

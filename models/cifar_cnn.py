@@ -5,7 +5,7 @@ import keras
 from models.registry import register
 
 
-@register("cifar_cnn")
+@register("cifar_cnn", task="classification")
 def build(input_shape=(32, 32, 3), num_classes=10, *, dropout=True,
           sync_batch_norm=False):
   """The seed network; outputs logits.

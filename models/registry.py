@@ -20,16 +20,29 @@ import sys
 from framework.errors import ConfigError
 
 _BUILDERS = {}
+_TASKS = {}  # name -> "classification" or "segmentation", where declared
+TASKS = ("classification", "segmentation")
 
 
-def register(name):
-  """Decorator: makes a builder available to `build_model(name, ...)`."""
+def register(name, task=None):
+  """Decorator: makes a builder available to `build_model(name, ...)`.
+
+  Args:
+    task: "classification" (logits [batch, classes]) or "segmentation"
+      (logits [batch, height, width, classes]); lets a run refuse a dataset
+      of the other kind before it writes anything. None: not checked
+      before the model is built.
+  """
   if ":" in name:
     raise ConfigError(f"model name {name!r} must not contain ':' (that "
                       "marks an import path package.module:function)")
+  if task is not None and task not in TASKS:
+    raise ConfigError(f"task={task!r} is not valid; choose one of: "
+                      f"{', '.join(TASKS)}")
 
   def wrap(builder):
     _BUILDERS[name] = builder
+    _TASKS[name] = task
     return builder
 
   return wrap
@@ -153,6 +166,28 @@ def call_builder(builder, input_shape, num_classes, options):
     accepted = {p.name for p in parameters}
     options = {k: v for k, v in options.items() if k in accepted}
   return builder(tuple(input_shape), num_classes, **options)
+
+
+def check_task(name, per_pixel, dataset, model=None):
+  """Raises ConfigError unless model `name` solves the dataset's task.
+
+  Args:
+    per_pixel: whether the dataset has one label per pixel (segmentation).
+    dataset: the dataset's name, for the message.
+    model: the built model, if any: its output rank decides for a model
+      registered without a task.
+  """
+  want = "segmentation" if per_pixel else "classification"
+  task = _TASKS.get(name)
+  if task is None and model is not None:
+    task = "segmentation" if len(model.output_shape) == 4 else "classification"
+  if task is None or task == want:
+    return
+  fitting = [n for n in model_names() if _TASKS.get(n) == want]
+  labels = "one class per pixel" if per_pixel else "one class per image"
+  raise ConfigError(
+      f"model={name!r} is a {task} model but dataset={dataset!r} is a {want} "
+      f"task ({labels}); use a {want} model: {', '.join(fitting) or 'none'}")
 
 
 def build_model(name, input_shape, num_classes, *, search_dir=None,

@@ -21,7 +21,7 @@ def _conv_block(x, filters, sync_batch_norm):
   return x
 
 
-@register("unet")
+@register("unet", task="segmentation")
 def build(input_shape=(128, 128, 3), num_classes=3, *, depth=4, width=32,
           sync_batch_norm=False):
   """A U-Net returning per-pixel logits [batch, height, width, num_classes].

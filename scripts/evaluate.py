@@ -7,7 +7,8 @@
 Prints loss, accuracy (pixel accuracy and mean IoU for segmentation) and the
 confusion matrix, and writes them to TensorBoard under <model_dir>/eval.
 With --watch it evaluates each new checkpoint as the run writes it and exits
-after the run's last step.
+after the run's last step; if no checkpoint appears within --timeout_seconds
+it exits 1 with one line (nothing evaluated).
 """
 
 import os
@@ -30,7 +31,7 @@ flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint until the "
 flags.DEFINE_float("poll_seconds", 5.0, "--watch: seconds between looks for "
                    "a new checkpoint.")
 flags.DEFINE_float("timeout_seconds", 3600.0, "--watch: stop after this long "
-                   "without a new checkpoint.")
+                   "without a new checkpoint (exit 1 if none came at all).")
 flags.DEFINE_enum("strategy", "default", ["default", "one_device", "mirrored",
                                           "multi_worker_mirrored",
                                           "central_storage", "tpu"],

@@ -51,7 +51,9 @@ def main(argv):
 
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
-  sys.exit(job.run())
+  with cli.one_line_errors():
+    status = job.run()
+  sys.exit(status)
 
 
 def entry():

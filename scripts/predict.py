@@ -45,6 +45,7 @@ def run():
   if (FLAGS.index is None) == (FLAGS.image is None):
     raise errors.ConfigError("set exactly one of --index (CIFAR-10 test "
                              "image) and --image (a PNG/JPEG file)")
+  _check_outputs(errors)
   info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
                                            FLAGS.model)
   true_label = None
@@ -70,11 +71,37 @@ def run():
                                      source=source, true_label=true_label)
   summary.update(model=info["model"], weights=weights)
   print("\n".join(lines))
-  if FLAGS.output_json:
-    prediction.write_json(FLAGS.output_json, summary)
+  try:
+    if FLAGS.output_json:
+      prediction.write_json(FLAGS.output_json, summary)
+    if FLAGS.save_image:
+      from PIL import Image  # pylint: disable=g-import-not-at-top
+      Image.fromarray(image.squeeze()).save(FLAGS.save_image)
+  except OSError as e:  # e.g. permission denied, disk full
+    raise errors.ConfigError(f"cannot write {e.filename or 'an output'}: "
+                             f"{e.strerror or e}") from None
+
+
+def _check_outputs(errors):
+  """Checks --output_json and --save_image before any work is done."""
+  for name in ("output_json", "save_image"):
+    path = FLAGS[name].value
+    if path is None:
+      continue
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+      raise errors.ConfigError(f"--{name}={path!r}: folder {folder!r} does "
+                               "not exist")
   if FLAGS.save_image:
     from PIL import Image  # pylint: disable=g-import-not-at-top
-    Image.fromarray(image.squeeze()).save(FLAGS.save_image)
+    extension = os.path.splitext(FLAGS.save_image)[1].lower()
+    known = Image.registered_extensions()
+    if extension not in known or known[extension] not in Image.SAVE:
+      writable = sorted(e for e, f in known.items() if f in Image.SAVE)
+      raise errors.ConfigError(
+          f"--save_image={FLAGS.save_image!r}: unknown image extension "
+          f"{extension or '(none)'!r}; use e.g. .png or .jpg (PIL writes "
+          f"{len(writable)} kinds)")
 
 
 main = cli.main_running(run)

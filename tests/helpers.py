@@ -1,6 +1,8 @@
 """Shared test utilities: running the scripts in fresh processes."""
 
+import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,3 +28,89 @@ def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+class Snapshot:
+  """Everything under a path: {relative path: (size, sha256) or 'dir'},
+  None if the path does not exist. Equal snapshots: byte-for-byte equal
+  trees (empty folders included)."""
+
+  def __init__(self, path):
+    self.path = str(path)
+    self.tree = _tree(self.path)
+
+  def __eq__(self, other):
+    return self.path == other.path and self.tree == other.tree
+
+  def __repr__(self):
+    return f"Snapshot({self.path!r}, {self.tree})"
+
+
+def snapshot(path):
+  return Snapshot(path)
+
+
+def _tree(path):
+  if not os.path.lexists(path):
+    return None
+  if not os.path.isdir(path):
+    return {".": _file_digest(path)}
+  tree = {".": "dir"}
+  for folder, dirs, names in os.walk(path):
+    for name in dirs:
+      tree[os.path.relpath(os.path.join(folder, name), path)] = "dir"
+    for name in names:
+      full = os.path.join(folder, name)
+      tree[os.path.relpath(full, path)] = _file_digest(full)
+  return tree
+
+
+def _file_digest(path):
+  with open(path, "rb") as f:
+    data = f.read()
+  return len(data), hashlib.sha256(data).hexdigest()
+
+
+# `prog: error: message`, as scripts/cli.py (and absl's usage errors) print.
+_ERROR_LINE = re.compile(r"^[\w.-]+: error: ")
+# absl's own line for a flag that fails its validator (exit status 1; absl
+# adds a "Pass --helpshort ..." hint line).
+_FLAG_ERROR_LINE = re.compile(r"^FATAL Flags parsing error: ")
+# An exception printed without its traceback ("ValueError: ...").
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*: ")
+
+
+def assert_one_line_error(proc, script, *fragments, unchanged=None):
+  """Checks that `proc` failed the way distloop promises for bad input.
+
+  Exit status 1, no traceback, exactly one `<script>: error: ...` line in
+  stderr (or absl's `FATAL Flags parsing error: ...` for a flag its
+  validator rejects) and no other error or bare exception line (TensorFlow's own C++
+  log lines, `E0000 ... error ...`, are not ours and are ignored), the line
+  containing every one of `fragments`; and, with `unchanged` (a `snapshot`
+  taken before the run), that path exactly as it was: nothing written,
+  removed or touched.
+
+  Returns:
+    The error line.
+  """
+  stderr = proc.stderr
+  tail = stderr[-3000:]
+  assert proc.returncode == 1, f"exit status {proc.returncode}:\n{tail}"
+  assert "Traceback" not in stderr, tail
+  errors = [l for l in stderr.splitlines()
+            if _ERROR_LINE.match(l) or _FLAG_ERROR_LINE.match(l)]
+  assert len(errors) == 1, f"{len(errors)} error lines:\n{tail}"
+  line = errors[0]
+  prefix = (_FLAG_ERROR_LINE.match(line) or
+            re.match(re.escape(f"{script}: error: "), line))
+  assert prefix, f"not a {script} error line: {line!r}"
+  assert line[prefix.end():].strip(), "empty message"
+  exceptions = [l for l in stderr.splitlines() if _EXCEPTION_LINE.match(l)]
+  assert not exceptions, f"bare exception lines {exceptions}:\n{tail}"
+  for fragment in fragments:
+    assert fragment in line, f"{fragment!r} not in {line!r}"
+  if unchanged is not None:
+    after = snapshot(unchanged.path)
+    assert after == unchanged, f"changed: {unchanged} -> {after}"
+  return line

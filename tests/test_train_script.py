@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+import helpers
 from helpers import run_script
 
 COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
@@ -123,12 +124,11 @@ def test_custom_step_example_trains(tmp_path):
       "tensors"]
 
 
-def assert_one_line_error(proc, *fragments):
-  assert proc.returncode != 0
-  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  lines = [l for l in proc.stderr.splitlines()
-           if "error" in l.lower() and all(f in l for f in fragments)]
-  assert lines, proc.stderr[-2000:]
+def assert_one_line_error(proc, *fragments, unchanged=None):
+  """Exactly one `train.py: error: ...` line with `fragments`, exit 1, no
+  traceback (and `unchanged`, a helpers.snapshot, still as it was)."""
+  return helpers.assert_one_line_error(proc, "train.py", *fragments,
+                                       unchanged=unchanged)
 
 
 @pytest.mark.parametrize("args,fragments", [
@@ -152,9 +152,10 @@ def test_bad_input_is_one_line(straight_run, args, fragments):
   before = files(straight_run)
   full = ["--train_steps=40"] + args if "--train_steps" not in str(
       args) and "--epochs" not in str(args) else args
+  unchanged = helpers.snapshot(straight_run)
   proc = train(straight_run, *full, check=False,
                env={"TF_CONFIG": None})
-  assert_one_line_error(proc, *fragments)
+  assert_one_line_error(proc, *fragments, unchanged=unchanged)
   assert files(straight_run) == before  # nothing in model_dir lost or touched
 
 
