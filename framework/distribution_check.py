@@ -24,6 +24,8 @@ distributed / single device, see `distribution_diagnosis`):
     replica copies differ         gradients not all-reduced
     a metric from replica 0 only  the other replicas returned 0
     a metric ×N                   a per-replica value returned as a share
+    the same offset on any data   a penalty added unscaled on every replica
+    optimizer steps ≠ 1           gradients applied never, or more than once
 
 By default both runs use a probe optimizer, SGD(learning_rate=1,
 momentum=0.9): its first update is exactly minus the applied gradient, so the
@@ -44,7 +46,10 @@ keras.random, random Keras layers) draws the centre of its distribution
 instead (`distribution_randomness`: 0 for normal, 0.5 for uniform [0, 1)),
 the same for every example on both sides. Both are named in warnings: the
 random values themselves are not compared, and random ops that could not be
-replaced (integer, categorical, shuffle draws) are named as a possible cause.
+replaced (integer, categorical, shuffle draws, or a tf.function traced before
+the check) are named as a possible cause. Seeding both sides alike could not
+do this: a replica draws a tensor shaped like its part of the batch from its
+own op or counter, never the matching rows of the one-device draw.
 
 A difference the known patterns do not explain is run once more on other
 data (the first half of the batch, each example twice): if the update and

@@ -350,6 +350,36 @@ class NeverApplies(Trainer):
     return metrics
 
 
+def test_traced_random_ops_draw_their_mean_only_inside_the_check():
+  from framework import distribution_randomness  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)  # op determinism (conftest) wants a seed
+  generator = tf.random.Generator.from_seed(1)
+  seeds = keras.random.SeedGenerator(3)
+
+  @tf.function
+  def draw():
+    return (tf.random.normal([3]), tf.random.uniform([3], -1.0, 3.0),
+            keras.random.normal([3], seed=seeds), generator.uniform([3]),
+            tf.random.stateless_truncated_normal([3], seed=[1, 2]),
+            tf.random.shuffle(tf.range(3)))
+
+  with distribution_randomness.neutralised() as draws:
+    values = [v.numpy() for v in draw()]
+    draws.scan(draw.get_concrete_function().graph)
+  # Centres: normal 0, uniform [-1, 3) at 0.5 of the way, i.e. 1.
+  for value, centre in zip(values, [0.0, 1.0, 0.0, 0.5, 0.0]):
+    np.testing.assert_array_equal(value, np.full(3, centre, np.float32))
+  replaced = " ".join(draws.replaced_ops)
+  for op in ("RandomStandardNormal", "RandomUniform", "StatelessRandomNormalV2",
+             "StatelessRandomUniformV2", "StatelessTruncatedNormalV2"):
+    assert op in replaced, draws.replaced_ops
+  # A shuffle has no centre: it is left drawing, and named.
+  assert [op.split()[0] for op in draws.left_ops] == ["RandomShuffle"]
+  # Outside the check TensorFlow draws again, traced or eager.
+  assert np.std(tf.function(lambda: tf.random.normal([100]))().numpy()) > 0.5
+  assert np.std(tf.random.normal([100]).numpy()) > 0.5
+
+
 def test_correct_step_with_hand_written_noise_passes_with_a_warning(
     batch, mirrored):
   report = check(NoisyInputs, mirrored, batch)
