@@ -476,18 +476,23 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from absl import app
 from scripts import train
-from test_distribution_check import DoubleAllReduce
-app.run(lambda argv: train.run_main(DoubleAllReduce))
+from test_distribution_check import {cls}
+app.run(lambda argv: train.run_main({cls}))
 """
 
 
-def test_script_fails_a_wrong_custom_step(tmp_path):
+def _custom_script(tmp_path, cls):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / "custom_train.py"
-  script.write_text(CUSTOM_SCRIPT.format(root=root,
-                                         tests=os.path.join(root, "tests")))
+  script.write_text(CUSTOM_SCRIPT.format(
+      root=root, tests=os.path.join(root, "tests"), cls=cls))
+  return str(script)
+
+
+def test_script_fails_a_wrong_custom_step(tmp_path):
+  script = _custom_script(tmp_path, "DoubleAllReduce")
   proc = run_script(
-      str(script), "--check_distribution", "--model=mlp",
+      script, "--check_distribution", "--model=mlp",
       "--dataset=synthetic", "--strategy=mirrored", "--cpu_devices=2",
       "--train_steps=2", "--global_batch_size=32", "--optimizer=sgd",
       f"--model_dir={tmp_path / 'run'}", check=False)
@@ -497,6 +502,20 @@ def test_script_fails_a_wrong_custom_step(tmp_path):
   assert last.startswith("custom_train.py: error: distribution check failed: "
                          "double_all_reduce"), last
   assert not os.path.exists(tmp_path / "run" / "model.weights.h5")
+
+
+def test_script_trains_after_checking_a_correct_noisy_step(tmp_path):
+  script = _custom_script(tmp_path, "NoisyInputs")
+  proc = run_script(
+      script, "--check_distribution", "--model=mlp",
+      "--dataset=synthetic", "--strategy=mirrored", "--cpu_devices=2",
+      "--train_steps=2", "--global_batch_size=32", "--optimizer=sgd",
+      f"--model_dir={tmp_path / 'run'}", check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "verdict: WARN" in proc.stdout, proc.stdout[-3000:]
+  assert "WARN random_ops: random ops in the step (RandomStandardNormal at " \
+      "noisy" in proc.stdout
+  assert os.path.exists(tmp_path / "run" / "model.weights.h5")
 
 
 @pytest.mark.parametrize("split", [
