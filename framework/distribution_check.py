@@ -24,6 +24,8 @@ distributed / single device, see `distribution_diagnosis`):
     replica copies differ         gradients not all-reduced
     a metric from replica 0 only  the other replicas returned 0
     a metric ×N                   a per-replica value returned as a share
+    the same offset on any data   a penalty added unscaled on every replica
+    optimizer steps ≠ 1           gradients applied never, or more than once
 
 By default both runs use a probe optimizer, SGD(learning_rate=1,
 momentum=0.9): its first update is exactly minus the applied gradient, so the
@@ -34,6 +36,27 @@ applies the reduced gradient once. Dropout is switched off and BatchNorm
 synchronised for the duration of the check (their randomness and per-replica
 statistics are expected differences, reported as warnings), so that the rest
 is still compared exactly. Everything is put back afterwards.
+
+Randomness: N replicas cannot draw the numbers one device draws, so a correct
+stochastic step would differ by its noise. The check makes both sides
+deterministic and compares the rest exactly: Keras noise layers
+(GaussianNoise, GaussianDropout, AlphaDropout) are switched off like Dropout,
+and any other random op traced in the step (tf.random.*, tf.random.Generator,
+keras.random, random Keras layers) draws the centre of its distribution
+instead (`distribution_randomness`: 0 for normal, 0.5 for uniform [0, 1)),
+the same for every example on both sides. Both are named in warnings: the
+random values themselves are not compared, and random ops that could not be
+replaced (integer, categorical, shuffle draws, or a tf.function traced before
+the check) are named as a possible cause. Seeding both sides alike could not
+do this: a replica draws a tensor shaped like its part of the batch from its
+own op or counter, never the matching rows of the one-device draw.
+
+A difference the known patterns do not explain is run once more on other
+data (the first half of the batch, each example twice): if the update and
+loss differ from one device by the same amount there, the difference is
+independent of the data and of the batch split, which is what a penalty
+added in full on every replica (not via tf.nn.scale_regularization_loss)
+leaves: the loss is (N - 1) x the penalty higher.
 
 Float32 rounding differs between N replicas and one device (sums are split
 differently), and some models amplify it: BatchNorm's backward pass turns
@@ -51,6 +74,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from framework import distribution_randomness
 from framework import strategies
 from framework.distribution_diagnosis import Finding, Outcome, compare
 from framework.errors import ConfigError, DistloopError
@@ -108,27 +132,44 @@ def _layers(model):
   return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
 
 
+# Keras layers that only add noise in training, and the attribute that turns
+# the noise off when 0 (their `call` then draws nothing).
+_NOISE_LAYERS = ((keras.layers.GaussianNoise, "stddev"),
+                 (keras.layers.GaussianDropout, "rate"),
+                 (keras.layers.AlphaDropout, "rate"))
+
+
 def _prepare_model(model):
-  """Dropout off, BatchNorm synchronised; returns (undo, dropouts, bns)."""
-  undo, dropouts, unsynced = [], [], []
+  """Dropout and noise off, BatchNorm synchronised.
+
+  Returns:
+    (undo, dropouts, unsynchronised BatchNorms, noise layers): layer names.
+  """
+  undo, dropouts, unsynced, noisy = [], [], [], []
   for layer in _layers(model):
     if isinstance(layer, keras.layers.Dropout) and layer.rate > 0:
       dropouts.append(layer.name)
       undo.append((layer, "rate", layer.rate))
       layer.rate = 0.0
+    for cls, attr in _NOISE_LAYERS:
+      if isinstance(layer, cls) and getattr(layer, attr) > 0:
+        noisy.append(layer.name)
+        undo.append((layer, attr, getattr(layer, attr)))
+        setattr(layer, attr, 0.0)
     if (isinstance(layer, keras.layers.BatchNormalization) and
         not layer.synchronized):
       unsynced.append(layer.name)
       undo.append((layer, "synchronized", False))
       layer.synchronized = True
-  return undo, dropouts, unsynced
+  return undo, dropouts, unsynced, noisy
 
 
 def _random_layers(model):
-  """Layers other than Dropout that draw random numbers in training."""
+  """Layers other than dropout and noise that draw random numbers."""
+  switched_off = (keras.layers.Dropout,) + tuple(c for c, _ in _NOISE_LAYERS)
   return [l.name for l in _layers(model)
           if getattr(l, "seed_generator", None) is not None
-          and not isinstance(l, keras.layers.Dropout)]
+          and not isinstance(l, switched_off)]
 
 
 def _local_values(strategy, variable):
@@ -177,10 +218,11 @@ def _probe_optimizer(trainer):
   return probe
 
 
-def _run_steps(trainer, batches):
+def _run_steps(trainer, batches, draws=None):
   """One call of `trainer.train_step` per batch, each from the same state.
 
-  Returns what each call changed; the state is put back after each.
+  Returns what each call changed; the state is put back after each. The
+  random ops left in each traced step are noted in `draws`.
   """
   strategy = trainer.strategy
   model, optimizer = trainer.model, trainer.optimizer
@@ -199,6 +241,8 @@ def _run_steps(trainer, batches):
       outputs = custom(dist_batch) or {}
     else:
       outputs = strategy.run(trainer.train_step, args=(dist_batch,)) or {}
+    if draws is not None:
+      draws.scan(tf.compat.v1.get_default_graph())
     return {k: tf.stack([tf.cast(tf.reshape(t, []), tf.float32) for t in
                          strategy.experimental_local_results(v)])
             for k, v in outputs.items()}
@@ -230,6 +274,14 @@ def _run_steps(trainer, batches):
     _restore(model_vars, before)
     _restore(opt_vars, opt_before)
   return outcomes
+
+
+def _other_batch(batch):
+  """Other data of the same shape: the first half, each example twice."""
+  def halve(x):
+    size = tf.shape(x)[0]
+    return tf.gather(x, tf.range(size) // 2)
+  return tf.nest.map_structure(halve, batch)
 
 
 def _regularisation_gradients(model):
@@ -304,9 +356,11 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
   saved = None if owned else _snapshot(_state_variables(trainer))
   saved_optimizer = trainer.optimizer
   undo = []
+  replicas = strategy.num_replicas_in_sync
+  clip_norm = getattr(trainer, "clip_norm", None)
   try:
-    undo_t, dropouts, unsynced = _prepare_model(trainer.model)
-    undo_r, _, _ = _prepare_model(reference.model)
+    undo_t, dropouts, unsynced, noisy = _prepare_model(trainer.model)
+    undo_r, _, _, _ = _prepare_model(reference.model)
     undo = undo_t + undo_r
     if probe_optimizer:
       trainer.optimizer = _probe_optimizer(trainer)
@@ -320,8 +374,21 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     # of this model (BatchNorm's backward pass, for one, amplifies it).
     reversed_batch = tf.nest.map_structure(lambda x: tf.reverse(x, [0]),
                                            batch)
-    ref_out, noise_out = _run_steps(reference, [batch, reversed_batch])
-    dist_out, = _run_steps(trainer, [batch])
+    # Random ops draw their mean on both sides while the steps are traced.
+    with distribution_randomness.neutralised() as draws:
+      ref_out, noise_out = _run_steps(reference, [batch, reversed_batch],
+                                      draws)
+      dist_out, = _run_steps(trainer, [batch], draws)
+      rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
+                             atol, reg_grads, clip_norm, probe_optimizer)
+      if "update_mismatch" in [c.code for c in causes]:
+        # Unexplained: does the difference depend on the data at all?
+        other = _other_batch(batch)
+        other_out = (_run_steps(trainer, [other], draws)[0],
+                     _run_steps(reference, [other], draws)[0])
+        rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
+                               atol, reg_grads, clip_norm, probe_optimizer,
+                               other=other_out)
   finally:
     trainer.optimizer = saved_optimizer
     for layer, attr, value in undo:
@@ -329,10 +396,6 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     if saved is not None:
       _restore(_state_variables(trainer), saved)
 
-  replicas = strategy.num_replicas_in_sync
-  rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol, atol,
-                          reg_grads,
-                          getattr(trainer, "clip_norm", None), probe_optimizer)
   warnings = []
   if unsynced and replicas > 1:
     warnings.append(Finding(
@@ -348,11 +411,29 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
         f"dropout ({', '.join(dropouts)}) draws different masks per device; "
         "the check ran with dropout off, so it is not covered"))
   randoms = _random_layers(trainer.model)
-  if randoms:
+  if noisy or randoms:
+    handled = ([f"{', '.join(noisy)} switched off"] if noisy else []) + (
+        [f"{', '.join(randoms)} drawing their mean"] if randoms else [])
     warnings.append(Finding(
         "random_layers",
-        f"layers drawing random numbers ({', '.join(randoms)}) differ per "
-        "device; differences in what they feed are expected"))
+        f"layers drawing random numbers ({'; '.join(handled)}) would draw "
+        "different numbers on each device; the check compared the rest "
+        "without their noise, so the noise itself is not covered"))
+  if draws.replaced_ops:
+    warnings.append(Finding(
+        "random_ops",
+        f"random ops in the step ({'; '.join(draws.replaced_ops)}) draw "
+        "different numbers on each device; the check replaced their draws by "
+        f"the distribution's centre ({distribution_randomness.NORMAL:g} for "
+        f"normal, {distribution_randomness.UNIFORM:g} for uniform [0, 1)) on "
+        "both sides, so the rest is compared exactly and the random values "
+        "are not"))
+  if draws.left_ops:
+    warnings.append(Finding(
+        "random_ops_left",
+        f"random ops in the step that the check cannot replace "
+        f"({'; '.join(draws.left_ops)}) still draw different numbers on each "
+        "device: a difference they feed may be theirs, not a bug"))
   verdict = FAIL if causes else WARN if warnings else PASS
   header = (f"distribution check: {_describe(trainer)} vs "
             f"{_describe(reference)}, one step, same global batch"

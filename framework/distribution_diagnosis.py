@@ -14,6 +14,12 @@ regularisation part:
     a = b = 1/N           MEAN all-reduce of shares
     a = 1, b = N          regularisation loss not scaled
     no fit, clip active   gradient clipped per replica
+
+A difference that none of these explains is compared on other data
+(`other`): when the update and the loss differ from one device by the same
+amount whatever the data, the extra term does not depend on the data — a
+penalty added in full on every replica, whose loss offset is (N - 1) x the
+penalty.
 """
 
 import dataclasses
@@ -126,13 +132,46 @@ def _gradient_scales(applied, expected, reg):
   return a, b, float(np.linalg.norm(applied - fit)) / scale
 
 
+def _offset(dist, ref, trainable):
+  """(update difference, loss difference or None): dist - ref, flattened."""
+  update = _flat(dist.deltas, trainable) - _flat(ref.deltas, trainable)
+  loss = None
+  if "loss" in dist.metrics and "loss" in ref.metrics:
+    loss = float(np.sum(dist.metrics["loss"]) - np.sum(ref.metrics["loss"]))
+  return update, loss
+
+
+def _data_independent(dist, ref, other, trainable, tol=0.05):
+  """The loss offset when dist - ref is the same on `other`'s data, else None.
+
+  Returns 0.0 when the step returns no loss, or the same loss on both sides.
+  """
+  other_dist, other_ref = other
+  update, loss = _offset(dist, ref, trainable)
+  other_update, other_loss = _offset(other_dist, other_ref, trainable)
+  # The other data must matter to the step, or anything looks constant.
+  data_moves = _Diff().add(_flat(other_ref.deltas, trainable),
+                           _flat(ref.deltas, trainable)).rel_l2 > 2 * tol
+  same_update = _Diff().add(other_update, update).rel_l2 <= tol
+  if not (data_moves and same_update and np.any(update)):
+    return None
+  if loss is None or other_loss is None:
+    return 0.0
+  if abs(other_loss - loss) > tol * abs(loss) + 1e-6:
+    return None
+  return loss
+
+
 def _near(value, target, tol=0.05):
   return value is not None and abs(value - target) <= tol * abs(target)
 
 
 def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
-             probe):
-  """(rows, causes): `dist` against `ref`, `noise` the rounding noise."""
+            probe, other=None):
+  """(rows, causes): `dist` against `ref`, `noise` the rounding noise.
+
+  `other`: (dist, ref) on other data, to tell a data-independent difference.
+  """
   rows, causes = [], []
   n = replicas
 
@@ -175,7 +214,7 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
   slot_prefixes = sorted((p.replace("/", "_") + "_" for p, t in
                           zip(dist.names, dist.trainable) if t),
                          key=len, reverse=True)
-  steps_taken = None
+  steps_taken = ref_steps = None
   for name, d, r, e in zip(dist.opt_names, dist.opt_deltas, ref.opt_deltas,
                            noise.opt_deltas):
     leaf = kind = name.rsplit("/", 1)[-1]
@@ -184,7 +223,7 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
         kind = leaf[len(prefix):]
         break
     if kind in ("iteration", "iterations"):
-      steps_taken = float(np.max(d))
+      steps_taken, ref_steps = float(np.max(d)), float(np.max(r))
     opt_groups.setdefault(kind, _Diff()).add(d, r)
     opt_noise.setdefault(kind, _Diff()).add(e, r)
   for kind, diff in opt_groups.items():
@@ -211,12 +250,16 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
       metric_bad[k] = (value, expected, shares)
 
   # --- Causes, from the pattern. ---
-  if steps_taken is not None and steps_taken != 1:
+  if steps_taken is not None and (steps_taken != 1 or ref_steps != 1):
+    advice = ("the step never applies its gradients: call "
+              "self.apply_gradients(grads) once" if steps_taken == 0 else
+              "apply the gradients once, with self.apply_gradients, outside "
+              "any per-replica branch")
     causes.append(Finding(
         "optimizer_steps",
-        f"the optimizer stepped {steps_taken:g} times in one train step on "
-        f"{n} replicas (1 on one device): apply the gradients once, with "
-        "self.apply_gradients, outside any per-replica branch"))
+        f"in one train step the optimizer stepped {steps_taken:g} times on "
+        f"{n} replicas and {ref_steps:g} times on one device (1 is right): "
+        f"{advice}"))
   if not spread_ok:
     causes.append(Finding(
         "not_all_reduced",
@@ -285,6 +328,11 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
           f"the gradient is {a:.3g}x (data loss) and {b:.3g}x "
           "(regularisation) the single-device one: check the loss divisor "
           "and the reduction"))
+    elif other is not None and _data_independent(
+        dist, ref, other, trainable) is not None:
+      explained_loss = True
+      causes.append(_penalty_finding(
+          _data_independent(dist, ref, other, trainable), n))
     else:
       causes.append(Finding(
           "update_mismatch",
@@ -328,6 +376,28 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
           f"metric '{k}' = {value:.4g} on {n} replicas but {expected:.4g} on "
           "one device"))
   return rows, causes
+
+
+def _penalty_finding(offset, n):
+  """The cause of a difference independent of the data (loss `offset`)."""
+  same = ("the update differs from one device by the same amount on other "
+          "data: the extra term is independent of the data")
+  if offset < 0:
+    return Finding(
+        "data_independent_term",
+        f"{same}, and the loss is {-offset:.4g} lower on {n} replicas: a "
+        "penalty/regulariser counts less than on one device (divided by the "
+        "replica count twice?); add it once, scaled by "
+        "tf.nn.scale_regularization_loss")
+  amount = (f", and the loss is {offset:.4g} higher on {n} replicas on any "
+            f"data, ({n} - 1) x {offset / (n - 1):.4g} (the penalty on one "
+            "device)" if offset > 0 and n > 1 else "")
+  return Finding(
+      "unscaled_penalty",
+      f"{same}{amount}: a penalty/regulariser added on every replica without "
+      f"tf.nn.scale_regularization_loss counts {n} times; add "
+      "tf.nn.scale_regularization_loss(penalty), or use a layer regulariser "
+      "(model.losses), which the built-in step scales")
 
 
 def _full(reg_grads, outcome):

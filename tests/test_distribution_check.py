@@ -3,6 +3,7 @@ steps pass. Runs on the 2 logical CPU devices of tests/conftest.py."""
 
 import functools
 import os
+import re
 
 import h5py
 import keras
@@ -295,6 +296,145 @@ def test_a_trainer_instance_is_restored_exactly(batch, mirrored):
       np.testing.assert_array_equal(a, b)
 
 
+# --- Randomness, penalties, steps that never apply. ----------------------------
+
+
+def noisy(batch):
+  """`batch` with Gaussian noise on the features (a fresh draw per call)."""
+  features, labels = batch
+  return features + tf.random.normal(tf.shape(features), stddev=0.3), labels
+
+
+class NoisyInputs(Trainer):
+  """A correct step that adds input noise with a hand-written tf.random op."""
+
+  def compute_gradients(self, batch):
+    return super().compute_gradients(noisy(batch))
+
+
+class NoisyLossPerReplicaMean(LossPerReplicaMean):
+  """Input noise AND the loss averaged over the per-replica batch (wrong)."""
+
+  def train_step(self, batch):
+    return super().train_step(noisy(batch))
+
+
+def build_gaussian_noise():
+  return keras.Sequential([
+      keras.Input((8,)), keras.layers.GaussianNoise(0.5),
+      keras.layers.Dense(16, activation="relu"),
+      keras.layers.GaussianDropout(0.3), keras.layers.Dense(4)])
+
+
+class UnscaledPenalty(Trainer):
+  """A hand-written L2 penalty added in full on every replica (wrong)."""
+
+  def train_step(self, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = self.average(self.loss_fn(y, self.model(x, training=True)))
+      loss += 0.05 * tf.add_n([tf.reduce_sum(tf.square(w))
+                               for w in self.model.trainable_variables])
+    grads = self.all_reduce(tape.gradient(loss,
+                                          self.model.trainable_variables))
+    self.apply_gradients(grads)
+    return {"loss": loss}
+
+
+class NeverApplies(Trainer):
+  """Computes the gradient but never applies it (wrong on any device)."""
+
+  def train_step(self, batch):
+    grads, metrics = self.compute_gradients(batch)
+    del grads
+    return metrics
+
+
+def test_traced_random_ops_draw_their_mean_only_inside_the_check():
+  from framework import distribution_randomness  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)  # op determinism (conftest) wants a seed
+  generator = tf.random.Generator.from_seed(1)
+  seeds = keras.random.SeedGenerator(3)
+
+  @tf.function
+  def draw():
+    return (tf.random.normal([3]), tf.random.uniform([3], -1.0, 3.0),
+            keras.random.normal([3], seed=seeds), generator.uniform([3]),
+            tf.random.stateless_truncated_normal([3], seed=[1, 2]),
+            tf.random.shuffle(tf.range(3)))
+
+  with distribution_randomness.neutralised() as draws:
+    values = [v.numpy() for v in draw()]
+    draws.scan(draw.get_concrete_function().graph)
+  # Centres: normal 0, uniform [-1, 3) at 0.5 of the way, i.e. 1.
+  for value, centre in zip(values, [0.0, 1.0, 0.0, 0.5, 0.0]):
+    np.testing.assert_array_equal(value, np.full(3, centre, np.float32))
+  replaced = " ".join(draws.replaced_ops)
+  for op in ("RandomStandardNormal", "RandomUniform", "StatelessRandomNormalV2",
+             "StatelessRandomUniformV2", "StatelessTruncatedNormalV2"):
+    assert op in replaced, draws.replaced_ops
+  # A shuffle has no centre: it is left drawing, and named.
+  assert [op.split()[0] for op in draws.left_ops] == ["RandomShuffle"]
+  # Outside the check TensorFlow draws again, traced or eager.
+  assert np.std(tf.function(lambda: tf.random.normal([100]))().numpy()) > 0.5
+  assert np.std(tf.random.normal([100]).numpy()) > 0.5
+
+
+def test_correct_step_with_hand_written_noise_passes_with_a_warning(
+    batch, mirrored):
+  report = check(NoisyInputs, mirrored, batch)
+  assert report.verdict == "warn", report.table()
+  assert report.warning_codes == ["random_ops"], report.table()
+  # The op, and where the step drew it.
+  assert "RandomStandardNormal at noisy" in report.warnings[0].message
+  # The deterministic rest is compared as closely as without noise.
+  assert all(r.ok for r in report.rows), report.table()
+
+
+def test_noise_layers_pass_with_a_warning(batch, mirrored):
+  report = check(Trainer, mirrored, batch, build=build_gaussian_noise)
+  assert report.verdict == "warn", report.table()
+  assert report.warning_codes == ["random_layers"], report.table()
+  message = report.warnings[0].message
+  assert "gaussian_noise" in message and "gaussian_dropout" in message
+  # The same model with a wrong step still fails, and is named.
+  report = check(LossPerReplicaMean, mirrored, batch,
+                 build=build_gaussian_noise)
+  assert report.cause_codes == ["loss_per_replica_mean"], report.table()
+
+
+def test_wrong_stochastic_step_still_fails_and_is_named(batch, mirrored):
+  report = check(NoisyLossPerReplicaMean, mirrored, batch)
+  assert report.verdict == "fail"
+  assert report.cause_codes == ["loss_per_replica_mean"], report.table()
+  assert report.warning_codes == ["random_ops"], report.table()
+
+
+def test_unscaled_hand_written_penalty_is_named(batch, mirrored):
+  report = check(UnscaledPenalty, mirrored, batch)
+  assert report.cause_codes == ["unscaled_penalty"], report.table()
+  message = report.causes[0].message
+  assert "tf.nn.scale_regularization_loss" in message
+  assert "statistics" not in message and "independent of the data" in message
+  # The loss offset is (replicas - 1) x the penalty at the starting weights
+  # (the check builds the model first, after seeding with 0).
+  keras.utils.set_random_seed(0)
+  model = build_mlp()
+  penalty = 0.05 * sum(float(np.sum(np.square(w.numpy())))
+                       for w in model.trainable_variables)
+  found = re.search(r"\(2 - 1\) x ([0-9.e+-]+)", message)
+  assert found, message
+  np.testing.assert_allclose(float(found.group(1)), penalty, rtol=1e-3)
+
+
+def test_a_step_that_never_applies_reports_both_counts(batch, mirrored):
+  report = check(NeverApplies, mirrored, batch)
+  assert report.cause_codes == ["optimizer_steps"], report.table()
+  message = report.causes[0].message
+  assert "0 times on 2 replicas and 0 times on one device" in message
+  assert "(1 on one device)" not in message
+
+
 # --- The experiment and the script. -------------------------------------------
 
 
@@ -336,18 +476,23 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from absl import app
 from scripts import train
-from test_distribution_check import DoubleAllReduce
-app.run(lambda argv: train.run_main(DoubleAllReduce))
+from test_distribution_check import {cls}
+app.run(lambda argv: train.run_main({cls}))
 """
 
 
-def test_script_fails_a_wrong_custom_step(tmp_path):
+def _custom_script(tmp_path, cls):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / "custom_train.py"
-  script.write_text(CUSTOM_SCRIPT.format(root=root,
-                                         tests=os.path.join(root, "tests")))
+  script.write_text(CUSTOM_SCRIPT.format(
+      root=root, tests=os.path.join(root, "tests"), cls=cls))
+  return str(script)
+
+
+def test_script_fails_a_wrong_custom_step(tmp_path):
+  script = _custom_script(tmp_path, "DoubleAllReduce")
   proc = run_script(
-      str(script), "--check_distribution", "--model=mlp",
+      script, "--check_distribution", "--model=mlp",
       "--dataset=synthetic", "--strategy=mirrored", "--cpu_devices=2",
       "--train_steps=2", "--global_batch_size=32", "--optimizer=sgd",
       f"--model_dir={tmp_path / 'run'}", check=False)
@@ -357,6 +502,20 @@ def test_script_fails_a_wrong_custom_step(tmp_path):
   assert last.startswith("custom_train.py: error: distribution check failed: "
                          "double_all_reduce"), last
   assert not os.path.exists(tmp_path / "run" / "model.weights.h5")
+
+
+def test_script_trains_after_checking_a_correct_noisy_step(tmp_path):
+  script = _custom_script(tmp_path, "NoisyInputs")
+  proc = run_script(
+      script, "--check_distribution", "--model=mlp",
+      "--dataset=synthetic", "--strategy=mirrored", "--cpu_devices=2",
+      "--train_steps=2", "--global_batch_size=32", "--optimizer=sgd",
+      f"--model_dir={tmp_path / 'run'}", check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "verdict: WARN" in proc.stdout, proc.stdout[-3000:]
+  assert "WARN random_ops: random ops in the step (RandomStandardNormal at " \
+      "noisy" in proc.stdout
+  assert os.path.exists(tmp_path / "run" / "model.weights.h5")
 
 
 @pytest.mark.parametrize("split", [
