@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import models
 from framework import (augment, datasets, distribution_check, export, inputs,
-                       precision, segmentation, strategies)
+                       precision, ps_training, segmentation, strategies)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
@@ -142,6 +142,12 @@ def build(config, strategy, dataset, trainer_cls=None):
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
                                   config.global_batch_size)
 
+  if ps_training.is_parameter_server(strategy):
+    # The coordinator schedules the steps on the workers; the Controller
+    # around it is the same (framework/ps_training.py).
+    trainer, train_input, eval_input = ps_training.coordinate(
+        trainer, dataset, config.global_batch_size, seed=config.seed,
+        augment=augment_fn)
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 hparams=config.hparams,
                 checkpoint_items=(loss_scale.checkpoint_items()
@@ -164,6 +170,9 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None):
   before training starts (e.g. to add `on_loop_end` hooks such as
   preemption handling).
   """
+  if config.strategy == "parameter_server" or (
+      strategy is not None and ps_training.is_parameter_server(strategy)):
+    ps_training.check_config(config)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
