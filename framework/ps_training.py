@@ -49,6 +49,19 @@ def check_config(config):
         f"input_mode={config.input_mode} is not supported under "
         "strategy=parameter_server: each worker always builds its own input "
         "pipeline (use input_mode=global)")
+  # Both skip an update with a tf.cond around Trainer's variable updates,
+  # which under ParameterServerStrategy fails to trace (merge_call inside a
+  # cond branch).
+  if config.mixed_precision == "float16":
+    raise ConfigError(
+        "mixed_precision=float16 is not supported under "
+        "strategy=parameter_server: its loss scaling skips overflowing "
+        "updates, which the workers cannot (use mixed_precision=bfloat16)")
+  if config.nan_policy == "skip":
+    raise ConfigError(
+        "nan_policy=skip is not supported under strategy=parameter_server: "
+        "the workers cannot skip an update (use nan_policy=stop, clip_norm "
+        "or a lower learning_rate)")
   if config.model_parallel.mode != "none":
     raise ConfigError(
         f"model_parallel={config.model_parallel.mode} is not supported "

@@ -115,6 +115,11 @@ def test_parameter_server_run_has_every_artifact_for_evaluate_and_predict(
     (dict(input_mode="per_replica"),
      "input_mode=per_replica is not supported under "
      "strategy=parameter_server"),
+    (dict(mixed_precision="float16"),
+     "mixed_precision=float16 is not supported under "
+     "strategy=parameter_server"),
+    (dict(nan_policy="skip"),
+     "nan_policy=skip is not supported under strategy=parameter_server"),
     (dict(model_parallel=framework.model_parallel.ModelParallelConfig(
         mode="pipeline")),
      "model_parallel=pipeline is not supported under "
