@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -148,3 +149,28 @@ def test_parameter_server_profile_steps_is_one_line(tmp_path):
   assert line.startswith("train.py: error: profile_steps=2,3 is not "
                          "supported under strategy=parameter_server")
   assert not os.path.exists(model_dir)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_coordinator_saves_through_the_controller(tmp_path):
+  model_dir = str(tmp_path / "run")
+  cluster = launcher.local_cluster(2, ps=1)
+  args = cu.MLP + ["--strategy=parameter_server", "--train_steps=100000",
+                   "--steps_per_loop=10", "--checkpoint_every=20",
+                   f"--model_dir={model_dir}"]
+  servers = [cu.start_task(cluster, role, index, args,
+                           str(tmp_path / f"{role}{index}.log"))
+             for role, index in (("ps", 0), ("worker", 0), ("worker", 1))]
+  try:
+    chief = cu.start_task(cluster, "chief", 0, args,
+                          str(tmp_path / "chief.log"))
+    first = cu.wait_for_checkpoint(model_dir, 20, [chief] + servers)
+    chief.send_signal(signal.SIGTERM)
+    assert cu.wait_exit(chief, timeout=120) == 42, cu.log_tail(chief)
+  finally:
+    cu.stop_all(servers + [chief])
+  saved = cu.checkpoint_step(model_dir)
+  assert saved >= first
+  assert cu.global_step(model_dir) == saved
+  log = open(tmp_path / "chief.log").read()
+  assert f"Preempted: checkpoint saved at step {saved}" in log
