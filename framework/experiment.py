@@ -16,7 +16,7 @@ import tensorflow as tf
 import models
 from models import registry
 from framework import (augment, datasets, distribution_check, export, inputs,
-                       precision, segmentation, strategies)
+                       precision, ps_training, segmentation, strategies)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
@@ -165,8 +165,15 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
                                   config.global_batch_size)
 
-  kwargs = dict(train_input=train_input or default_train_input,
-                eval_input=eval_input or default_eval_input,
+  train_input = train_input or default_train_input
+  eval_input = eval_input or default_eval_input
+  if ps_training.is_parameter_server(strategy):
+    # The coordinator schedules the steps on the workers; the Controller
+    # around it is the same (framework/ps_training.py).
+    trainer, train_input, eval_input = ps_training.coordinate(
+        trainer, dataset, config.global_batch_size, seed=config.seed,
+        augment=augment_fn)
+  kwargs = dict(train_input=train_input, eval_input=eval_input,
                 hparams=config.hparams,
                 checkpoint_items=(loss_scale.checkpoint_items()
                                   if loss_scale else None))
@@ -216,6 +223,9 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
     config = dataclasses.replace(config, model=path)
   else:
     registry.get_builder(config.model)  # a bad --model fails before any work
+  if config.strategy == "parameter_server" or (
+      strategy is not None and ps_training.is_parameter_server(strategy)):
+    ps_training.check_config(config)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   if strategy is None:

@@ -46,7 +46,7 @@ class _LocalPreemption:
 
   def __call__(self, step):
     if self.received:
-      self.controller.checkpoints.save(step)
+      self.controller.save(step)
       _exit(step)
 
 

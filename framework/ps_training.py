@@ -1,39 +1,72 @@
-"""Asynchronous parameter-server training, driven from the coordinator.
+"""Asynchronous parameter-server stepping, behind the Controller's protocol.
 
 Under `ParameterServerStrategy` the chief is a coordinator: variables live on
 the `ps` tasks, `worker` tasks run whatever the coordinator schedules, and
 every worker applies its own updates as soon as it has them (no all-reduce).
+The outer loop is the same `Controller` as for every other strategy; only
+`train(iterator, n)` differs, so a parameter-server run writes the same
+checkpoints, summaries, model_info.json, weights and export:
 
-    coordinator = ClusterCoordinator(strategy)
-    iterator    = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    while step < train_steps:
-      schedule min(steps_per_loop, train_steps - step) closures, each
+    CoordinatedTrainer.train(iterator, n):       # iterator: per-worker data
+      limit = global_step + n
+      schedule n closures, each
         claim = global_step.assign_add(1)        # on the ps
-        if claim <= train_steps: one train_step on that worker's batch
+        if claim <= limit: one train_step on that worker's batch
         else: global_step.assign_sub(1)          # too many in flight
-      join; step = global_step                   # a variable, not a count of
-                                                 # scheduled closures: a
-                                                 # closure can run twice
-      summaries, logs, checkpoints from the coordinator
+      join; return the mean metrics of the closures that trained
 
-The claim makes the final step exact even when a failed worker's closure is
-run again elsewhere. Batches come from a per-worker dataset (each worker
-draws its own order): asynchronous training has no single global order, so
-PS runs resume from the checkpointed step but not bit-exactly.
+The claim makes each loop end at exactly `limit` even when a failed worker's
+closure is run again elsewhere (a closure can run twice: the step is a
+variable, not a count of scheduled closures). Batches come from a per-worker
+dataset (each worker draws its own order): asynchronous training has no
+single global order, so PS runs resume from the checkpointed step but not
+bit-exactly. Evaluation runs on the coordinator.
 """
 
-import math
-import time
-
-from absl import logging
 import tensorflow as tf
 
-from framework import cluster, inputs
-from framework.checkpointing import CheckpointManager
-from framework.errors import ConfigError, NonFiniteLossError
-from framework.summaries import SummaryWriter, markdown_table
+from framework import inputs
+from framework.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
+
+
+def is_parameter_server(strategy):
+  return isinstance(strategy,
+                    tf.distribute.experimental.ParameterServerStrategy)
+
+
+def check_config(config):
+  """ConfigError for what an `ExperimentConfig` asks that PS cannot do."""
+  loop = config.loop
+  if loop is not None and loop.profile_steps:
+    raise ConfigError(
+        f"profile_steps={','.join(map(str, loop.profile_steps))} is not "
+        "supported under strategy=parameter_server: the steps run on the "
+        "workers (trace one with tf.profiler.experimental.client.trace)")
+  if config.input_mode != "global":
+    raise ConfigError(
+        f"input_mode={config.input_mode} is not supported under "
+        "strategy=parameter_server: each worker always builds its own input "
+        "pipeline (use input_mode=global)")
+  # Both skip an update with a tf.cond around Trainer's variable updates,
+  # which under ParameterServerStrategy fails to trace (merge_call inside a
+  # cond branch).
+  if config.mixed_precision == "float16":
+    raise ConfigError(
+        "mixed_precision=float16 is not supported under "
+        "strategy=parameter_server: its loss scaling skips overflowing "
+        "updates, which the workers cannot (use mixed_precision=bfloat16)")
+  if config.nan_policy == "skip":
+    raise ConfigError(
+        "nan_policy=skip is not supported under strategy=parameter_server: "
+        "the workers cannot skip an update (use nan_policy=stop, clip_norm "
+        "or a lower learning_rate)")
+  if config.model_parallel.mode != "none":
+    raise ConfigError(
+        f"model_parallel={config.model_parallel.mode} is not supported "
+        "under strategy=parameter_server (use strategy=default or "
+        "one_device)")
 
 
 def per_worker_dataset_fn(dataset, global_batch_size, *, seed=0, augment=None):
@@ -57,62 +90,50 @@ def per_worker_dataset_fn(dataset, global_batch_size, *, seed=0, augment=None):
   return dataset_fn
 
 
-class ParameterServerController:
-  """The coordinator's outer loop (the PS counterpart of `Controller`).
+class CoordinatedTrainer:
+  """A Trainer whose steps the coordinator schedules on the PS workers.
+
+  Has the protocol the `Controller` uses (`train`, `evaluate`, `strategy`,
+  `model`, `optimizer`, `global_step`, `sync_replica_state`, ...); what it
+  does not define comes from the wrapped trainer, whose `train_step` and
+  `eval_step` are the math.
 
   Args:
     trainer: a `Trainer` built under a `ParameterServerStrategy`.
-    config: a `LoopConfig`.
-    model_dir: checkpoints; TensorBoard in `train/` and `eval/`.
-    dataset_fn: `() -> tf.data.Dataset` of batches, run on each worker.
-    eval_dataset: `() -> tf.data.Dataset` evaluated on the coordinator.
-    hparams: written once as a text summary.
-    on_loop_end: callables `fn(step)` run after each loop.
   """
 
-  def __init__(self, trainer, config, model_dir, *, dataset_fn,
-               eval_dataset=None, hparams=None, on_loop_end=()):
-    if config.profile_steps:
+  def __init__(self, trainer):
+    if not is_parameter_server(trainer.strategy):
       raise ConfigError(
-          f"profile_steps={config.profile_steps} is not supported under "
-          "parameter_server: the steps run on the workers (trace one with "
-          "tf.profiler.experimental.client.trace)")
+          f"CoordinatedTrainer needs a ParameterServerStrategy trainer; got "
+          f"{type(trainer.strategy).__name__}")
     self.trainer = trainer
-    self.config = config
-    self.model_dir = model_dir
-    self.strategy = trainer.strategy
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
-        self.strategy)
-    self.dataset_fn = dataset_fn
-    self.eval_dataset = eval_dataset
-    self.hparams = hparams or {}
-    self.on_loop_end = list(on_loop_end)
-    self.checkpoint = tf.train.Checkpoint(
-        model=trainer.model, optimizer=trainer.optimizer,
-        global_step=trainer.global_step)
-    self.checkpoints = CheckpointManager(
-        self.checkpoint, model_dir, self.strategy,
-        max_to_keep=config.keep_checkpoints)
-    self.train_writer = SummaryWriter(model_dir, "train")
-    self.eval_writer = SummaryWriter(model_dir, "eval")
+        trainer.strategy)
     self._step_fn = tf.function(self._claimed_step)
     self._eval_fn = tf.function(self._eval_batch)
-    self.last_eval = None
+    self._last_metrics = None
 
-  @property
-  def step(self):
-    return int(self.trainer.global_step.numpy())
+  def __getattr__(self, name):
+    # Only called for names not found here: model, optimizer, strategy,
+    # global_step, nan_policy, global_batch_size, export_model, ...
+    if name.startswith("__") or "trainer" not in self.__dict__:
+      raise AttributeError(name)
+    return getattr(self.trainer, name)
 
-  def _claimed_step(self, iterator, train_steps):
-    """One step on a worker, if the step counter still allows one."""
-    trainer = self.trainer
+  def per_worker_dataset(self, dataset_fn):
+    """The distributed dataset `train` iterates: `dataset_fn` per worker."""
+    return self.coordinator.create_per_worker_dataset(dataset_fn)
+
+  def _claimed_step(self, iterator, limit):
+    """One step on a worker, if the step counter is still below `limit`."""
+    trainer, strategy = self.trainer, self.trainer.strategy
     claim = trainer.global_step.assign_add(1, read_value=True)
     structure = {}
 
     def train():
-      per_replica = self.strategy.run(trainer.train_step,
-                                      args=(next(iterator),))
-      metrics = {k: self.strategy.reduce(SUM, v, axis=None)
+      per_replica = strategy.run(trainer.train_step, args=(next(iterator),))
+      metrics = {k: strategy.reduce(SUM, v, axis=None)
                  for k, v in per_replica.items()}
       metrics["trained"] = tf.constant(1.0)
       structure.update(metrics)
@@ -124,143 +145,64 @@ class ParameterServerController:
       with tf.control_dependencies([trainer.global_step.assign_sub(1)]):
         return {k: tf.zeros(v.shape, v.dtype) for k, v in structure.items()}
 
-    return tf.cond(claim <= train_steps, train, give_back)
+    return tf.cond(claim <= limit, train, give_back)
+
+  def train(self, iterator, num_steps):
+    """Runs `num_steps` steps on the workers; returns their mean metrics."""
+    start = int(self.trainer.global_step.numpy())
+    limit = tf.constant(start + num_steps, tf.int64)
+    remote = [self.coordinator.schedule(self._step_fn, args=(iterator, limit))
+              for _ in range(num_steps)]
+    self.coordinator.join()
+    if int(self.trainer.global_step.numpy()) > start + num_steps:
+      # A closure that claimed past the limit and then lost its worker
+      # never gave its claim back; nothing is in flight after `join`.
+      self.trainer.global_step.assign(start + num_steps)
+    fetched = [r.fetch() for r in remote]
+    trained = [m for m in fetched if m["trained"] > 0]
+    if trained:
+      self._last_metrics = {
+          k: float(sum(m[k] for m in trained) / len(trained))
+          for k in trained[0] if k != "trained"}
+    elif self._last_metrics is None:
+      # Every closure's claim was taken by a retried one that lost its
+      # worker (the first loop, so no earlier metrics): report zeros rather
+      # than a NaN loss that would stop the run.
+      return {k: 0.0 for k in fetched[0] if k != "trained"}
+    return dict(self._last_metrics)
 
   def _eval_batch(self, batch):
     return {k: tf.cast(v, tf.float64)
             for k, v in self.trainer.eval_step(batch).items()}
 
-  def evaluate(self):
-    """Evaluates on the coordinator over the whole eval set."""
-    if self.eval_dataset is None:
-      return None
+  def evaluate(self, dataset):
+    """Evaluates on the coordinator over `dataset` (a plain tf.data one)."""
     totals = None
-    for batch in self.eval_dataset():
+    for batch in dataset:
       values = {k: v.numpy() for k, v in self._eval_fn(batch).items()}
       totals = values if totals is None else {
           k: totals[k] + values[k] for k in totals}
-    results = {k: float(v) for k, v in
-               self.trainer.eval_results(totals).items()}
-    step = self.step
-    self.eval_writer.scalars(step, {k: v for k, v in results.items()
-                                    if k != "examples"})
-    logging.info("eval  step %d: %s", step, ", ".join(
-        f"{k}={v:.4f}" for k, v in sorted(results.items())))
-    self.last_eval = results
-    return results
-
-  def _run_loop(self, iterator, num_steps):
-    """Schedules `num_steps` closures, joins, returns their mean metrics."""
-    limit = tf.constant(self.config.train_steps, tf.int64)
-    remote = [self.coordinator.schedule(self._step_fn, args=(iterator, limit))
-              for _ in range(num_steps)]
-    self.coordinator.join()
-    fetched = [r.fetch() for r in remote]
-    trained = [m for m in fetched if m["trained"] > 0]
-    if not trained:
-      return {}
-    return {k: float(sum(m[k] for m in trained) / len(trained))
-            for k in trained[0] if k != "trained"}
-
-  def run(self):
-    """Trains to `train_steps` from the latest checkpoint; then evaluates."""
-    try:
-      return self._run()
-    except cluster.PEER_ERRORS as e:
-      # Worker failures are retried by the coordinator; what reaches here
-      # is fatal (typically a lost ps task, whose variables are gone).
-      raise cluster.peer_failure(e) from None
-
-  def _run(self):
-    c, trainer = self.config, self.trainer
-    self.checkpoints.restore_latest()
-    step = self.step
-    if step >= c.train_steps:
-      logging.info("Already at step %d of %d; nothing to train", step,
-                   c.train_steps)
-      return self.evaluate()
-    self.train_writer.text(step, "flags", markdown_table(self.hparams))
-    iterator = iter(self.coordinator.create_per_worker_dataset(
-        self.dataset_fn))
-    last_saved = step
-    while step < c.train_steps:
-      num_steps = min(c.steps_per_loop, c.train_steps - step)
-      start = time.time()
-      metrics = self._run_loop(iterator, num_steps)
-      elapsed = time.time() - start
-      previous, step = step, self.step
-      if not metrics:
-        continue
-      if not math.isfinite(metrics["loss"]) and trainer.nan_policy == "stop":
-        raise NonFiniteLossError(
-            f"loss is {metrics['loss']} near step {step}; stopped without "
-            f"saving (latest good checkpoint: "
-            f"{self.checkpoints.latest or 'none'})")
-      done = step - previous
-      metrics["learning_rate"] = float(trainer.optimizer.learning_rate)
-      metrics["steps_per_second"] = done / elapsed
-      metrics["examples_per_second"] = (done * trainer.global_batch_size
-                                        / elapsed)
-      if _crossed(c.summary_every, previous, step) or step >= c.train_steps:
-        self.train_writer.scalars(step, metrics)
-      if _crossed(c.log_every, previous, step) or step >= c.train_steps:
-        logging.info("train step %d/%d: loss=%.4f accuracy=%.4f "
-                     "examples/s=%.1f", step, c.train_steps, metrics["loss"],
-                     metrics.get("accuracy", float("nan")),
-                     metrics["examples_per_second"])
-      if _crossed(c.checkpoint_every, previous, step):
-        self.checkpoints.save(step)
-        last_saved = step
-      if _crossed(c.eval_every, previous, step) and step < c.train_steps:
-        self.evaluate()
-      for fn in self.on_loop_end:
-        fn(step)
-    if last_saved != step:
-      self.checkpoints.save(step)
-    return self.evaluate()
+    return {k: float(v) for k, v in
+            self.trainer.eval_results(totals).items()}
 
 
-def _crossed(every, previous, step):
-  """Whether a multiple of `every` lies in (previous, step]."""
-  return bool(every) and step // every > previous // every
+def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
+  """(CoordinatedTrainer, train_input, eval_input) for the Controller.
 
-
-def run(config, trainer_cls=None, strategy=None, on_loop_end=(),
-        prepare_controller=None):
-  """`experiment.run` for ParameterServerStrategy, on the coordinator.
-
-  `prepare_controller(controller)`, if given, runs before training starts.
+  `train_input(start_step)` gives the per-worker datasets (each worker draws
+  its own order, so `start_step` only matters to the step counter);
+  `eval_input()` the whole test set, evaluated on the coordinator.
   """
-  # pylint: disable=g-import-not-at-top
-  import os
-  from framework import datasets, strategies
-  from framework.experiment import WEIGHTS_FILE, build_model_and_optimizer
-  from framework.trainer import Trainer
-  # pylint: enable=g-import-not-at-top
-  strategy = strategy or strategies.make_strategy("parameter_server")
-  dataset = datasets.load_dataset(config.dataset, config.data_dir,
-                                  seed=config.seed)
-  model, optimizer, loop = build_model_and_optimizer(config, strategy,
-                                                     dataset)
-  trainer = (trainer_cls or Trainer)(
-      model, optimizer, strategy, global_batch_size=config.global_batch_size,
-      clip_norm=config.clip_norm, nan_policy=config.nan_policy)
-  logging.info("strategy=parameter_server workers=%d dataset=%s train=%d",
-               strategy.extended._num_workers, dataset.name,  # pylint: disable=protected-access
-               len(dataset.train_x))
+  coordinated = CoordinatedTrainer(trainer)
+  dataset_fn = per_worker_dataset_fn(dataset, global_batch_size, seed=seed,
+                                     augment=augment)
 
-  def eval_dataset():
+  def train_input(start_step):
+    del start_step  # asynchronous: no global order to resume
+    return coordinated.per_worker_dataset(dataset_fn)
+
+  def eval_input():
     return inputs.eval_dataset(dataset.test_x, dataset.test_y,
-                               config.global_batch_size)
+                               global_batch_size)
 
-  controller = ParameterServerController(
-      trainer, loop, config.model_dir,
-      dataset_fn=per_worker_dataset_fn(dataset, config.global_batch_size,
-                                       seed=config.seed),
-      eval_dataset=eval_dataset, hparams=config.hparams,
-      on_loop_end=on_loop_end)
-  if prepare_controller is not None:
-    prepare_controller(controller)
-  results = controller.run()
-  model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
-  return results
+  return coordinated, train_input, eval_input

@@ -229,7 +229,7 @@ def _run_config(config, trainer_cls):
   """
   # pylint: disable=g-import-not-at-top
   import framework
-  from framework import cluster, preemption, ps_training
+  from framework import cluster, preemption
   from framework.tf_config import require_tf_config
   # pylint: enable=g-import-not-at-top
   tf_config = None
@@ -251,12 +251,21 @@ def _run_config(config, trainer_cls):
                                      program=program)
   with watchdog:
     if config.strategy == "parameter_server":
-      # The coordinator copes with missing workers, but a missing ps blocks
-      # the first loop: the cluster is up once a loop ran.
-      # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
-      return ps_training.run(config, trainer_cls,
-                             on_loop_end=[lambda step: watchdog.started()],
-                             prepare_controller=preemption.install)
+
+      def prepare_ps(controller):
+        # The coordinator copes with missing workers, but a missing ps
+        # blocks the first loop: the cluster is up once a loop ran.
+        controller.on_loop_end.append(lambda step: watchdog.started())
+        # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
+        preemption.install(controller)
+
+      try:
+        return framework.experiment.run(config, trainer_cls=trainer_cls,
+                                        prepare_controller=prepare_ps)
+      except cluster.PEER_ERRORS as e:
+        # Worker failures are retried by the coordinator; what reaches here
+        # is fatal (typically a lost ps task, whose variables are gone).
+        raise cluster.peer_failure(e, tf_config) from None
     controllers = []
 
     def prepare(controller):
