@@ -70,6 +70,9 @@ def damage(prefix):
     for name in sorted(reader.get_variable_to_shape_map()):
       reader.get_tensor(name)
   except Exception as e:  # pylint: disable=broad-except
+    named = re.search(r"\S+\.data-\d{5}-of-\d{5}", str(e))
+    if named and not tf.io.gfile.exists(named.group(0)):
+      return f"{named.group(0)} is missing"
     # The bundle reader names the shard ("shard 1") or nothing at all.
     shard = re.search(r"shard (\d+)", str(e))
     named = [d for d in data if shard and d.endswith(
@@ -81,7 +84,11 @@ def damage(prefix):
 
 def _listed_checkpoints(directory):
   """The checkpoints the state file lists, oldest first (None: no state)."""
-  state = tf.train.get_checkpoint_state(directory)
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except Exception as e:  # pylint: disable=broad-except  (a parse error)
+    raise CheckpointError(f"the checkpoint state file {directory}/checkpoint "
+                          f"is corrupt ({_first_line(e)})") from None
   if state is None:
     return None
   paths = list(state.all_model_checkpoint_paths)

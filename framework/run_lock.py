@@ -118,6 +118,10 @@ class RunLock:
       with open(self.path, "w") as f:
         f.write(record + "\n")
     except OSError as e:
+      try:
+        os.remove(self.path)
+      except OSError:
+        pass
       raise ModelDirError(f"cannot write {self.path} ({_reason(e)})"
                           ) from None
     self._recorded = True
