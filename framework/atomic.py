@@ -25,11 +25,11 @@ ORPHAN_NAMES = re.compile(
 def _reason(error):
   """The OS's words for `error` (HDF5 and TensorFlow bury the errno in a
   multi-line message)."""
-  if isinstance(error, OSError) and error.strerror:
-    return error.strerror
   code = re.search(r"errno = (\d+)|\[Errno (\d+)\]", str(error))
   if code:
     return os.strerror(int(code.group(1) or code.group(2)))
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror.strip().splitlines()[0]
   lines = str(error).strip().splitlines()
   return lines[0] if lines else type(error).__name__
 
