@@ -23,8 +23,8 @@ from google.protobuf import text_format
 import tensorflow as tf
 
 from framework import atomic, strategies
-from framework.errors import CheckpointError, ModelDirError, check_choice
-from framework.errors import check_positive
+from framework.errors import (CheckpointError, ModelDirError, check_choice,
+                              check_positive)
 
 _WORKER_TMP = ".tmp_worker_"
 RESTORE_POLICIES = ("latest_intact", "error")
