@@ -4,24 +4,137 @@ Every worker must take part in a multi-worker save (the save is a collective);
 only the chief's copy is kept, the others write to a temporary directory that
 is removed straight after. A checkpoint that cannot be restored is an error,
 never a silent restart from scratch.
+
+Before restoring, the newest checkpoint is read in full (index, every data
+file, every tensor's checksum). A damaged one is named in a warning and the
+newest intact one is restored instead (`restore_policy="latest_intact"`), or
+it is an error (`"error"`). The chief also keeps `run_config.json` beside the
+checkpoints (model, options, optimizer, global batch, dataset), so that
+resuming with another configuration is an error unless allowed.
 """
 
-import glob
+import json
 import os
+import re
 import shutil
 
 from absl import logging
+from google.protobuf import text_format
 import tensorflow as tf
 
-from framework import strategies
-from framework.errors import CheckpointError, check_positive
+from framework import atomic, strategies
+from framework.errors import (CheckpointError, ModelDirError, check_choice,
+                              check_positive)
 
 _WORKER_TMP = ".tmp_worker_"
+RESTORE_POLICIES = ("latest_intact", "error")
+RUN_CONFIG_FILE = "run_config.json"
+# The temporary names TensorFlow's savers use while writing `ckpt-<N>`
+# (functional_saver: "<prefix>_temp/part", older savers "<prefix>_temp_<uuid
+# hex>"; the bundle writer's "<file>.tempstate<random>") and distloop's own
+# worker directories. Nothing else in model_dir is ever removed.
+_ORPHAN_NAMES = re.compile(
+    r"ckpt-\d+_temp(_[0-9a-f]{32})?"
+    r"|ckpt-\d+\.(index|data-\d{5}-of-\d{5})\.tempstate\d+"
+    r"|" + re.escape(_WORKER_TMP) + r".+"
+    r"|" + atomic.ORPHAN_NAMES.pattern)
 
 
 def _first_line(error):
   text = str(error).strip().splitlines()
   return text[0] if text else type(error).__name__
+
+
+def damage(prefix):
+  """None if checkpoint `prefix` reads back in full, else what is wrong.
+
+  The answer names the damaged file: a missing index or data file, or a
+  data file that is short or fails its checksum when every tensor is read.
+  """
+  index = prefix + ".index"
+  if not tf.io.gfile.exists(index):
+    return f"{index} is missing"
+  data = sorted(tf.io.gfile.glob(prefix + ".data-*-of-*"))
+  shards = {int(m.group(1)) for m in (re.search(r"-of-(\d+)$", d)
+                                      for d in data) if m}
+  for count in shards:
+    for i in range(count):
+      name = f"{prefix}.data-{i:05d}-of-{count:05d}"
+      if name not in data:
+        return f"{name} is missing"
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{index} cannot be read ({_first_line(e)})"
+  try:
+    for name in sorted(reader.get_variable_to_shape_map()):
+      reader.get_tensor(name)
+  except Exception as e:  # pylint: disable=broad-except
+    named = re.search(r"\S+\.data-\d{5}-of-\d{5}", str(e))
+    if named and not tf.io.gfile.exists(named.group(0)):
+      return f"{named.group(0)} is missing"
+    # The bundle reader names the shard ("shard 1") or nothing at all.
+    shard = re.search(r"shard (\d+)", str(e))
+    named = [d for d in data if shard and d.endswith(
+        f".data-{int(shard.group(1)):05d}-of-{len(data):05d}")]
+    files = " or ".join(named or data) or f"{prefix}.data-*"
+    return f"{files} is damaged ({_first_line(e)})"
+  return None
+
+
+def _listed_checkpoints(directory):
+  """The checkpoints the state file lists, oldest first (None: no state)."""
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except Exception as e:  # pylint: disable=broad-except  (a parse error)
+    raise CheckpointError(f"the checkpoint state file {directory}/checkpoint "
+                          f"is corrupt ({_first_line(e)})") from None
+  if state is None:
+    return None
+  paths = list(state.all_model_checkpoint_paths)
+  if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+    paths.append(state.model_checkpoint_path)
+  return [p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
+          for p in paths]
+
+
+def latest_intact(directory, restore_policy="latest_intact"):
+  """(newest intact checkpoint or None, [(damaged path, problem), ...]).
+
+  Reads only. Damaged checkpoints newer than the one returned are logged as
+  warnings. Raises CheckpointError if the newest is damaged and the policy
+  is "error", or if checkpoint files exist but none is intact.
+  """
+  check_choice("restore_policy", restore_policy, RESTORE_POLICIES)
+  paths = _listed_checkpoints(directory) or []
+  damaged = []
+  for path in reversed(paths):
+    problem = damage(path)
+    if problem is None:
+      for bad, why in damaged:
+        logging.warning("Checkpoint %s is damaged: %s; restoring the newest "
+                        "intact checkpoint, %s, instead", bad, why, path)
+      return path, damaged
+    if restore_policy == "error":
+      raise CheckpointError(
+          f"checkpoint {path} is damaged: {problem}; restore the file, or "
+          "use restore=latest_intact to resume from the newest intact "
+          "checkpoint")
+    damaged.append((path, problem))
+  if any(tf.io.gfile.glob(p + ".*") for p, _ in damaged):
+    raise CheckpointError(
+        "no intact checkpoint to resume from: " + "; ".join(
+            why for _, why in damaged) + "; refusing to start from scratch: "
+        "restore the files or move the ckpt-* files away")
+  if damaged:
+    logging.warning("The checkpoint state in %s lists %s but none of their "
+                    "files exist; starting from scratch", directory,
+                    ", ".join(os.path.basename(p) for p, _ in damaged))
+  return None, []
+
+
+def _describe(value):
+  return json.dumps(value, sort_keys=True)
 
 
 class CheckpointManager:
@@ -32,13 +145,23 @@ class CheckpointManager:
     model_dir: where the chief's `ckpt-<step>` files live.
     strategy: decides chief versus other workers.
     max_to_keep: how many of the newest checkpoints to keep.
+    restore_policy: "latest_intact" (a damaged newest checkpoint is named
+      in a warning and the newest intact one restored) or "error".
+    run_config: a JSON-able dict of what must not change between a
+      checkpoint and the run resuming from it (see `export.run_config`);
+      None: not checked.
+    allow_config_change: a changed `run_config` is a warning, not an error.
   """
 
-  def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3):
+  def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
+               restore_policy="latest_intact", run_config=None,
+               allow_config_change=False):
     check_positive("keep_checkpoints", max_to_keep)
     self.checkpoint = checkpoint
     self.model_dir = model_dir
     self.is_chief = strategies.is_chief(strategy)
+    self.configure(restore_policy=restore_policy, run_config=run_config,
+                   allow_config_change=allow_config_change)
     if self.is_chief:
       self.directory = model_dir
     else:
@@ -49,16 +172,30 @@ class CheckpointManager:
     if self.is_chief:
       self.clean_orphans()
     self._check_state_file()
-    self.manager = tf.train.CheckpointManager(
-        checkpoint, self.directory, max_to_keep=max_to_keep,
+    self._max_to_keep = max_to_keep
+    self.manager = self._new_manager()
+
+  def configure(self, *, restore_policy="latest_intact", run_config=None,
+                allow_config_change=False):
+    """Sets the restore policy and the configuration checked on resume."""
+    self.restore_policy = check_choice("restore_policy", restore_policy,
+                                       RESTORE_POLICIES)
+    self.run_config = run_config
+    self.allow_config_change = bool(allow_config_change)
+
+  def _new_manager(self):
+    return tf.train.CheckpointManager(
+        self.checkpoint, self.directory, max_to_keep=self._max_to_keep,
         checkpoint_name="ckpt")
 
   def clean_orphans(self):
-    """Removes temporary directories left by a save that was killed."""
-    patterns = [os.path.join(self.model_dir, "*_temp"),
-                os.path.join(self.model_dir, "*_temp_*"),
-                os.path.join(self.model_dir, _WORKER_TMP + "*")]
-    for path in sorted({p for pattern in patterns for p in glob.glob(pattern)}):
+    """Removes what a killed save left: only TensorFlow's temporary
+    checkpoint names and distloop's worker directories (user files stay)."""
+    for name in sorted(tf.io.gfile.listdir(self.model_dir)):
+      name = name.rstrip("/")
+      if not _ORPHAN_NAMES.fullmatch(name):
+        continue
+      path = os.path.join(self.model_dir, name)
       logging.info("Removing orphaned temporary checkpoint data %s", path)
       if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -68,7 +205,7 @@ class CheckpointManager:
   def _check_state_file(self):
     if not self.is_chief:
       return
-    has_data = glob.glob(os.path.join(self.directory, "ckpt-*.index"))
+    has_data = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
     try:
       state = tf.train.get_checkpoint_state(self.directory)
     except Exception as e:  # a corrupt text proto raises a parse error
@@ -87,8 +224,17 @@ class CheckpointManager:
     return self.manager.latest_checkpoint if self.is_chief else None
 
   def restore_latest(self, path=None):
-    """Restores `path` (default: the chief's latest); returns it or None."""
-    path = path or tf.train.latest_checkpoint(self.model_dir)
+    """Restores `path` (default: the newest intact); returns it or None.
+
+    Nothing is written unless a damaged newer checkpoint was skipped: then
+    the chief drops it from the state file, so that rotation removes the
+    damaged files and not the intact older checkpoints.
+    """
+    damaged = []
+    if path is None:
+      path, damaged = latest_intact(self.model_dir, self.restore_policy)
+    elif damage(path) is not None:
+      raise CheckpointError(f"checkpoint {path} is damaged: {damage(path)}")
     if path is None:
       return None
     try:
@@ -99,14 +245,86 @@ class CheckpointManager:
           f"checkpoint {path} does not match this model and optimizer "
           f"({_first_line(e)}); use another model_dir or the same model "
           "flags") from None
+    self._check_run_config(path)
+    if damaged and self.is_chief:
+      self._forget(damaged)
     logging.info("Restored checkpoint %s", path)
     return path
 
+  def _forget(self, damaged):
+    """Rewrites the state file without the damaged checkpoints."""
+    state = tf.train.get_checkpoint_state(self.directory)
+    bad = {os.path.basename(p) for p, _ in damaged}
+    keep = [(os.path.basename(p), t) for p, t in zip(
+        state.all_model_checkpoint_paths,
+        list(state.all_model_checkpoint_timestamps) or [None] * len(
+            state.all_model_checkpoint_paths))
+            if os.path.basename(p) not in bad]
+    fresh = type(state)()
+    fresh.model_checkpoint_path = keep[-1][0]
+    fresh.all_model_checkpoint_paths.extend(name for name, _ in keep)
+    if all(t is not None for _, t in keep):
+      fresh.all_model_checkpoint_timestamps.extend(t for _, t in keep)
+    fresh.last_preserved_timestamp = state.last_preserved_timestamp
+    atomic.write_text(os.path.join(self.directory, "checkpoint"),
+                      text_format.MessageToString(fresh))
+    logging.warning("Dropped the damaged %s from %s/checkpoint",
+                    ", ".join(sorted(bad)), self.directory)
+    self.manager = self._new_manager()
+
+  def _check_run_config(self, path):
+    """CheckpointError (or a warning, if allowed) when the run's config
+    differs from the one the checkpoints were written with."""
+    if self.run_config is None:
+      return
+    saved = read_run_config(self.model_dir)
+    if saved is None:
+      return
+    current = json.loads(json.dumps(self.run_config))
+    changes = [(k, saved.get(k), current.get(k))
+               for k in sorted(set(saved) | set(current))
+               if saved.get(k) != current.get(k)]
+    if not changes:
+      return
+    what = "; ".join(f"{k} was {_describe(old)}, now {_describe(new)}"
+                     for k, old, new in changes)
+    if self.allow_config_change:
+      logging.warning("Resuming %s with a changed configuration (allowed): "
+                      "%s", path, what)
+      return
+    raise CheckpointError(
+        f"checkpoint {path} was written with another configuration: {what}; "
+        "use the same flags, another model_dir, or allow_config_change to "
+        "resume anyway (e.g. fine-tuning)")
+
   def save(self, step):
     """Saves at `step`; every worker must call this (it is a collective)."""
-    path = self.manager.save(checkpoint_number=step)
+    try:
+      path = self.manager.save(checkpoint_number=step)
+    except tf.errors.OpError as e:
+      raise ModelDirError(
+          f"cannot write checkpoint ckpt-{step} in {self.directory} "
+          f"({_first_line(e)}); the previous checkpoints are unchanged"
+      ) from None
     if not self.is_chief:
       shutil.rmtree(self.directory, ignore_errors=True)
       return None
+    if self.run_config is not None:
+      atomic.write_text(os.path.join(self.model_dir, RUN_CONFIG_FILE),
+                        json.dumps(self.run_config, indent=2, sort_keys=True))
     logging.info("Saved checkpoint %s", path)
     return path
+
+
+def read_run_config(model_dir):
+  """The dict the chief wrote with its checkpoints, or None."""
+  path = os.path.join(model_dir, RUN_CONFIG_FILE)
+  if not tf.io.gfile.exists(path):
+    return None
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path} is not valid JSON ({e}); delete it to "
+                          "resume without the configuration check") from None
+

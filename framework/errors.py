@@ -17,6 +17,10 @@ class CheckpointError(DistloopError):
   """A checkpoint cannot be restored into this model, or its state is corrupt."""
 
 
+class ModelDirError(DistloopError):
+  """model_dir cannot be written: in use by another run, read-only or full."""
+
+
 class ClusterError(DistloopError):
   """A task of a multi-process job died or cannot be reached."""
 

@@ -20,7 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import datasets, export, inputs, segmentation, strategies
+from framework import (checkpointing, datasets, export, inputs, segmentation,
+                       strategies)
 from framework.errors import CheckpointError, ConfigError, check_positive
 from framework.metrics import ConfusionTrainer, format_confusion
 from framework.summaries import SummaryWriter, markdown_table
@@ -145,7 +146,7 @@ class Evaluator:
     try:
       status = self.checkpoint.restore(path).expect_partial()
       status.assert_existing_objects_matched()
-    except (ValueError, AssertionError) as e:
+    except (ValueError, AssertionError, tf.errors.OpError) as e:
       raise CheckpointError(
           f"checkpoint {path} does not fit model={self.info['model']} "
           f"({str(e).strip().splitlines()[0]})") from None
@@ -153,14 +154,19 @@ class Evaluator:
 
   def evaluate(self, path=None):
     """Evaluates checkpoint `path` (default: config's, else the latest)."""
-    path = path or self.config.checkpoint or tf.train.latest_checkpoint(
-        self.config.model_dir)
+    path = path or self.config.checkpoint
+    if path is None:
+      # The newest intact one; a damaged newer one is named in a warning.
+      path, _ = checkpointing.latest_intact(self.config.model_dir)
     if path is None:
       raise CheckpointError(f"model_dir={self.config.model_dir!r} has no "
                             "checkpoint yet")
     if not tf.io.gfile.exists(path + ".index"):
       raise CheckpointError(f"checkpoint={path!r} does not exist (no "
                             f"{os.path.basename(path)}.index)")
+    problem = checkpointing.damage(path)
+    if problem is not None:
+      raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     step = self.restore(path)
     metrics = self.trainer.evaluate(inputs.distribute_eval(
         self.strategy, self.dataset.test_x, self.dataset.test_y,
@@ -208,7 +214,12 @@ def watch(config, strategy=None):
   last = None
   while True:
     path = tf.train.latest_checkpoint(config.model_dir)
-    if path is not None and path != last:
+    if path is not None and path != last and checkpointing.damage(path):
+      # Rotated away while we looked, or damaged: wait for the next one.
+      logging.warning("Skipping checkpoint %s: %s", path,
+                      checkpointing.damage(path))
+      last = path
+    elif path is not None and path != last:
       try:
         result = evaluator.evaluate(path)
       except tf.errors.NotFoundError as e:

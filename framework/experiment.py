@@ -15,12 +15,14 @@ import tensorflow as tf
 
 import models
 from models import registry
-from framework import (augment, datasets, distribution_check, export, inputs,
-                       precision, ps_training, segmentation, strategies)
+from framework import (augment, checkpointing, datasets, distribution_check,
+                       export, inputs, precision, ps_training, segmentation,
+                       strategies)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
 from framework.optimizers import OptimizerConfig, make_optimizer
+from framework.run_lock import RunLock
 from framework.trainer import Trainer
 
 WEIGHTS_FILE = "model.weights.h5"
@@ -57,8 +59,18 @@ class ExperimentConfig:
   hparams: dict = dataclasses.field(default_factory=dict)
   check_distribution: bool = False
   model_parallel: ModelParallelConfig = ModelParallelConfig()
+  # "latest_intact": a damaged newest checkpoint is skipped with a warning;
+  # "error": it stops the run.
+  restore: str = "latest_intact"
+  # Resume although model, options, optimizer, global batch or dataset
+  # differ from the checkpoint's (e.g. fine-tuning with another optimizer).
+  allow_config_change: bool = False
 
   def __post_init__(self):
+    if not self.model_dir:
+      raise ConfigError(f"model_dir={self.model_dir!r} must be a directory "
+                        "path")
+    check_choice("restore", self.restore, checkpointing.RESTORE_POLICIES)
     check_positive("global_batch_size", self.global_batch_size)
     if (self.train_steps is None) == (self.epochs is None):
       raise ConfigError("set exactly one of train_steps and epochs (got "
@@ -183,6 +195,9 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         samples=(dataset.test_x[:3], dataset.test_y[:3]), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
+  controller.checkpoints.configure(
+      restore_policy=config.restore, run_config=export.run_config(config),
+      allow_config_change=config.allow_config_change)
   return trainer, controller
 
 
@@ -230,6 +245,13 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
     strategy = strategies.make_strategy(config.strategy, tpu=config.tpu)
+  # One writer per model_dir, locked before anything there is touched.
+  with RunLock(config.model_dir,
+               enabled=strategies.is_chief(strategy)) as lock:
+    return _run(config, trainer_cls, strategy, prepare_controller, lock)
+
+
+def _run(config, trainer_cls, strategy, prepare_controller, lock):
   replicas = strategy.num_replicas_in_sync
   if config.global_batch_size % replicas:
     raise ConfigError(
@@ -260,6 +282,7 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps)
   if chief:
+    lock.record()
     # Written first, so a side-car evaluator can rebuild the model.
     export.write_model_info(config.model_dir, info)
   if prepare_controller is not None:
@@ -267,7 +290,7 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
   results = controller.run()
   if chief:
     model = trainer.export_model()
-    model.save_weights(os.path.join(config.model_dir, WEIGHTS_FILE))
+    export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
     if config.export_saved_model:
       export.export_saved_model(model, info, os.path.join(
           config.model_dir, export.EXPORT_DIR))

@@ -11,6 +11,7 @@ that trained them, so `build_inference_model(info)` + `load_weights` rebuilds
 the model on a CPU-only process.
 """
 
+import inspect
 import json
 import os
 
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 import models
 from models import registry
+from framework import atomic
 from framework.errors import CheckpointError
 from framework.inputs import to_float
 
@@ -46,6 +48,20 @@ def model_info(config, dataset):
           "seed": config.seed}
 
 
+def run_config(config):
+  """What a checkpoint must agree on with the run resuming from it.
+
+  Only the options the model takes count (train.py passes every model's).
+  """
+  accepted = inspect.signature(models.get_builder(config.model)).parameters
+  options = {k: v for k, v in _jsonable(config.model_options).items()
+             if k in accepted and k not in _TRAINING_ONLY_OPTIONS}
+  return {"model": config.model, "model_options": options,
+          "optimizer": config.optimizer.name,
+          "global_batch_size": config.global_batch_size,
+          "dataset": config.dataset}
+
+
 def _jsonable(options):
   return {k: list(v) if isinstance(v, tuple) else v
           for k, v in (options or {}).items()}
@@ -53,11 +69,14 @@ def _jsonable(options):
 
 def write_model_info(model_dir, info):
   tf.io.gfile.makedirs(model_dir)
-  path = os.path.join(model_dir, MODEL_INFO_FILE)
-  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-    json.dump(info, f, indent=2, sort_keys=True)
-  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-  return path
+  return atomic.write_text(os.path.join(model_dir, MODEL_INFO_FILE),
+                           json.dumps(info, indent=2, sort_keys=True))
+
+
+def save_weights(model, path):
+  """`model.save_weights(path)` through a temporary name (ModelDirError on
+  a full disk; the previous weights file stays)."""
+  return atomic.write_atomically(path, model.save_weights)
 
 
 def read_model_info(model_dir):
@@ -117,7 +136,5 @@ def export_saved_model(model, info, export_dir):
   plain = build_inference_model(info)
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
   module = ServingModule(plain, info["input_shape"], info["class_names"])
-  tf.io.gfile.makedirs(export_dir)
-  tf.saved_model.save(module, export_dir,
-                      signatures={"serving_default": module.serve})
-  return export_dir
+  return atomic.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
+      module, tmp, signatures={"serving_default": module.serve}))

@@ -82,6 +82,7 @@ def load_model(info, weights):
     raise ConfigError(f"model={info['model']} predicts per-pixel classes "
                       f"(output shape {model.output_shape}); predict "
                       "classifies whole images")
+  _check_readable(weights)
   try:
     model.load_weights(weights)
   except (ValueError, OSError, KeyError, TypeError) as e:
@@ -89,6 +90,24 @@ def load_model(info, weights):
         f"weights {weights} do not fit model={info['model']} with options "
         f"{info.get('model_options') or {}}: {_first_line(e)}") from None
   return model
+
+
+def _check_readable(weights):
+  """CheckpointError naming `weights` if it is not a complete HDF5 file (a
+  damaged file, not a model that does not fit)."""
+  import h5py  # pylint: disable=g-import-not-at-top
+
+  def read(_, item):
+    if isinstance(item, h5py.Dataset):
+      item[()]  # pylint: disable=pointless-statement
+
+  try:
+    with h5py.File(weights, "r") as f:
+      f.visititems(read)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f"weights file {weights} is damaged ({_first_line(e)}); train again "
+        "or restore a copy of the file") from None
 
 
 def cifar10_test_image(index, data_dir=None):

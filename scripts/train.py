@@ -118,6 +118,13 @@ flags.DEFINE_bool("export_saved_model", True, "At the end, also write a "
 flags.DEFINE_integer("checkpoint_every", 1000, "Steps between checkpoints "
                      "(0: only at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
+flags.DEFINE_enum("restore", "latest_intact", ["latest_intact", "error"],
+                  "A damaged newest checkpoint: latest_intact = warn and "
+                  "resume from the newest intact one; error = stop.")
+flags.DEFINE_bool("allow_config_change", False, "Resume although --model, "
+                  "its options, --optimizer, --global_batch_size or "
+                  "--dataset differ from the checkpoint's (e.g. "
+                  "fine-tuning); otherwise that is an error.")
 flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
@@ -216,7 +223,8 @@ def config_from_flags():
       dataset_options=dict(image_size=FLAGS.image_size),
       export_saved_model=FLAGS.export_saved_model,
       hparams=hparams, check_distribution=FLAGS.check_distribution,
-      model_parallel=model_parallel)
+      model_parallel=model_parallel, restore=FLAGS.restore,
+      allow_config_change=FLAGS.allow_config_change)
 
 
 def _run_config(config, trainer_cls):
