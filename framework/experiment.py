@@ -248,10 +248,13 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
   # One writer per model_dir, locked before anything there is touched.
   with RunLock(config.model_dir,
                enabled=strategies.is_chief(strategy)) as lock:
-    return _run(config, trainer_cls, strategy, prepare_controller, lock)
+    return _run(config, trainer_cls, strategy, prepare_controller, lock,
+                build_model=build_model, train_input=train_input,
+                eval_input=eval_input, make_trainer=make_trainer)
 
 
-def _run(config, trainer_cls, strategy, prepare_controller, lock):
+def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
+         build_model, train_input, eval_input, make_trainer):
   replicas = strategy.num_replicas_in_sync
   if config.global_batch_size % replicas:
     raise ConfigError(
