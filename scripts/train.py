@@ -307,31 +307,17 @@ _CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 def check_tf_config_early():
   """Checks TF_CONFIG before TensorFlow's multi-second import.
 
-  A bad cluster description then fails at once, with one line; the run
-  checks it again later. framework/__init__.py imports TensorFlow, so
-  framework.tf_config (which needs none) is loaded without it and unloaded.
+  A bad cluster description then fails at once, with one line (a ConfigError,
+  under `cli.one_line_errors`); the run checks it again later.
+  framework/__init__.py imports lazily, so framework.tf_config loads no
+  TensorFlow.
   """
   if (FLAGS.strategy not in _CLUSTER_STRATEGIES or
-      FLAGS.cluster_resolver != "tf_config" or "framework" in sys.modules):
+      FLAGS.cluster_resolver != "tf_config"):
     return
-  import importlib  # pylint: disable=g-import-not-at-top
-  import types  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  package = types.ModuleType("framework")
-  package.__path__ = [os.path.join(root, "framework")]
-  sys.modules["framework"] = package
-  try:
-    tf_config = importlib.import_module("framework.tf_config")
-    try:
-      tf_config.require_tf_config(
-          FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")
-    except tf_config.ConfigError as e:
-      print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-      sys.exit(1)
-  finally:
-    for name in [n for n in sys.modules
-                 if n == "framework" or n.startswith("framework.")]:
-      del sys.modules[name]
+  from framework import tf_config  # pylint: disable=g-import-not-at-top
+  tf_config.require_tf_config(
+      FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")
 
 
 def _check_and_run():
