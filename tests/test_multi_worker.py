@@ -1,11 +1,16 @@
 """MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1.
 
 One uninterrupted 2-worker run (through the launcher) is the reference: a
-single process with 2 CPU replicas must match it, and so must runs that were
-killed or preempted and then relaunched.
+single process with 2 CPU replicas (`mirrored --cpu_devices=2`) must end with
+the same weights, and so must a run that was preempted, killed and then
+relaunched. Only the chief writes summaries, and no task leaves temporary
+checkpoint directories behind. Failures (a task that never starts, bad
+TF_CONFIG) are one error line; timeouts here only stop a hang.
 """
 
+import glob
 import os
+import re
 import signal
 import subprocess
 import time
@@ -28,6 +33,53 @@ def reference(tmp_path_factory):
   return model_dir, proc.stdout
 
 
+def _event_file_pids(model_dir):
+  """{pid} of the processes that wrote event files anywhere under model_dir.
+
+  TensorFlow names them events.out.tfevents.<time>.<host>.<pid>.<n>.v2.
+  """
+  paths = glob.glob(os.path.join(model_dir, "**", "events.out.tfevents.*"),
+                    recursive=True)
+  assert paths, f"no event files under {model_dir}"
+  return {int(os.path.basename(p).split(".")[-3]) for p in paths}
+
+
+def _temporary_paths(model_dir):
+  """What a save leaves behind if a temporary copy is not cleaned up."""
+  return [p for pattern in (".tmp*", "*_temp", "*_temp_*")
+          for p in glob.glob(os.path.join(model_dir, "**", pattern),
+                             recursive=True)]
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_process_with_two_replicas(reference, tmp_path):
+  model_dir, output = reference
+  # Both workers end with identical weights.
+  digests = [line.split("sha256=")[1].strip() for line in output.splitlines()
+             if "final weights sha256=" in line]
+  assert len(digests) == 2 and len(set(digests)) == 1, output[-3000:]
+  assert cu.global_step(model_dir) == STEPS
+  # Only the chief (worker 0) wrote summaries, and no worker left its
+  # temporary checkpoint directory (or a half-written save) behind.
+  pids = dict(re.findall(r"^\[launch\] (worker:\d) pid=(\d+)", output, re.M))
+  assert sorted(pids) == ["worker:0", "worker:1"], output[-3000:]
+  assert _event_file_pids(model_dir) == {int(pids["worker:0"])}
+  assert _temporary_paths(model_dir) == []
+  # The same global batches on 2 replicas in one process: the same weights.
+  single = str(tmp_path / "mirrored")
+  proc = subprocess.run(
+      cu.TRAIN + cu.MLP + ["--strategy=mirrored", "--cpu_devices=2",
+                           "--checkpoint_every=5", f"--train_steps={STEPS}",
+                           f"--model_dir={single}"],
+      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [single_digest] = re.findall(r"final weights sha256=(\w+)", proc.stderr)
+  assert cu.global_step(single) == STEPS
+  assert cu.max_weight_difference(model_dir, single) <= 1e-5
+  print(f"2 workers: sha256={digests[0]}; 1 process, 2 replicas: "
+        f"sha256={single_digest}")
+
+
 def _start_workers(tmp_path, name, model_dir):
   cluster = launcher.local_cluster(2)
   # Far more steps than needed: the run is interrupted long before.
@@ -39,14 +91,17 @@ def _start_workers(tmp_path, name, model_dir):
 
 def _interrupt(tmp_path, name, model_dir, interrupt):
   """Starts 2 workers, calls `interrupt(processes)` once they saved a new
-  checkpoint; returns (exit codes, seconds to exit, logs, saved step)."""
+  checkpoint; returns (exit codes, seconds to exit, logs, saved step).
+
+  The seconds are printed, never asserted: on a loaded machine they vary.
+  """
   before = cu.checkpoint_step(model_dir)
   processes, logs = _start_workers(tmp_path, name, model_dir)
   try:
     cu.wait_for_checkpoint(model_dir, before + 1, processes)
     start = time.monotonic()
     interrupt(processes)
-    codes = [cu.wait_exit(p, timeout=60) for p in processes]
+    codes = [cu.wait_exit(p, timeout=600) for p in processes]
     seconds = time.monotonic() - start
   finally:
     cu.stop_all(processes)
@@ -72,7 +127,6 @@ def test_preempted_then_killed_then_relaunched_equals_uninterrupted(
       tmp_path, "killed", model_dir, lambda processes: processes[1].kill())
   assert codes == [1, -signal.SIGKILL], logs[0][-3000:]
   print(f"worker 0 exited {seconds:.1f}s after worker 1 was killed")
-  assert seconds < 20, f"worker 0 took {seconds:.1f}s to notice"
   [line] = cu.error_lines(logs[0])
   assert line.startswith("train.py: error: a task of the cluster failed")
   assert "worker:1" in line
@@ -97,7 +151,7 @@ def test_sigterm_under_a_single_process_strategy_saves_a_checkpoint(tmp_path):
   try:
     first = cu.wait_for_checkpoint(model_dir, 5, [process])
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
+    _, stderr = process.communicate(timeout=600)
   finally:
     cu.stop_all([process])
   assert process.returncode == 42, stderr[-3000:]
@@ -114,7 +168,7 @@ def test_startup_timeout_names_the_task_that_never_started(tmp_path):
   process = cu.start_task(cluster, "worker", 0, cu.MLP + [
       "--strategy=multi_worker_mirrored", "--train_steps=10",
       "--startup_timeout=3", f"--model_dir={tmp_path / 'run'}"], log)
-  code = cu.wait_exit(process, timeout=90)
+  code = cu.wait_exit(process, timeout=600)
   assert code != 0
   assert cu.error_lines(open(log).read()) == [
       "train.py: error: startup_timeout=3s passed; these tasks never "
@@ -140,20 +194,30 @@ BAD_TF_CONFIGS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_TF_CONFIGS))
-def test_bad_tf_config_is_one_clear_line_within_10s(case, tmp_path):
+def test_bad_tf_config_is_one_clear_line_before_tensorflow_loads(
+    case, tmp_path):
   tf_config, message = BAD_TF_CONFIGS[case]
   env = {k: v for k, v in cu.ENV.items() if k != "TF_CONFIG"}
   if tf_config is not None:
     env["TF_CONFIG"] = tf_config
-  # TF_CONFIG is checked before TensorFlow is imported.
+  # Python lists every module it imports on stderr ("import time: ...").
+  env["PYTHONPROFILEIMPORTTIME"] = "1"
+  model_dir = tmp_path / "run"
   proc = subprocess.run(
       cu.TRAIN + cu.MLP + ["--strategy=multi_worker_mirrored",
-                           "--train_steps=10", f"--model_dir={tmp_path}"],
-      cwd=cu.ROOT, env=env, capture_output=True, text=True, timeout=10)
+                           "--train_steps=10", f"--model_dir={model_dir}"],
+      cwd=cu.ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stderr[-2000:]
   [line] = cu.error_lines(proc.stderr)
   assert line.startswith("train.py: error: ")
   assert message in line, line
+  assert "Traceback" not in proc.stderr
+  # TF_CONFIG is checked before TensorFlow's multi-second import, and
+  # before anything is written.
+  imported = re.findall(r"^import time:.*\|\s*(\S+)$", proc.stderr, re.M)
+  assert "absl.flags" in imported  # the listing works
+  assert "tensorflow" not in imported
+  assert not model_dir.exists()
 
 
 def test_peer_failure_names_the_dead_task():
