@@ -1,4 +1,4 @@
-"""Moved to scripts/benchmarks/multi_worker.py: this forwards to it (same flags)."""
+"""Moved to scripts/benchmarks/multi_worker.py: this forwards to it."""
 
 import os
 import sys

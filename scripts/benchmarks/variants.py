@@ -97,7 +97,7 @@ def measure_speed():
 
 
 def run():
-  """Speed in one process, then each variant's memory in a process of its own."""
+  """Speed in one process, then each variant's memory in its own process."""
   spec = FLAGS.strategies[0]
   variants = f"--variants={','.join(FLAGS.variants)}"
   memory_batch = f"--memory_batch_size={FLAGS.memory_batch_size}"
