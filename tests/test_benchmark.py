@@ -1,7 +1,7 @@
-"""scripts/benchmark.py runs end to end and reports what issue 6 asks for.
+"""scripts/benchmarks/ run end to end and report what issue 6 asks for.
 
 Only the structure and the counted FLOPs are checked: timings are measured by
-the benchmark, never asserted in tests.
+the benchmarks, never asserted in tests.
 """
 
 import json
@@ -14,11 +14,53 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
+              "multi_worker", "model_parallel")
+
+
+def run(script, *args, timeout=120):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script),
+                         *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_parses_its_flags(name):
+  # absl exits 1 after --helpfull; an unknown or duplicate flag would fail
+  # before the help is printed.
+  proc = run(f"benchmarks/{name}.py", "--helpfull")
+  assert f"scripts/benchmarks/{name}.py" in proc.stdout, proc.stderr[-3000:]
+  assert "--global_batch_size" in proc.stdout
+
+
+@pytest.mark.parametrize("old, new", [
+    ("benchmark.py", "suite.py"),
+    ("benchmark_multi_worker.py", "multi_worker.py"),
+    ("benchmark_model_parallel.py", "model_parallel.py")])
+def test_old_benchmark_paths_forward_to_the_new_ones(old, new):
+  proc = run(old, "--helpfull")
+  # The new script's own help: its usage line names its new path.
+  assert f"python scripts/benchmarks/{new}" in proc.stdout, proc.stderr
+  assert f"scripts/benchmarks/{new}:" in proc.stdout
+
+
+@pytest.mark.parametrize("role, new", [
+    ("compare", "fit_vs_trainer"), ("breakdown", "breakdown"),
+    ("variants_speed", "variants")])
+def test_old_benchmark_roles_name_their_replacement(role, new):
+  proc = run("benchmark.py", f"--role={role}", "--strategy=default")
+  assert proc.returncode == 1
+  assert proc.stdout == ""
+  [line] = proc.stderr.splitlines()
+  assert line.startswith(f"benchmark.py: error: --role={role} moved to "
+                         f"scripts/benchmarks/{new}.py (python "), line
+
+
 @pytest.mark.slow
 def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   output = tmp_path / "bench.json"
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"),
+      [sys.executable, os.path.join(ROOT, "scripts", "benchmarks", "suite.py"),
        "--quick", "--strategies=default", "--variants=float32,float32/accum2",
        "--global_batch_size=16", "--memory_batch_size=16",
        "--steps_per_loop=2", "--loops_per_round=1", "--rounds=2",
@@ -62,3 +104,4 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
                "forward + backward kernels alone", "each timed alone",
                "op types of", "Trainer ms"):
     assert line in proc.stdout, proc.stdout
+  assert set(result) == {"compare", "variants", "breakdown", "flags"}

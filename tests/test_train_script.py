@@ -113,7 +113,7 @@ def test_flagfile_and_epochs(tmp_path):
 
 
 def test_custom_step_example_trains(tmp_path):
-  proc = run_script("custom_step_example.py", *COMMON, "--strategy=mirrored",
+  proc = run_script("examples/custom_step.py", *COMMON, "--strategy=mirrored",
                     "--cpu_devices=2", "--train_steps=30",
                     f"--model_dir={tmp_path}", "--label_smoothing=0.1",
                     "--gradient_penalty=0.001")

@@ -2,7 +2,7 @@
 
 Run it exactly like scripts/train.py (every train.py flag works):
 
-    python scripts/custom_step_example.py --model=mlp --dataset=synthetic \
+    python scripts/examples/custom_step.py --model=mlp --dataset=synthetic \
         --strategy=mirrored --cpu_devices=2 --train_steps=50 \
         --label_smoothing=0.1 --gradient_penalty=0.01 --model_dir=/tmp/custom
 
@@ -14,7 +14,8 @@ gradient, apply once.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
