@@ -93,7 +93,7 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
   `build_model(input_shape, num_classes, **options)` builds the model
   (default: the builder `config.model` names).
   """
-  steps = total_steps(config, len(dataset.train_x))
+  steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
   optimizer_config = config.optimizer
@@ -154,8 +154,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         input_mode=config.input_mode)
 
   def default_eval_input():
-    return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
-                                  config.global_batch_size)
+    return inputs.distribute_test(strategy, dataset, config.global_batch_size)
 
   kwargs = dict(train_input=train_input or default_train_input,
                 eval_input=eval_input or default_eval_input,
@@ -165,7 +164,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   if per_pixel:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
-        samples=(dataset.test_x[:3], dataset.test_y[:3]), **kwargs)
+        samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
   return trainer, controller
@@ -221,8 +220,8 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
-               config.strategy, replicas, dataset.name, len(dataset.train_x),
-               len(dataset.test_x))
+               config.strategy, replicas, dataset.name,
+               dataset.num_train_examples, dataset.num_test_examples)
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
