@@ -123,8 +123,7 @@ class Evaluator:
                                global_batch_size=batch)
     self.checkpoint = tf.train.Checkpoint(
         model=model, global_step=self.trainer.global_step)
-    self.samples = ((self.dataset.test_x[:3], self.dataset.test_y[:3])
-                    if per_pixel else None)
+    self.samples = self.dataset.test_samples(3) if per_pixel else None
     self.writer = SummaryWriter(
         os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
                                                         "eval")),
@@ -153,9 +152,8 @@ class Evaluator:
       raise CheckpointError(f"checkpoint={path!r} does not exist (no "
                             f"{os.path.basename(path)}.index)")
     step = self.restore(path)
-    metrics = self.trainer.evaluate(inputs.distribute_eval(
-        self.strategy, self.dataset.test_x, self.dataset.test_y,
-        self.trainer.global_batch_size))
+    metrics = self.trainer.evaluate(inputs.distribute_test(
+        self.strategy, self.dataset, self.trainer.global_batch_size))
     result = EvalResult(path, step, metrics, self.trainer.last_confusion,
                         tuple(self.info["class_names"]))
     self.writer.scalars(step, {k: v for k, v in metrics.items()

@@ -240,6 +240,11 @@ def run(config, trainer_cls=None, strategy=None, on_loop_end=(),
   strategy = strategy or strategies.make_strategy("parameter_server")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed)
+  if not hasattr(dataset, "train_x"):
+    raise ConfigError(
+        f"dataset={config.dataset!r} is read from files, which "
+        "parameter_server does not stream yet; use multi_worker_mirrored, "
+        "or an in-memory dataset (cifar10, synthetic, shapes, oxford_pet)")
   model, optimizer, loop = build_model_and_optimizer(config, strategy,
                                                      dataset)
   trainer = (trainer_cls or Trainer)(
