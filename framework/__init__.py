@@ -17,6 +17,8 @@ _EXPORTS = {
                                      "check_distribution",
                                      "check_trainer_class"],
     "framework.experiment": ["ExperimentConfig"],
+    "framework.file_input": ["FileDataset", "load_tfrecord"],
+    "framework.image_folder": ["load_image_folder"],
     "framework.errors": ["CheckpointError", "ConfigError", "DataError",
                          "DistloopError", "NonFiniteLossError"],
     "framework.metrics": ["ConfusionTrainer"],

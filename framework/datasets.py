@@ -41,6 +41,23 @@ class ArrayDataset:
   def num_classes(self):
     return len(self.class_names)
 
+  # The interface a file-backed dataset (framework.file_input) shares.
+
+  @property
+  def label_shape(self):
+    return tuple(self.train_y.shape[1:])
+
+  @property
+  def num_train_examples(self):
+    return len(self.train_x)
+
+  @property
+  def num_test_examples(self):
+    return len(self.test_x)
+
+  def test_samples(self, n):
+    return self.test_x[:n], self.test_y[:n]
+
 
 def _first_line(error):
   text = str(error).strip()
@@ -170,7 +187,8 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
 
 
 # Modules that add their datasets to DATASETS when imported.
-_REGISTERING_MODULES = ("framework.segmentation_data",)
+_REGISTERING_MODULES = ("framework.segmentation_data", "framework.file_input",
+                        "framework.image_folder")
 
 
 def load_dataset(name, data_dir=None, seed=0, **options):

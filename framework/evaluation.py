@@ -124,8 +124,7 @@ class Evaluator:
                                global_batch_size=batch)
     self.checkpoint = tf.train.Checkpoint(
         model=model, global_step=self.trainer.global_step)
-    self.samples = ((self.dataset.test_x[:3], self.dataset.test_y[:3])
-                    if per_pixel else None)
+    self.samples = self.dataset.test_samples(3) if per_pixel else None
     self._writer = None
 
   @property
@@ -168,9 +167,8 @@ class Evaluator:
     if problem is not None:
       raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     step = self.restore(path)
-    metrics = self.trainer.evaluate(inputs.distribute_eval(
-        self.strategy, self.dataset.test_x, self.dataset.test_y,
-        self.trainer.global_batch_size))
+    metrics = self.trainer.evaluate(inputs.distribute_test(
+        self.strategy, self.dataset, self.trainer.global_batch_size))
     result = EvalResult(path, step, metrics, self.trainer.last_confusion,
                         tuple(self.info["class_names"]))
     self.writer.scalars(step, {k: v for k, v in metrics.items()

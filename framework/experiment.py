@@ -105,7 +105,7 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
   `build_model(input_shape, num_classes, **options)` builds the model
   (default: the builder `config.model` names).
   """
-  steps = total_steps(config, len(dataset.train_x))
+  steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
   if loop.profile_steps and loop.profile_steps[0] > steps:
@@ -174,8 +174,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         input_mode=config.input_mode)
 
   def default_eval_input():
-    return inputs.distribute_eval(strategy, dataset.test_x, dataset.test_y,
-                                  config.global_batch_size)
+    return inputs.distribute_test(strategy, dataset, config.global_batch_size)
 
   train_input = train_input or default_train_input
   eval_input = eval_input or default_eval_input
@@ -192,7 +191,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   if per_pixel:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
-        samples=(dataset.test_x[:3], dataset.test_y[:3]), **kwargs)
+        samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
   controller.checkpoints.configure(
@@ -264,8 +263,8 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
-               config.strategy, replicas, dataset.name, len(dataset.train_x),
-               len(dataset.test_x))
+               config.strategy, replicas, dataset.name,
+               dataset.num_train_examples, dataset.num_test_examples)
   # Before the distribution check, which builds the model too.
   models.check_task(config.model, segmentation.is_segmentation(dataset),
                     config.dataset)

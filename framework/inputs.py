@@ -88,6 +88,9 @@ def train_dataset(dataset, global_batch_size, *, seed=0, start_step=0,
       using stateless random ops seeded per example.
   """
   check_positive("global_batch_size", global_batch_size)
+  if hasattr(dataset, "train_dataset"):  # File-backed: it streams itself.
+    return dataset.train_dataset(global_batch_size, seed=seed,
+                                 start_step=start_step, augment=augment)
   ds = _index_batches(len(dataset.train_x), global_batch_size, seed,
                       start_step)
   ds = ds.map(_gather_fn(dataset, seed, augment),
@@ -133,6 +136,9 @@ def distribute_train(strategy, dataset, global_batch_size, *, seed=0,
   """The distributed training dataset for `strategy` (see INPUT_MODES)."""
   check_choice("input_mode", input_mode, INPUT_MODES)
   kwargs = dict(seed=seed, start_step=start_step, augment=augment)
+  if hasattr(dataset, "distribute_train"):  # File-backed (file_input.py).
+    return dataset.distribute_train(strategy, global_batch_size,
+                                    input_mode=input_mode, **kwargs)
   if input_mode == "per_replica":
     return strategy.distribute_datasets_from_function(
         per_replica_train_fn(dataset, global_batch_size, **kwargs))
@@ -144,3 +150,11 @@ def distribute_eval(strategy, images, labels, global_batch_size):
   """The distributed evaluation dataset (every example, once)."""
   return strategy.experimental_distribute_dataset(
       eval_dataset(images, labels, global_batch_size))
+
+
+def distribute_test(strategy, dataset, global_batch_size):
+  """`distribute_eval` of a dataset's test split, in memory or from files."""
+  if hasattr(dataset, "distribute_eval"):
+    return dataset.distribute_eval(strategy, global_batch_size)
+  return distribute_eval(strategy, dataset.test_x, dataset.test_y,
+                         global_batch_size)

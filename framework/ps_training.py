@@ -193,6 +193,11 @@ def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
   its own order, so `start_step` only matters to the step counter);
   `eval_input()` the whole test set, evaluated on the coordinator.
   """
+  if not hasattr(dataset, "train_x"):
+    raise ConfigError(
+        f"dataset={dataset.name!r} is read from files, which "
+        "parameter_server does not stream yet; use multi_worker_mirrored, "
+        "or an in-memory dataset (cifar10, synthetic, shapes, oxford_pet)")
   coordinated = CoordinatedTrainer(trainer)
   dataset_fn = per_worker_dataset_fn(dataset, global_batch_size, seed=seed,
                                      augment=augment)

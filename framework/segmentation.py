@@ -24,7 +24,10 @@ TRIPLETS_TAG = "image_true_predicted"
 
 def is_segmentation(dataset):
   """Whether `dataset` has one label per pixel (masks) rather than per image."""
-  return np.ndim(dataset.train_y) > 1
+  shape = getattr(dataset, "label_shape", None)
+  if shape is None:  # A user's dataset object with arrays only.
+    return np.ndim(dataset.train_y) > 1
+  return len(shape) > 0
 
 
 def colorize(masks):

@@ -26,7 +26,9 @@ _FLAGS_BEFORE = set(FLAGS)
 # What to train.
 flags.DEFINE_string("model", "cifar_cnn", "Model name (see models/).")
 flags.DEFINE_string("dataset", "cifar10", "cifar10, synthetic, shapes "
-                    "(generated segmentation) or oxford_pet.")
+                    "(generated segmentation) or oxford_pet (in memory); "
+                    "tfrecord (--data_dir written by make_tfrecords.py) or "
+                    "image_folder (--data_dir/<class>/*.png|jpg), streamed.")
 flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory (default: "
                     "Keras's cache, ~/.keras/datasets/cifar-10-batches-py) "
                     "or the Oxford-IIIT Pet directory.")

@@ -1,0 +1,323 @@
+"""Streaming input from sharded files: deterministic, resumable, per-worker.
+
+A `FileDataset` has the interface of an in-memory `ArrayDataset` that the
+run needs (`input_shape`, `num_classes`, `class_names`, `label_shape`,
+`num_train_examples`, `num_test_examples`, `test_samples(n)`) and builds its
+own input pipelines (`train_dataset`, `distribute_train`, `eval_dataset`,
+`distribute_eval`), which `framework.inputs` delegates to. Nothing of the
+data is embedded in the graph; memory is bounded by a few shards.
+
+Per input pipeline (one per worker under `distribute_datasets_from_function`):
+
+  shards: with S >= P shards for P pipelines, pipeline i owns shards
+    i, i + P, ... (file sharding: it opens nothing else). With S < P every
+    pipeline reads every shard and keeps the examples at positions i mod P
+    of the common stream (data sharding; a warning is logged).
+  epoch e: the pipeline's shards are permuted by the stateless seed
+    (seed, e) and cut into groups of `shards_per_group` consecutive shards;
+    each group is read whole and its records permuted by a seed folded from
+    (seed, e, group). The epoch is the concatenation of the groups, cut to
+    `steps * batch` examples (the remainder is dropped, as in memory).
+  step s: epoch, offset = divmod(s, steps per epoch of this pipeline). A
+    restart builds the stream from there: groups before the offset are not
+    opened, and the group holding it is read and sliced, so resuming costs
+    at most one group's read (`shards_per_group` shards), whatever the step.
+  batches: consecutive examples of the stream, split into per-replica
+    batches in replica order; examples decode in parallel with a
+    deterministic order; augmentation seeds come from (seed, epoch, example
+    index) exactly as for in-memory arrays.
+
+So the batches are a pure function of (seed, step, files, number of input
+pipelines, global batch size): the replica count within a worker does not
+change them, the worker count does (see BUILD.md, "Data at scale").
+"""
+
+import dataclasses
+from typing import Callable
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from framework.errors import ConfigError, DataError, check_positive
+
+_MAX_EPOCHS = 1 << 40
+DEFAULT_SHARDS_PER_GROUP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSplit:
+  """One split stored as shards.
+
+  Attributes:
+    counts: examples in each shard, in shard order.
+    read: `shard ids (int64 [k]) -> tf.data.Dataset` of the records of those
+      shards, shard after shard, each shard in its stored order.
+    decode: `record -> (index int64, image uint8 [H, W, C], label int32)`.
+  """
+  counts: tuple
+  read: Callable
+  decode: Callable
+
+  @property
+  def num_examples(self):
+    return int(sum(self.counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What one input pipeline reads (see the module docstring)."""
+  shard_ids: tuple
+  keep_every: int     # 1: file sharding; P: data sharding
+  pipeline_id: int
+  stream_batch: int   # examples of this pipeline's stream per global step
+  steps: int          # global steps per epoch of this stream
+
+
+def _plan(split, num_pipelines, pipeline_id, global_batch_size, name):
+  shards = len(split.counts)
+  if shards >= num_pipelines:
+    ids = tuple(range(pipeline_id, shards, num_pipelines))
+    keep_every, stream_batch = 1, global_batch_size // num_pipelines
+  else:
+    logging.warning(
+        "%s has %d shards for %d input pipelines: every pipeline reads every "
+        "shard and keeps 1/%d of the examples (data sharding); write at least "
+        "%d shards (make_tfrecords.py --num_shards) to shard by file", name,
+        shards, num_pipelines, num_pipelines, num_pipelines)
+    ids = tuple(range(shards))
+    keep_every, stream_batch = num_pipelines, global_batch_size
+  examples = sum(split.counts[i] for i in ids)
+  steps = examples // stream_batch
+  if steps == 0:
+    raise ConfigError(
+        f"global_batch_size={global_batch_size} is too large: input pipeline "
+        f"{pipeline_id} of {num_pipelines} has {examples} training examples "
+        f"of {name}, fewer than its {stream_batch} per step")
+  return _Plan(ids, keep_every, pipeline_id, stream_batch, steps)
+
+
+def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group):
+  """The records of one epoch of `shard_ids`, from position `skip` on."""
+  ids = tf.constant(shard_ids, tf.int64)
+  counts = tf.constant([split.counts[i] for i in shard_ids], tf.int64)
+  num_groups = -(-len(shard_ids) // shards_per_group)
+  key = tf.stack([tf.cast(seed, tf.int64), epoch])
+  order = tf.argsort(tf.random.stateless_uniform([len(shard_ids)], seed=key))
+  ids, counts = tf.gather(ids, order), tf.gather(counts, order)
+  group_counts = tf.math.unsorted_segment_sum(
+      counts, tf.range(len(shard_ids)) // shards_per_group, num_groups)
+  ends = tf.cumsum(group_counts)
+  starts = ends - group_counts
+
+  def group(g):
+    first = tf.maximum(skip - starts[g], 0)
+    group_key = tf.random.experimental.stateless_fold_in(key, g + 1)
+
+    def shuffle(records):
+      keys = tf.random.stateless_uniform(tf.shape(records)[:1], seed=group_key)
+      return tf.gather(records, tf.argsort(keys))[first:]
+
+    records = split.read(ids[g * shards_per_group:(g + 1) * shards_per_group])
+    return records.batch(group_counts[g]).map(shuffle).unbatch()
+
+  # Groups wholly before `skip` are filtered on their counts: never opened.
+  return tf.data.Dataset.range(num_groups).filter(
+      lambda g: ends[g] > skip).flat_map(group)
+
+
+def _options():
+  options = tf.data.Options()
+  options.deterministic = True
+  # Sharding is done here (by file or by element), never again by tf.data.
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.OFF)
+  return options
+
+
+def _to_float(images):
+  from framework.inputs import to_float  # pylint: disable=g-import-not-at-top
+  return to_float(images)
+
+
+class FileDataset:
+  """A dataset read from sharded files (TFRecords, an image folder)."""
+
+  def __init__(self, name, train, test, *, class_names, image_shape,
+               label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP):
+    check_positive("shards_per_group", shards_per_group)
+    self.name = name
+    self.train = train
+    self.test = test
+    self.class_names = tuple(class_names)
+    self.input_shape = tuple(image_shape)
+    self.label_shape = tuple(label_shape)
+    self.shards_per_group = shards_per_group
+
+  @property
+  def num_classes(self):
+    return len(self.class_names)
+
+  @property
+  def num_train_examples(self):
+    return self.train.num_examples
+
+  @property
+  def num_test_examples(self):
+    return self.test.num_examples
+
+  def test_samples(self, n):
+    """The first `n` test examples as numpy (images, labels)."""
+    rows = list(self.test.read(tf.constant([0], tf.int64)).take(n).map(
+        self.test.decode))
+    return (np.stack([r[1].numpy() for r in rows]),
+            np.stack([r[2].numpy() for r in rows]))
+
+  # Training.
+
+  def _train_stream(self, plan, seed, start_step):
+    """(epoch, record) of one pipeline from global step `start_step` on."""
+    start_epoch, offset = divmod(start_step, plan.steps)
+    first_skip = offset * plan.stream_batch * plan.keep_every
+    keep = plan.steps * plan.stream_batch * plan.keep_every
+
+    def epoch_stream(epoch):
+      skip = tf.where(epoch == start_epoch, tf.constant(first_skip, tf.int64),
+                      tf.constant(0, tf.int64))
+      records = _epoch_records(self.train, plan.shard_ids, seed, epoch, skip,
+                               self.shards_per_group).take(keep - skip)
+      return records.map(lambda r: (epoch, r))
+
+    stream = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(
+        epoch_stream)
+    if plan.keep_every > 1:
+      # Epochs and the skip are multiples of keep_every: positions line up.
+      stream = stream.shard(plan.keep_every, plan.pipeline_id)
+    return stream
+
+  def _train_pipeline(self, plan, batch_size, seed, start_step, augment):
+    decode = self.train.decode
+
+    def parse(epoch, record):
+      index, image, label = decode(record)
+      return epoch, index, image, label
+
+    def finish(epoch, index, images, labels):
+      images = _to_float(images)
+      if augment is not None:
+        # As framework.inputs: seeds from (seed, epoch, example index).
+        seeds = tf.stack([epoch * 1000003 + seed, index], axis=1)
+        images, labels = augment(images, labels, seeds)
+      return images, labels
+
+    ds = self._train_stream(plan, seed, start_step)
+    ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    ds = ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+  def train_dataset(self, global_batch_size, *, seed=0, start_step=0,
+                    augment=None):
+    """Endless global batches from step `start_step` on (one pipeline)."""
+    check_positive("global_batch_size", global_batch_size)
+    plan = _plan(self.train, 1, 0, global_batch_size, self.name)
+    return self._train_pipeline(plan, global_batch_size, seed, start_step,
+                                augment)
+
+  def train_dataset_fn(self, global_batch_size, *, seed=0, start_step=0,
+                       augment=None):
+    """A `distribute_datasets_from_function` argument (per-replica batches)."""
+    check_positive("global_batch_size", global_batch_size)
+
+    def dataset_fn(context):
+      plan = _plan(self.train, context.num_input_pipelines,
+                   context.input_pipeline_id, global_batch_size, self.name)
+      return self._train_pipeline(
+          plan, context.get_per_replica_batch_size(global_batch_size), seed,
+          start_step, augment)
+
+    return dataset_fn
+
+  def distribute_train(self, strategy, global_batch_size, *, seed=0,
+                       start_step=0, augment=None, input_mode="global"):
+    """The distributed training dataset (both input modes read by file)."""
+    del input_mode  # Files are always read per input pipeline.
+    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
+        global_batch_size, seed=seed, start_step=start_step, augment=augment))
+
+  # Evaluation: every example once over all pipelines, last batch partial.
+
+  def _eval_pipeline(self, num_pipelines, pipeline_id, batch_size):
+    shards = len(self.test.counts)
+    if shards >= num_pipelines:
+      ids = list(range(pipeline_id, shards, num_pipelines))
+      ds = self.test.read(tf.constant(ids, tf.int64))
+    else:
+      logging.warning("%s test split has %d shards for %d input pipelines: "
+                      "data sharding", self.name, shards, num_pipelines)
+      ds = self.test.read(tf.constant(list(range(shards)), tf.int64))
+      ds = ds.shard(num_pipelines, pipeline_id)
+    ds = ds.map(lambda r: self.test.decode(r)[1:],
+                num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size).map(lambda x, y: (_to_float(x), y))
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+  def eval_dataset(self, global_batch_size):
+    check_positive("global_batch_size", global_batch_size)
+    return self._eval_pipeline(1, 0, global_batch_size)
+
+  def eval_dataset_fn(self, global_batch_size):
+    check_positive("global_batch_size", global_batch_size)
+
+    def dataset_fn(context):
+      return self._eval_pipeline(
+          context.num_input_pipelines, context.input_pipeline_id,
+          context.get_per_replica_batch_size(global_batch_size))
+
+    return dataset_fn
+
+  def distribute_eval(self, strategy, global_batch_size):
+    return strategy.distribute_datasets_from_function(
+        self.eval_dataset_fn(global_batch_size))
+
+
+def tfrecord_split(data_dir, sidecar):
+  """A `ShardedSplit` over the shards a sidecar names."""
+  import os  # pylint: disable=g-import-not-at-top
+  from framework import tfrecords  # pylint: disable=g-import-not-at-top
+  paths = [os.path.join(data_dir, s) for s in sidecar["shards"]]
+
+  def read(ids):
+    return tf.data.TFRecordDataset(tf.gather(tf.constant(paths), ids))
+
+  return ShardedSplit(
+      tuple(sidecar["examples_per_shard"]), read,
+      tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"]))
+
+
+def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP):
+  """The `FileDataset` of a directory written by scripts/make_tfrecords.py."""
+  from framework import tfrecords  # pylint: disable=g-import-not-at-top
+  if not data_dir:
+    raise ConfigError("dataset=tfrecord needs data_dir (a directory written "
+                      "by scripts/make_tfrecords.py)")
+  train = tfrecords.read_sidecar(data_dir, "train")
+  test = tfrecords.read_sidecar(data_dir, "test")
+  for key in ("image_shape", "label_shape", "class_names"):
+    if train[key] != test[key]:
+      raise DataError(f"data_dir={data_dir!r}: train and test {key} differ "
+                      f"({train[key]} vs {test[key]})")
+  return FileDataset(
+      train.get("name", "tfrecord"), tfrecord_split(data_dir, train),
+      tfrecord_split(data_dir, test), class_names=train["class_names"],
+      image_shape=train["image_shape"], label_shape=train["label_shape"],
+      shards_per_group=shards_per_group)
+
+
+def _register():
+  from framework import datasets  # pylint: disable=g-import-not-at-top
+  datasets.DATASETS["tfrecord"] = (
+      lambda data_dir=None, **_: load_tfrecord(data_dir))
+
+
+_register()

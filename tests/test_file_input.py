@@ -1,0 +1,201 @@
+"""Streaming input from TFRecord shards (framework/file_input.py): the same
+examples as the arrays, exact resume, per-pipeline file sharding, evaluation
+over several pipelines."""
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import framework
+from framework import augment, file_input, inputs, tfrecords
+from tests.helpers import run_script
+
+NUM_TRAIN, NUM_TEST, BATCH = 240, 50, 16  # 15 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def data():
+  return framework.synthetic(num_train=NUM_TRAIN, num_test=NUM_TEST,
+                             image_shape=(8, 8, 3), seed=1)
+
+
+def _write(path, data, num_shards):
+  for split, x, y in (("train", data.train_x, data.train_y),
+                      ("test", data.test_x, data.test_y)):
+    tfrecords.write_split(str(path), split, lambda i, x=x, y=y: (x[i], y[i]),
+                          len(x), num_shards=num_shards,
+                          class_names=data.class_names, name="synthetic")
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(data, tmp_path_factory):
+  return _write(tmp_path_factory.mktemp("six"), data, 6)
+
+
+def _keys(images, labels):
+  """One hashable key per example (images are float in [0, 1])."""
+  images = np.round(np.asarray(images) * 255).astype(np.uint8)
+  return [(int(l), im.tobytes()) for im, l in zip(images, np.asarray(labels))]
+
+
+def _batches(ds, n):
+  return [(x.numpy(), y.numpy()) for x, y in ds.take(n)]
+
+
+def test_each_epoch_has_the_same_examples_as_the_arrays(data, files):
+  steps = NUM_TRAIN // BATCH
+  from_arrays = _batches(inputs.train_dataset(data, BATCH, seed=3), 2 * steps)
+  from_files = _batches(inputs.train_dataset(
+      file_input.load_tfrecord(files), BATCH, seed=3), 2 * steps)
+  for epoch in range(2):
+    part = slice(epoch * steps, (epoch + 1) * steps)
+    a = sorted(k for b in from_arrays[part] for k in _keys(*b))
+    f = sorted(k for b in from_files[part] for k in _keys(*b))
+    assert f == a == sorted(_keys(data.train_x / 255.0, data.train_y))
+  # The documented difference: another shuffle, so another order.
+  assert not np.array_equal(from_arrays[0][0], from_files[0][0])
+  # Epochs differ from each other.
+  assert not np.array_equal(from_files[0][0], from_files[steps][0])
+
+
+def test_resume_gives_the_remaining_batches_exactly(files):
+  dataset = file_input.load_tfrecord(files)
+  full = _batches(dataset.train_dataset(BATCH, seed=5,
+                                        augment=augment.crop_flip), 40)
+  for start in (1, 7, 15, 22):
+    resumed = _batches(dataset.train_dataset(
+        BATCH, seed=5, start_step=start, augment=augment.crop_flip),
+                       40 - start)
+    for a, b in zip(full[start:], resumed):
+      np.testing.assert_array_equal(a[0], b[0])
+      np.testing.assert_array_equal(a[1], b[1])
+  other_seed = _batches(dataset.train_dataset(BATCH, seed=6), 1)
+  assert not np.array_equal(other_seed[0][0], full[0][0])
+
+
+def test_resume_opens_only_the_group_holding_its_step(files, monkeypatch):
+  dataset = file_input.load_tfrecord(files)
+  opened = []  # the shard ids of each group read, in order
+  read = dataset.train.read
+
+  def logging_read(ids):
+    log = tf.py_function(lambda i: opened.append(list(i.numpy())) or 0,
+                         [ids], tf.int32)
+    return tf.data.Dataset.from_tensors((ids, log)).flat_map(
+        lambda i, _: read(i))
+
+  monkeypatch.setattr(dataset, "train", file_input.ShardedSplit(
+      dataset.train.counts, logging_read, dataset.train.decode))
+  # 6 shards of 40 in groups of 4 and 2: step 12 of 15 (example 192) is in
+  # the second group; the first (160 examples) is never opened.
+  next(iter(dataset.train_dataset(BATCH, start_step=12)))
+  assert len(opened[0]) == 2
+  opened.clear()
+  next(iter(dataset.train_dataset(BATCH, start_step=0)))
+  assert len(opened[0]) == 4
+
+
+def _pipeline_examples(dataset, pipelines, pipeline, steps):
+  context = tf.distribute.InputContext(num_input_pipelines=pipelines,
+                                       input_pipeline_id=pipeline,
+                                       num_replicas_in_sync=pipelines)
+  fn = dataset.train_dataset_fn(BATCH, seed=0)
+  return [k for b in _batches(fn(context), steps) for k in _keys(*b)]
+
+
+def _shard_keys(path, sidecar, shard):
+  parse = tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"])
+  rows = [parse(r) for r in tf.data.TFRecordDataset(
+      f"{path}/{sidecar['shards'][shard]}")]
+  return _keys(np.stack([r[1].numpy() for r in rows]) / 255.0,
+               [int(r[2]) for r in rows])
+
+
+def test_two_pipelines_read_disjoint_halves_of_the_shards(files, caplog):
+  dataset = file_input.load_tfrecord(files)
+  sidecar = tfrecords.read_sidecar(files, "train")
+  per_pipeline = NUM_TRAIN // 2 // (BATCH // 2)  # steps of one epoch
+  seen = []
+  with caplog.at_level(logging.WARNING):
+    for pipeline in range(2):
+      got = _pipeline_examples(dataset, 2, pipeline, per_pipeline)
+      mine = [k for s in range(pipeline, 6, 2)
+              for k in _shard_keys(files, sidecar, s)]
+      assert len(got) == NUM_TRAIN // 2 == len(mine)
+      assert sorted(got) == sorted(mine)  # its shards, every record once
+      seen.append(set(got))
+  assert not seen[0] & seen[1]
+  assert "data sharding" not in caplog.text
+
+
+def test_fewer_shards_than_pipelines_fall_back_to_data_sharding(
+    data, tmp_path, caplog):
+  dataset = file_input.load_tfrecord(_write(tmp_path, data, 1))
+  steps = NUM_TRAIN // BATCH
+  with caplog.at_level(logging.WARNING):
+    halves = [_pipeline_examples(dataset, 2, p, steps) for p in range(2)]
+  assert re.search(r"1 shards for 2 input pipelines.*data sharding",
+                   caplog.text)
+  assert not set(halves[0]) & set(halves[1])
+  assert sorted(halves[0] + halves[1]) == sorted(
+      _keys(data.train_x / 255.0, data.train_y))
+
+
+@pytest.mark.parametrize("num_shards", [6, 1])
+def test_evaluation_counts_every_example_once_over_two_pipelines(
+    data, tmp_path, num_shards, caplog):
+  dataset = file_input.load_tfrecord(_write(tmp_path, data, num_shards))
+  fn = dataset.eval_dataset_fn(BATCH)
+  seen, sizes = [], []
+  with caplog.at_level(logging.WARNING):
+    for pipeline in range(2):
+      context = tf.distribute.InputContext(2, pipeline, 2)
+      for x, y in _batches(fn(context), 1000):
+        seen += _keys(x, y)
+        sizes.append(len(y))
+  assert sorted(seen) == sorted(_keys(data.test_x / 255.0, data.test_y))
+  assert min(sizes) < BATCH // 2  # partial batches included
+
+
+def test_mirrored_gives_the_global_batches_and_evaluates_all(files):
+  dataset = file_input.load_tfrecord(files)
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  expected = _batches(dataset.train_dataset(BATCH, seed=2, start_step=3), 4)
+  iterator = iter(inputs.distribute_train(strategy, dataset, BATCH, seed=2,
+                                          start_step=3))
+  for want in expected:
+    parts = strategy.experimental_local_results(next(iterator))
+    np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]),
+                                  want[0])
+  count = 0
+  for batch in inputs.distribute_test(strategy, dataset, BATCH):
+    count += sum(len(p[1]) for p in strategy.experimental_local_results(
+        batch))
+  assert count == NUM_TEST
+
+
+def _digest(proc):
+  return re.search(r"final weights sha256=(\w+)", proc.stderr).group(1)
+
+
+@pytest.mark.slow
+def test_train_py_resumes_exactly_from_a_checkpoint(files, tmp_path):
+  common = ["--model=mlp", "--hidden_units=16", "--dataset=tfrecord",
+            f"--data_dir={files}", "--strategy=mirrored", "--cpu_devices=2",
+            f"--global_batch_size={BATCH}", "--augment=crop_flip",
+            "--steps_per_loop=4", "--checkpoint_every=4", "--eval_every=0",
+            "--export_saved_model=false"]
+  whole = run_script("train.py", *common, "--train_steps=24",
+                     f"--model_dir={tmp_path / 'whole'}")
+  stop = int(np.random.default_rng().integers(5, 20))  # a step mid-epoch
+  run_script("train.py", *common, f"--train_steps={stop}",
+             f"--model_dir={tmp_path / 'cut'}")
+  resumed = run_script("train.py", *common, "--train_steps=24",
+                       f"--model_dir={tmp_path / 'cut'}")
+  assert f"from step {stop}" in resumed.stderr or str(stop) in resumed.stderr
+  assert _digest(resumed) == _digest(whole), f"stopped at {stop}"
+  assert f"examples={NUM_TEST}" in whole.stderr
