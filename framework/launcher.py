@@ -27,7 +27,7 @@ from framework.errors import ConfigError, check_positive
 ROLE_ORDER = ("chief", "worker", "ps", "evaluator")
 CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 # Programs whose --strategy defaults to a single-process one.
-_DISTLOOP_PROGRAMS = ("train.py", "custom_step_example.py", "distloop-train")
+_DISTLOOP_PROGRAMS = ("train.py", "custom_step.py", "distloop-train")
 _PR_SET_PDEATHSIG = 1
 
 
