@@ -39,7 +39,7 @@ EXIT_PREEMPTED = 42
 EXIT_INTERRUPTED = 130
 
 
-def _exit(step, saved=True):
+def _exit(step, saved=True, at_once=False):
   if saved:
     logging.info("Preempted: checkpoint saved at step %d; exiting with status "
                  "%d (relaunch to resume)", step, EXIT_PREEMPTED)
@@ -48,6 +48,13 @@ def _exit(step, saved=True):
                     "finite); exiting with status %d (relaunch to resume from "
                     "the latest good checkpoint)", step, EXIT_PREEMPTED)
   logging.flush()
+  if at_once:
+    # Everything is on disk (summaries are flushed on write). Tearing down
+    # TensorFlow's runtime took another ~10 s, a third of Kubernetes's
+    # 30 s grace period.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
   sys.exit(EXIT_PREEMPTED)
 
 
@@ -115,7 +122,7 @@ class _LocalPreemption:
     if self.received:
       # Controller.save skips the save after a non-finite loss.
       save = getattr(self.controller, "save", self.controller.checkpoints.save)
-      _exit(step, saved=save(step) is not None)
+      _exit(step, saved=save(step) is not None, at_once=True)
 
 
 class _MultiWorkerPreemption:
