@@ -6,7 +6,9 @@
       n = steps to the next event (summary, log, checkpoint, eval, end),
           at most steps_per_loop
       metrics = trainer.train(iterator, n)      # n steps in one graph call
-      stop if the loss is not finite (the last good checkpoint stays)
+                                                # (fewer when asked to stop)
+      stop if the loss is not finite, or under nan_policy=skip after
+          max_skipped_steps skipped steps in a row (nothing saved)
       write summaries / log / save / evaluate when their interval is reached
     save and evaluate at the end
 
@@ -185,6 +187,10 @@ class Controller:
     self._chief = chief
     self._writers = {}
     self._restored = False
+    # Whether the last loop's loss was finite: a loop that was not saves no
+    # checkpoint (the restored state counts as finite).
+    self.loss_finite = True
+    self._last_loop = None
     self.last_eval = None
     self.on_loop_end = list(on_loop_end)
     # The chief traces; other workers run the same ops.
@@ -218,9 +224,19 @@ class Controller:
     return bool(every) and step % every == 0
 
   def save(self, step):
-    """Checkpoints at `step` (every worker must call it)."""
+    """Checkpoints at `step` (every worker must call it); returns the path,
+    or None without saving when the last loop's loss was not finite."""
+    if not self.loss_finite:
+      logging.warning("Not saving a checkpoint at step %d: %s", step,
+                      self._non_finite_text())
+      return None
     self.trainer.sync_replica_state()
     return self.checkpoints.save(step)
+
+  def _non_finite_text(self):
+    first, last, loss = self._last_loop
+    return (f"loss is {loss} in steps {first}..{last} (latest good "
+            f"checkpoint: {self.checkpoints.latest or 'none'})")
 
   def evaluate(self):
     """Evaluates on the whole eval set and writes `eval/` summaries."""
@@ -272,6 +288,11 @@ class Controller:
       # A window past the last step, or a run that stopped inside it.
       self._report_profile(self.profiler.maybe_stop(self.step, force=True),
                            self.step)
+    if not self.loss_finite:
+      raise NonFiniteLossError(
+          f"{self._non_finite_text()}; the run ended without saving a final "
+          "checkpoint or weights: lower learning_rate, set clip_norm, or "
+          "train on from the last good checkpoint")
     if last_saved != step:
       self.save(step)
     return self.evaluate()
@@ -308,8 +329,12 @@ class Controller:
       loop_start = time.time()
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
-      step = self.step
+      # Fewer steps than asked when the loop was told to stop.
+      step, num_steps = self.step, self.step - step
       self._report_profile(self.profiler.maybe_stop(step), step)
+      self.loss_finite = math.isfinite(metrics["loss"])
+      self._last_loop = (step - num_steps + 1, step, metrics["loss"])
+      self._check_skipped_steps(step)
       if not math.isfinite(metrics["loss"]) and trainer.nan_policy == "stop":
         raise NonFiniteLossError(
             f"loss is {metrics['loss']} in steps {step - num_steps + 1}.."
@@ -322,23 +347,44 @@ class Controller:
       if getattr(trainer, "global_batch_size", None):
         metrics["examples_per_second"] = (
             num_steps * trainer.global_batch_size / elapsed)
+      if getattr(trainer, "skipped_steps", None) is not None and (
+          trainer.nan_policy == "skip" or trainer.loss_scale is not None):
+        metrics["skipped_steps"] = float(trainer.skipped_steps.numpy())
       if self._due(c.summary_every, step) or step == c.train_steps:
         self.writer("train").scalars(step, metrics)
       if self._due(c.log_every, step) or step == c.train_steps:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: %s examples/s=%.1f ETA %s", step,
+            "train step %d/%d: %s examples/s=%.1f ETA %s%s", step,
             c.train_steps, " ".join(f"{k}={v:.4f}" for k, v in
                                     sorted(step_metrics.items(),
                                            key=lambda kv: kv[0] != "loss")),
             metrics.get("examples_per_second", float("nan")),
-            _format_seconds(eta))
+            _format_seconds(eta),
+            f" skipped_steps={int(metrics['skipped_steps'])}"
+            if "skipped_steps" in metrics else "")
       if self._due(c.checkpoint_every, step):
-        self.save(step)
-        last_saved = step
+        self.save(step)  # skipped with a warning after a non-finite loss
+        last_saved = step if self.loss_finite else last_saved
       if self._due(c.eval_every, step) and step != c.train_steps:
         self.evaluate()
       for fn in self.on_loop_end:
         fn(step)
     return step, last_saved
+
+  def _check_skipped_steps(self, step):
+    """NonFiniteLossError after `max_skipped_steps` skipped steps in a row
+    (nan_policy=skip), before anything of the diverged state is saved."""
+    trainer = self.trainer
+    if trainer.nan_policy != "skip":
+      return
+    in_a_row = int(trainer.consecutive_skips.numpy())
+    if in_a_row >= trainer.max_skipped_steps:
+      raise NonFiniteLossError(
+          f"{in_a_row} steps in a row were skipped (steps "
+          f"{step - in_a_row + 1}..{step}: non-finite loss or gradient; "
+          f"max_skipped_steps={trainer.max_skipped_steps}); stopped without "
+          f"saving (latest good checkpoint: "
+          f"{self.checkpoints.latest or 'none'}); lower learning_rate or "
+          "set clip_norm")

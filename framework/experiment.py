@@ -46,6 +46,7 @@ class ExperimentConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   clip_norm: float = None
   nan_policy: str = "stop"
+  max_skipped_steps: int = 10
   loop: LoopConfig = None  # train_steps filled in by `resolve`
   seed: int = 0
   deterministic: bool = True
@@ -80,6 +81,7 @@ class ExperimentConfig:
                    self.train_steps if self.epochs is None else self.epochs)
     check_choice("input_mode", self.input_mode, inputs.INPUT_MODES)
     check_positive("grad_accum_steps", self.grad_accum_steps)
+    check_positive("max_skipped_steps", self.max_skipped_steps)
     check_choice("mixed_precision", self.mixed_precision,
                  precision.PRECISIONS)
     check_choice("augment", self.augment, augment.AUGMENTATIONS)
@@ -155,6 +157,8 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   extra = {}
   if config.grad_accum_steps != 1:
     extra["grad_accum_steps"] = config.grad_accum_steps
+  if config.max_skipped_steps != ExperimentConfig.max_skipped_steps:
+    extra["max_skipped_steps"] = config.max_skipped_steps
   loss_scale = None
   if precision.needs_loss_scale(config.mixed_precision):
     loss_scale = precision.LossScale(strategy)
@@ -289,6 +293,8 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
     export.write_model_info(config.model_dir, info)
   if prepare_controller is not None:
     prepare_controller(controller)
+  # Raises NonFiniteLossError, before the weights file is (over)written,
+  # when the last loop's loss was not finite.
   results = controller.run()
   if chief:
     model = trainer.export_model()

@@ -1,20 +1,30 @@
-"""SIGTERM (preemption) -> every worker saves a checkpoint -> exit 42.
+"""SIGTERM (preemption) or Ctrl-C -> every worker saves a checkpoint -> exit 42.
 
 Cluster schedulers announce preemption with SIGTERM and kill the process a
-grace period later. On SIGTERM, distloop finishes the current loop, saves a
-checkpoint and exits with `EXIT_PREEMPTED`; relaunching resumes from it.
+grace period later (Kubernetes: 30 s). On SIGTERM or a first SIGINT (Ctrl-C),
+distloop saves a checkpoint and exits with `EXIT_PREEMPTED`; relaunching
+resumes from it. A second Ctrl-C exits at once with status 130, saving
+nothing.
 
-- Single-process strategies: a SIGTERM handler sets a flag that the loop
-  checks after each `steps_per_loop` chunk.
+- Single-process strategies: the main thread is inside the graph call of a
+  training loop when the signal comes, where no Python signal handler can
+  run. A watcher thread, woken through `signal.set_wakeup_fd`, sets the
+  trainer's stop flag, which the in-graph loop reads before every step: the
+  loop ends after the current step, and the loop-end hook saves and exits.
 - MultiWorkerMirroredStrategy: the save is a collective, so all workers must
   save at the same step although only one got the signal (TensorFlow's
   collective runtime keeps the other workers unaware). TensorFlow's
   `PreemptionCheckpointHandler` agrees on that step through the coordination
-  service; distloop's checkpoint manager does the save.
+  service, at a loop end (a loop is not cut short: its collectives need every
+  worker); distloop's checkpoint manager does the save. Ctrl-C is turned
+  into a SIGTERM for that handler.
+- Parameter server: the coordinator's loop-end hook saves and exits.
 """
 
+import os
 import signal
 import sys
+import threading
 
 from absl import logging
 import tensorflow as tf
@@ -25,29 +35,93 @@ from framework import strategies
 EXIT_PREEMPTED = 42
 
 
-def _exit(step):
-  logging.info("Preempted: checkpoint saved at step %d; exiting with status "
-               "%d (relaunch to resume)", step, EXIT_PREEMPTED)
+# Exit status after a second Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+
+
+def _exit(step, saved=True, at_once=False):
+  if saved:
+    logging.info("Preempted: checkpoint saved at step %d; exiting with status "
+                 "%d (relaunch to resume)", step, EXIT_PREEMPTED)
+  else:
+    logging.warning("Preempted at step %d without saving (the loss was not "
+                    "finite); exiting with status %d (relaunch to resume from "
+                    "the latest good checkpoint)", step, EXIT_PREEMPTED)
   logging.flush()
+  if at_once:
+    # Everything is on disk (summaries are flushed on write). Tearing down
+    # TensorFlow's runtime took another ~10 s, a third of Kubernetes's
+    # 30 s grace period.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
   sys.exit(EXIT_PREEMPTED)
 
 
+def _watch_signals(on_signal, handled):
+  """Calls `on_signal(signum)` from a thread for each signal that has a
+  Python handler; installs no-op handlers for `handled`.
+
+  Python runs signal handlers in the main thread only, between bytecodes:
+  not while it waits in a graph call. The C-level handler still writes the
+  signal number to the wakeup fd at once, which this thread reads.
+  """
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  for signum in handled:
+    signal.signal(signum, lambda signum, frame: None)
+  signal.set_wakeup_fd(write_fd)
+
+  def watch():
+    while True:
+      for signum in os.read(read_fd, 64):
+        on_signal(signum)
+
+  threading.Thread(target=watch, name="distloop-signal-watcher",
+                   daemon=True).start()
+
+
+class _Interrupts:
+  """Counts Ctrl-Cs: the first is handled, the second exits at once."""
+
+  def __init__(self):
+    self.count = 0
+
+  def arrived(self):
+    self.count += 1
+    if self.count > 1:
+      print("Interrupted again: exiting at once without saving",
+            file=sys.stderr, flush=True)
+      os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+
+
 class _LocalPreemption:
-  """SIGTERM -> flag; the next loop end saves and exits."""
+  """SIGTERM or SIGINT -> stop the in-graph loop after its current step;
+  the loop-end hook then saves and exits."""
 
   def __init__(self, controller):
     self.controller = controller
-    self.received = False
-    signal.signal(signal.SIGTERM, self._on_sigterm)
+    self.received = None
+    self._interrupts = _Interrupts()
+    _watch_signals(self._on_signal, (signal.SIGTERM, signal.SIGINT))
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    self.received = True
+  def _on_signal(self, signum):  # in the watcher thread
+    if signum == signal.SIGINT:
+      self._interrupts.arrived()
+    elif signum != signal.SIGTERM:
+      return
+    if self.received is None:
+      self.received = signal.Signals(signum).name
+      logging.info("%s received: saving a checkpoint after the current step "
+                   "(Ctrl-C again to quit without saving)", self.received)
+      request_stop = getattr(self.controller.trainer, "request_stop", None)
+      if request_stop is not None:
+        request_stop()
 
   def __call__(self, step):
     if self.received:
-      self.controller.save(step)
-      _exit(step)
+      # Controller.save skips the save after a non-finite loss.
+      _exit(step, saved=self.controller.save(step) is not None, at_once=True)
 
 
 class _MultiWorkerPreemption:
@@ -67,6 +141,15 @@ class _MultiWorkerPreemption:
         exit_fn=lambda: _exit(self._step), save_fn=self._save, grace_period=0)
     self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
         strategy.cluster_resolver, reader, termination_config=config)
+    # After the handler installed its SIGTERM handler: a first Ctrl-C
+    # becomes a SIGTERM for it (all workers agree on a step and save).
+    self._interrupts = _Interrupts()
+    _watch_signals(self._on_signal, (signal.SIGINT,))
+
+  def _on_signal(self, signum):  # in the watcher thread
+    if signum == signal.SIGINT:
+      self._interrupts.arrived()
+      os.kill(os.getpid(), signal.SIGTERM)
 
   def _save(self, step):
     self.controller.checkpoints.save(step)
@@ -77,7 +160,8 @@ class _MultiWorkerPreemption:
 
 
 def install(controller):
-  """Makes `controller` save and exit with EXIT_PREEMPTED on SIGTERM.
+  """Makes `controller` save and exit with EXIT_PREEMPTED on SIGTERM or a
+  first SIGINT (a second SIGINT exits at once with EXIT_INTERRUPTED).
 
   Call after creating the controller and before `controller.run()`.
   Returns the loop-end hook (also appended to `controller.on_loop_end`).

@@ -20,7 +20,10 @@ One training step, per replica, inside `strategy.run` inside a `tf.function`:
                                                     # them over replicas
 
 `steps_per_loop` such steps run inside one `tf.function` call, so Python is not
-on the per-step path.
+on the per-step path. The loop also ends early, at the next step boundary,
+when `request_stop` was called (preemption) or, under `nan_policy=skip`, once
+`max_skipped_steps` steps in a row were skipped; `global_step` counts the
+steps that ran.
 """
 
 import keras
@@ -53,6 +56,9 @@ class Trainer:
     clip_norm: clip the all-reduced gradient to this global norm (None: off).
     nan_policy: `stop` (the controller stops at a non-finite loss) or `skip`
       (a step whose reduced loss or gradient is not finite changes nothing).
+    max_skipped_steps: under `nan_policy=skip`, the training loop stops after
+      this many skipped steps in a row (the controller then raises
+      `NonFiniteLossError`): a diverged model skips forever.
     grad_accum_steps: split each replica's batch into this many micro-batches
       and sum their gradients before the one all-reduce and update: the same
       update as the whole batch at 1/grad_accum_steps of the activations.
@@ -65,8 +71,9 @@ class Trainer:
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
                nan_policy="stop", grad_accum_steps=1, loss_scale=None,
-               fused_updates=True):
+               fused_updates=True, max_skipped_steps=10):
     check_positive("global_batch_size", global_batch_size)
+    check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
     replicas = strategy.num_replicas_in_sync
     if global_batch_size % replicas:
@@ -91,12 +98,26 @@ class Trainer:
     self.grad_accum_steps = grad_accum_steps
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
+    self.max_skipped_steps = max_skipped_steps
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      # Steps whose update was skipped (non-finite loss or gradient, float16
+      # overflow): in total since this trainer was built, and in a row.
+      # Not checkpointed, so that checkpoints stay as they were.
+      self.skipped_steps, self.consecutive_skips = (
+          tf.Variable(0, dtype=tf.int64, trainable=False, name=name,
+                      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+          for name in ("skipped_steps", "consecutive_skips"))
+    # Read by the training loop before every step and set from another
+    # thread (a signal watcher) while the loop runs: one host variable,
+    # outside the strategy, so that no replica copies can disagree.
+    with tf.device("CPU:0"):
+      self.stop_requested = tf.Variable(False, trainable=False,
+                                        name="stop_requested")
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
@@ -246,6 +267,13 @@ class Trainer:
       return self._update(self.strategy, grads, variables, finite)
     return context.merge_call(self._update, args=(grads, variables, finite))
 
+  def request_stop(self):
+    """Makes a running (or the next) training loop end after its current
+    step; thread-safe, so a signal watcher thread may call it while the
+    main thread is inside `train`. Under a multi-worker strategy, only call
+    it on every worker at once (the loop's collectives need all of them)."""
+    self.stop_requested.assign(True)
+
   def export_model(self):
     """The trained model as one plain Keras model (for weights files and
     exports); model-parallel trainers reassemble their split here."""
@@ -326,9 +354,20 @@ class Trainer:
 
     if self.nan_policy != "skip" and self.loss_scale is None:
       return update_all()
+
+    def apply():
+      update_all()
+      self.consecutive_skips.assign(0)
+      return tf.constant(True)
+
+    def skip():
+      self.skipped_steps.assign_add(1)
+      self.consecutive_skips.assign_add(1)
+      return tf.constant(False)
+
     # A float16 overflow is expected now and then: skip it, shrink the scale.
     finite = strategy.experimental_local_results(finite)[0]
-    applied = tf.cond(finite, update_all, lambda: tf.constant(False))
+    applied = tf.cond(finite, apply, skip)
     if self.loss_scale is not None:
       with tf.control_dependencies([self.loss_scale.update(finite)]):
         applied = tf.identity(applied)
@@ -344,15 +383,31 @@ class Trainer:
     self.global_step.assign_add(1)
     return metrics
 
+  def _keep_going(self):
+    """Whether the loop may run another step (read before each step)."""
+    keep_going = tf.logical_not(self.stop_requested)
+    if self.nan_policy == "skip":
+      keep_going = tf.logical_and(
+          keep_going, self.consecutive_skips < self.max_skipped_steps)
+    return keep_going
+
   def _train_loop_fn(self, iterator, num_steps):
+    # The first step always runs, so that the metrics are never 0 / 0.
     totals = self._one_step(iterator)
-    for _ in tf.range(num_steps - 1):
+    steps = tf.constant(1)
+    while tf.logical_and(steps < num_steps, self._keep_going()):
       step_metrics = self._one_step(iterator)
       totals = {k: totals[k] + step_metrics[k] for k in totals}
-    return {k: v / tf.cast(num_steps, v.dtype) for k, v in totals.items()}
+      steps += 1
+    return {k: v / tf.cast(steps, v.dtype) for k, v in totals.items()}
 
   def train(self, iterator, num_steps):
-    """Runs `num_steps` steps in one graph call; returns their mean metrics."""
+    """Runs `num_steps` steps in one graph call; returns their mean metrics.
+
+    Fewer steps run when a stop was requested or, under `nan_policy=skip`,
+    `max_skipped_steps` steps in a row were skipped: `global_step` tells how
+    many ran.
+    """
     return self._train_loop(iterator, tf.constant(num_steps, tf.int32))
 
   def _eval_totals(self, batch):

@@ -103,6 +103,9 @@ flags.DEFINE_float("clip_norm", None, "Clip the all-reduced gradient to this "
 flags.DEFINE_enum("nan_policy", "stop", ["stop", "skip"], "On a NaN/Inf "
                   "loss: stop (keep the last good checkpoint) or skip the "
                   "step.")
+flags.DEFINE_integer("max_skipped_steps", 10, "--nan_policy=skip: stop with "
+                     "an error (saving nothing) after this many skipped "
+                     "steps in a row.")
 flags.DEFINE_bool("check_distribution", False, "Before training, run one "
                   "step under --strategy and on one device from the same "
                   "state and compare (exits 1 if the step is wrong when "
@@ -162,7 +165,7 @@ def _is_int_list(values):
 
 
 for _name in ("global_batch_size", "steps_per_loop", "keep_checkpoints",
-              "grad_accum_steps"):
+              "grad_accum_steps", "max_skipped_steps"):
   flags.register_validator(_name, lambda v: v is not None and v > 0,
                            message=f"--{_name} must be a positive integer")
 for _name in ("train_steps", "epochs"):
@@ -214,7 +217,8 @@ def config_from_flags():
       global_batch_size=FLAGS.global_batch_size,
       train_steps=FLAGS.train_steps or None, epochs=FLAGS.epochs or None,
       optimizer=optimizer, clip_norm=FLAGS.clip_norm,
-      nan_policy=FLAGS.nan_policy, loop=loop, seed=FLAGS.seed,
+      nan_policy=FLAGS.nan_policy, max_skipped_steps=FLAGS.max_skipped_steps,
+      loop=loop, seed=FLAGS.seed,
       deterministic=FLAGS.deterministic, input_mode=FLAGS.input_mode,
       grad_accum_steps=FLAGS.grad_accum_steps,
       mixed_precision=FLAGS.mixed_precision, augment=FLAGS.augment,

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import h5py
 import numpy as np
@@ -207,10 +208,92 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert ckpts(after) == ckpts(before)
 
 
+# train.py with a Trainer whose gradient is NaN at steps 5 and 6 (global
+# step 4 and 5 before they run); the loss stays finite.
+NAN_AT_STEPS_5_6 = """
+import sys
+sys.path.insert(0, {root!r})
+import numpy as np
+import tensorflow as tf
+from absl import app
+from framework.trainer import Trainer
+from scripts import cli, train
+
+class NanGradients(Trainer):
+  def compute_gradients(self, batch):
+    grads, metrics = super().compute_gradients(batch)
+    bad = tf.logical_and(self.global_step >= 4, self.global_step < 6)
+    return [g + tf.where(bad, np.nan, 0.0) for g in grads], metrics
+
+app.run(cli.main_running(lambda: train.run_main(NanGradients)))
+"""
+
+
+def checkpoint(model_dir, step):
+  """{name: array} of the checkpoint of `step`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  reader = tf.train.load_checkpoint(os.path.join(model_dir, f"ckpt-{step}"))
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if "OPTIMIZER_SLOT" not in k}
+
+
 def test_nan_policy_skip_keeps_training(tmp_path):
-  proc = train(tmp_path, "--train_steps=10", "--learning_rate=1e30",
-               "--optimizer=sgd", "--nan_policy=skip")
-  assert proc.returncode == 0
+  script = tmp_path / "nan_train.py"
+  script.write_text(NAN_AT_STEPS_5_6.format(
+      root=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  model_dir = tmp_path / "run"
+  proc = run_script(str(script), *COMMON, f"--model_dir={model_dir}",
+                    "--nan_policy=skip", "--train_steps=12",
+                    "--steps_per_loop=2", "--checkpoint_every=2",
+                    "--keep_checkpoints=10", "--summary_every=2",
+                    "--log_every=2")
+  # The skipped steps changed no weight and did not advance the optimizer.
+  at4, at6, at12 = (checkpoint(model_dir, s) for s in (4, 6, 12))
+  # Keras 3 checkpoints list the weights under the optimizer.
+  weight_names = [k for k in at4 if "/_trainable_variables/" in k]
+  assert weight_names, sorted(at4)
+  for name in weight_names:
+    np.testing.assert_array_equal(at4[name], at6[name])
+    assert not np.array_equal(at6[name], at12[name]) or "bias" in name
+  [iterations] = [k for k in at4 if "iterations" in k]
+  assert [int(c[iterations]) for c in (at4, at6, at12)] == [4, 4, 10]
+  assert int(at12["global_step/.ATTRIBUTES/VARIABLE_VALUE"]) == 12
+  # Counted in the log and in TensorBoard.
+  assert "train step 4/12: " in proc.stderr
+  assert re.search(r"train step 6/12: .* skipped_steps=2", proc.stderr)
+  assert re.search(r"train step 12/12: .* skipped_steps=2", proc.stderr)
+  skipped = scalars(events(os.path.join(model_dir, "train")), "skipped_steps")
+  assert skipped == {2: 0, 4: 0, 6: 2, 8: 2, 10: 2, 12: 2}
+  assert all(np.isfinite(w).all() for w in weights(model_dir).values())
+
+
+def test_diverged_skipping_stops_after_max_skipped_steps(tmp_path):
+  # SGD at 1e30: one step diverges the weights, every later loss is NaN.
+  train(tmp_path, "--train_steps=20", "--checkpoint_every=10")
+  before = files(tmp_path)
+  weights_file = os.path.join(tmp_path, "model.weights.h5")
+  proc = train(tmp_path, "--train_steps=200", "--learning_rate=1e30",
+               "--optimizer=sgd", "--nan_policy=skip", "--steps_per_loop=5",
+               "--checkpoint_every=5", "--keep_checkpoints=2",
+               "--summary_every=1", "--max_skipped_steps=10", check=False)
+  assert proc.returncode == 1
+  assert_one_line_error(proc, "10 steps in a row were skipped",
+                        "max_skipped_steps=10", "ckpt-20")
+  # The good checkpoints stay, nothing diverged was saved, the weights
+  # file is the good run's.
+  kept = lambda f: {p: t for p, t in f.items() if "ckpt" in p or p.endswith(
+      ("checkpoint", ".h5")) or "/export" in p}
+  after = files(tmp_path)
+  assert kept(after) == kept(before) and weights_file in kept(after)
+  # The skipped steps were counted in TensorBoard.
+  skipped = scalars(events(os.path.join(tmp_path, "train")), "skipped_steps")
+  assert max(skipped.values()) > 0
+
+
+def test_max_skipped_steps_must_be_positive(tmp_path):
+  proc = train(tmp_path, "--train_steps=5", "--max_skipped_steps=0",
+               check=False)
+  assert_one_line_error(proc, "--max_skipped_steps")
 
 
 def test_resume_with_dropout_draws_the_same_masks(tmp_path):
