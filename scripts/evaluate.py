@@ -50,7 +50,7 @@ flags.mark_flag_as_required("model_dir")
 def run():
   """Evaluates (or watches); raises DistloopError on bad input."""
   import framework  # pylint: disable=g-import-not-at-top
-  from framework import evaluation  # pylint: disable=g-import-not-at-top
+  from framework.app import evaluation  # pylint: disable=g-import-not-at-top
   if FLAGS.cpu_devices:
     framework.configure_cpu_devices(FLAGS.cpu_devices)
   if FLAGS.watch and FLAGS.checkpoint:

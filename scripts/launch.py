@@ -22,7 +22,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from scripts import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-from framework import launcher  # pylint: disable=g-import-not-at-top
+from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)

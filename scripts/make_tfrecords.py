@@ -9,7 +9,7 @@
         --synthetic_shape=64,64,3 --output_dir=/tmp/big
 
 Output: `train-*-of-*.tfrecord`, `test-*-of-*.tfrecord`, `train.json` and
-`test.json` (see framework/tfrecords.py). Everything is written to a staging
+`test.json` (see framework/data/tfrecords.py). Everything is written to a staging
 folder beside --output_dir and moved in at the end, so bad input (reported in
 one line) leaves --output_dir as it was.
 """
@@ -110,7 +110,7 @@ def _synthetic():
 
 
 def _image_folder():
-  from framework import image_folder  # pylint: disable=g-import-not-at-top
+  from framework.data import image_folder  # pylint: disable=g-import-not-at-top
   from framework.errors import DataError  # pylint: disable=g-import-not-at-top
   classes, splits = image_folder.scan(FLAGS.data_dir, FLAGS.test_fraction,
                                       seed=FLAGS.seed)
@@ -133,7 +133,7 @@ def _image_folder():
 
 
 def _sources():
-  from framework import datasets, segmentation_data  # pylint: disable=g-import-not-at-top
+  from framework.data import datasets, segmentation_data  # pylint: disable=g-import-not-at-top
   name = FLAGS.dataset
   if name == "cifar10":
     return _arrays(datasets.load_cifar10(FLAGS.data_dir))
@@ -149,7 +149,7 @@ def _sources():
 
 
 def convert():
-  from framework import tfrecords  # pylint: disable=g-import-not-at-top
+  from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
   sources, class_names = _sources()
   output_dir = os.path.abspath(FLAGS.output_dir)
   parent = os.path.dirname(output_dir)

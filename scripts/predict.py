@@ -40,7 +40,8 @@ flags.DEFINE_string("save_image", None, "Write the classified image (as "
 
 def run():
   """Prints (and writes) one prediction; raises DistloopError on bad input."""
-  from framework import errors, prediction  # pylint: disable=g-import-not-at-top
+  from framework import errors  # pylint: disable=g-import-not-at-top
+  from framework.app import prediction  # pylint: disable=g-import-not-at-top
   prediction.use_cpu_only()
   if (FLAGS.index is None) == (FLAGS.image is None):
     raise errors.ConfigError("set exactly one of --index (CIFAR-10 test "

@@ -239,12 +239,13 @@ def _run_config(config, trainer_cls):
   Cluster strategies: `ps` tasks, and `worker` tasks under parameter_server,
   only serve; the chief coordinates. A start-up watchdog turns a task that
   never starts into an error, and SIGTERM saves a checkpoint and exits with
-  status 42 (see framework/preemption.py).
+  status 42 (see framework/core/preemption.py).
   """
   # pylint: disable=g-import-not-at-top
-  import framework
-  from framework import cluster, preemption
-  from framework.tf_config import require_tf_config
+  from framework.app import experiment
+  from framework.core import preemption
+  from framework.distribute import cluster
+  from framework.distribute.tf_config import require_tf_config
   # pylint: enable=g-import-not-at-top
   tf_config = None
   if FLAGS.cluster_resolver == "slurm":
@@ -274,8 +275,8 @@ def _run_config(config, trainer_cls):
         preemption.install(controller)
 
       try:
-        return framework.experiment.run(config, trainer_cls=trainer_cls,
-                                        prepare_controller=prepare_ps)
+        return experiment.run(config, trainer_cls=trainer_cls,
+                              prepare_controller=prepare_ps)
       except cluster.PEER_ERRORS as e:
         # Worker failures are retried by the coordinator; what reaches here
         # is fatal (typically a lost ps task, whose variables are gone).
@@ -290,8 +291,8 @@ def _run_config(config, trainer_cls):
       controllers.append(controller)
 
     try:
-      results = framework.experiment.run(config, trainer_cls=trainer_cls,
-                                         prepare_controller=prepare)
+      results = experiment.run(config, trainer_cls=trainer_cls,
+                               prepare_controller=prepare)
     except cluster.PEER_ERRORS as e:
       if tf_config is None:
         raise
@@ -332,12 +333,12 @@ def check_tf_config_early():
 
   A bad cluster description then fails at once, with one line; the run
   checks it again later. `framework` imports its modules lazily and
-  framework.tf_config needs no TensorFlow, so this imports none.
+  framework.distribute.tf_config needs no TensorFlow, so this imports none.
   """
   if (FLAGS.strategy not in _CLUSTER_STRATEGIES or
       FLAGS.cluster_resolver != "tf_config"):
     return
-  from framework import tf_config  # pylint: disable=g-import-not-at-top
+  from framework.distribute import tf_config  # pylint: disable=g-import-not-at-top
   # A ConfigError becomes one line (main runs this under one_line_errors).
   tf_config.require_tf_config(
       FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")

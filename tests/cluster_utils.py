@@ -13,8 +13,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from framework import cluster as cluster_lib
-from framework import launcher
+from framework.distribute import cluster as cluster_lib
+from framework.distribute import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [sys.executable, os.path.join(ROOT, "scripts", "train.py")]

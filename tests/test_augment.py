@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from framework import augment
+from framework.data import augment
 
 
 def test_crop_flip_is_a_shifted_or_mirrored_window():

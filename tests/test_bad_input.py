@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import framework
-from framework import launcher, tf_config
+from framework.distribute import launcher, tf_config
 from framework.errors import ConfigError
 from tests.helpers import (ROOT, assert_one_line_error, free_port, run_script,
                            snapshot)

@@ -14,10 +14,10 @@ from absl.testing import flagsaver
 import pytest
 import tensorflow as tf
 
-from framework import experiment
-from framework.controller import LoopConfig
+from framework.app import experiment
+from framework.core.controller import LoopConfig
 from framework.errors import ConfigError
-from framework.experiment import ExperimentConfig
+from framework.app.experiment import ExperimentConfig
 from scripts import train
 from tests.helpers import ROOT, run_script
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 import framework
-from framework.controller import Controller, LoopConfig
+from framework.core.controller import Controller, LoopConfig
 from shared_strategy import mirrored
 
 BATCH = 8

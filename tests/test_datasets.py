@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import framework
-from framework import datasets
+from framework.data import datasets
 
 
 def tiny_cifar(path, num_train=50, num_test=20):

@@ -12,9 +12,10 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import distribution_check
+import framework.app.experiment  # noqa: F401  (the attribute chain below)
+from framework.check import distribution_check
 from framework.model_parallel import ModelParallelConfig
-from framework.trainer import Trainer
+from framework.core.trainer import Trainer
 from tests.helpers import run_script
 
 GLOBAL_BATCH = 16
@@ -351,7 +352,7 @@ class NeverApplies(Trainer):
 
 
 def test_traced_random_ops_draw_their_mean_only_inside_the_check():
-  from framework import distribution_randomness  # pylint: disable=g-import-not-at-top
+  from framework.check import distribution_randomness  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)  # op determinism (conftest) wants a seed
   generator = tf.random.Generator.from_seed(1)
   seeds = keras.random.SeedGenerator(3)
@@ -458,9 +459,9 @@ def _weights(path):
 def test_check_does_not_change_the_run(tmp_path, capsys, mirrored):
   # One strategy object for both runs: separate MirroredStrategy objects in
   # one process reuse collective keys, which the runtime rejects.
-  framework.experiment.run(_config(tmp_path / "plain", False),
+  framework.app.experiment.run(_config(tmp_path / "plain", False),
                            strategy=mirrored)
-  framework.experiment.run(_config(tmp_path / "checked", True),
+  framework.app.experiment.run(_config(tmp_path / "checked", True),
                            strategy=mirrored)
   assert "verdict: PASS" in capsys.readouterr().out
   plain = _weights(tmp_path / "plain" / "model.weights.h5")

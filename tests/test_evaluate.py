@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import framework
-from framework import export, experiment
+from framework.app import export, experiment
 from tests.helpers import ROOT, run_script
 from tests.shared_strategy import mirrored
 

@@ -1,4 +1,4 @@
-"""Streaming input from TFRecord shards (framework/file_input.py): the same
+"""Streaming input from TFRecord shards (framework/data/file_input.py): the same
 examples as the arrays, exact resume, per-pipeline file sharding, evaluation
 over several pipelines."""
 
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import augment, file_input, inputs, tfrecords
+from framework.data import augment, file_input, inputs, tfrecords
 from tests.helpers import run_script
 
 NUM_TRAIN, NUM_TEST, BATCH = 240, 50, 16  # 15 steps per epoch

@@ -11,7 +11,7 @@ from tensorboard.plugins.hparams import api_pb2
 from tensorboard.plugins.hparams import backend_context
 from tensorboard.plugins.hparams import metadata
 
-from framework.summaries import SummaryWriter, hparam_value
+from framework.core.summaries import SummaryWriter, hparam_value
 from helpers import run_script
 
 FLAGS = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16,8",

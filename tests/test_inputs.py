@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import framework
-from framework import inputs
+from framework.data import inputs
 
 
 @pytest.fixture(scope="module")

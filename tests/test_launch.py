@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from framework import launcher
+from framework.distribute import launcher
 from tests import cluster_utils as cu
 
 # Prints its task, then: worker 1 fails with status 3 after a moment; every
@@ -55,7 +55,7 @@ def test_local_cluster_addresses_are_distinct_loopback_ports():
 @pytest.mark.slow
 def test_the_launcher_starts_no_tensorflow():
   # framework/__init__.py imports lazily: the launcher process stays light.
-  code = ("import sys, framework, framework.launcher; "
+  code = ("import sys, framework, framework.distribute.launcher; "
           "assert 'tensorflow' not in sys.modules; "
           "framework.Trainer; assert 'tensorflow' in sys.modules")
   subprocess.run([sys.executable, "-c", code], cwd=cu.ROOT, check=True)
@@ -110,7 +110,7 @@ def test_launcher_without_command_is_one_error_line():
 
 
 def test_slurm_tasks_become_a_tf_config(monkeypatch):
-  from framework import cluster  # pylint: disable=g-import-not-at-top
+  from framework.distribute import cluster  # pylint: disable=g-import-not-at-top
   # Task 2 of 4, two per node, as srun sets it.
   monkeypatch.setenv("SLURM_PROCID", "2")
   monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from framework import launcher
+from framework.distribute import launcher
 from tests import cluster_utils as cu
 
 STEPS = 40  # the reference run's steps
@@ -222,7 +222,7 @@ def test_bad_tf_config_is_one_clear_line_before_tensorflow_loads(
 
 def test_peer_failure_names_the_dead_task():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import cluster  # pylint: disable=g-import-not-at-top
+  from framework.distribute import cluster  # pylint: disable=g-import-not-at-top
   error = tf.errors.UnavailableError(None, None, (
       "Collective ops is aborted by: Error reported from /job:worker/task:1: "
       "The following tasks are unhealthy (stopped sending heartbeats):\n"

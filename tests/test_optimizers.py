@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import framework
-from framework import optimizers
+from framework.core import optimizers
 
 
 def lr(config, step):

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import experiment
+from framework.app import experiment
 from models import registry
 from helpers import ROOT, run_script
 from shared_strategy import mirrored

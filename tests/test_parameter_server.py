@@ -15,7 +15,8 @@ import time
 import pytest
 import tensorflow as tf
 
-from framework import datasets, launcher
+from framework.data import datasets
+from framework.distribute import launcher
 from tests import cluster_utils as cu
 
 PS = cu.MLP + ["--strategy=parameter_server", "--steps_per_loop=20",

@@ -39,7 +39,7 @@ def test_train_loop_traces_once_over_many_loops():
 
 
 def test_graph_flops_match_the_analytic_count():
-  from framework import flops  # pylint: disable=g-import-not-at-top
+  from framework.perf import flops  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   model = keras.Sequential([
       keras.Input((8, 8, 3)),

@@ -7,6 +7,7 @@ import numpy as np
 from PIL import Image
 
 import framework
+import framework.core.summaries  # noqa: F401  (the attribute chain below)
 from tests.helpers import run_script
 
 
@@ -14,7 +15,7 @@ def test_plot_curves_reads_events_and_writes_png(tmp_path):
   model_dir = str(tmp_path)
   train = framework.SummaryWriter(model_dir, "train")
   test = framework.SummaryWriter(model_dir, "eval")
-  train.text(0, "flags", framework.summaries.markdown_table(
+  train.text(0, "flags", framework.core.summaries.markdown_table(
       {"global_batch_size": 100, "model": "cifar_cnn"}))
   # 10 steps per epoch (1000 examples / 100); two train points per epoch.
   for step, acc in ((5, 0.2), (10, 0.4), (15, 0.5), (20, 0.7)):

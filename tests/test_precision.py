@@ -8,7 +8,7 @@ import tensorflow as tf
 import framework
 import models
 from tests import shared_strategy
-from framework import precision
+from framework.core import precision
 
 
 def _one_step(data, precision_name, loss_scale_kwargs=None, steps=1,

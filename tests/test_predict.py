@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import experiment, export, prediction
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.app.export  # noqa: F401  (the attribute chain below)
+from framework.app import experiment, export, prediction
 from tests.helpers import run_script
 from tests.shared_strategy import mirrored
 
@@ -61,7 +63,7 @@ def test_run_writes_weights_info_and_saved_model(trained):
   assert os.path.isfile(os.path.join(model_dir, experiment.WEIGHTS_FILE))
   info = export.read_model_info(model_dir)
   assert info["model"] == "cifar_cnn"
-  assert info["class_names"] == list(framework.datasets.CIFAR10_CLASSES)
+  assert info["class_names"] == list(framework.data.datasets.CIFAR10_CLASSES)
   assert info["input_shape"] == [32, 32, 3]
   loaded = tf.saved_model.load(os.path.join(model_dir, export.EXPORT_DIR))
   images = framework.load_cifar10(trained["data_dir"]).test_x[:6]
@@ -84,10 +86,10 @@ def test_predict_index_matches_training_process(trained):
   assert abs(probabilities.sum() - 1.0) < 1e-6
   np.testing.assert_allclose(probabilities, trained["expected"][3], atol=1e-5)
   assert list(summary["probabilities"]) == list(
-      framework.datasets.CIFAR10_CLASSES)
-  best = framework.datasets.CIFAR10_CLASSES[int(trained["expected"][3].argmax())]
+      framework.data.datasets.CIFAR10_CLASSES)
+  best = framework.data.datasets.CIFAR10_CLASSES[int(trained["expected"][3].argmax())]
   assert summary["predicted_class"] == best
-  assert summary["true_class"] == framework.datasets.CIFAR10_CLASSES[
+  assert summary["true_class"] == framework.data.datasets.CIFAR10_CLASSES[
       trained["labels"][3]]
   # The printed lines say the same: one per class, then the winner.
   lines = proc.stdout.strip().splitlines()
@@ -106,12 +108,12 @@ def test_predict_image_file(trained):
 
 
 def test_weights_of_another_model_is_one_error(tmp_path):
-  mlp = framework.export.build_inference_model(
+  mlp = framework.app.export.build_inference_model(
       {"model": "mlp", "input_shape": [32, 32, 3], "class_names": list("abc")})
   path = str(tmp_path / "mlp.weights.h5")
   mlp.save_weights(path)
   info = {"model": "cifar_cnn", "input_shape": [32, 32, 3],
-          "class_names": list(framework.datasets.CIFAR10_CLASSES)}
+          "class_names": list(framework.data.datasets.CIFAR10_CLASSES)}
   with pytest.raises(framework.CheckpointError, match="do not fit model=cifar_cnn"):
     prediction.load_model(info, path)
 
@@ -123,9 +125,9 @@ def bad_inputs(trained):
   garbage.write_text("not an image")
   empty = root / "empty_run"
   empty.mkdir()
-  mlp = framework.export.build_inference_model(
+  mlp = framework.app.export.build_inference_model(
       {"model": "mlp", "input_shape": [32, 32, 3],
-       "class_names": list(framework.datasets.CIFAR10_CLASSES)})
+       "class_names": list(framework.data.datasets.CIFAR10_CLASSES)})
   mlp_weights = str(root / "mlp.weights.h5")
   mlp.save_weights(mlp_weights)
   run = f"--model_dir={trained['model_dir']}"

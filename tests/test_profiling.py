@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from framework import profiling
+from framework.perf import profiling
 from framework.errors import ConfigError
 from test_train_script import events, train
 

@@ -1,7 +1,7 @@
 """A parameter-server run leaves what every run leaves, and the tools use it.
 
 The coordinator drives the same Controller as every other strategy
-(framework/ps_training.py), so its model_dir holds the same artifacts as a
+(framework/core/ps_training.py), so its model_dir holds the same artifacts as a
 single-process run, and evaluate.py / predict.py work on it.
 """
 
@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import experiment, export, launcher
+from framework.app import experiment, export
+from framework.distribute import launcher
 from tests import cluster_utils as cu
 from tests.helpers import run_script
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework import strategies
+from framework.distribute import strategies
 
 
 @pytest.mark.parametrize("name,replicas", [("default", 1), ("one_device", 1),

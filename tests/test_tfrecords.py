@@ -8,7 +8,8 @@ from PIL import Image
 import pytest
 
 import framework
-from framework import file_input, image_folder, segmentation_data, tfrecords
+import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
+from framework.data import file_input, image_folder, segmentation_data, tfrecords
 from tests.helpers import run_script
 
 
@@ -38,7 +39,7 @@ def test_round_trip_classification_and_masks(tmp_path):
     assert loaded.input_shape == data.input_shape
     assert loaded.label_shape == data.label_shape
     assert loaded.class_names == data.class_names
-    assert framework.segmentation.is_segmentation(loaded) == (name == "seg")
+    assert framework.tasks.segmentation.is_segmentation(loaded) == (name == "seg")
 
 
 def test_shards_hold_a_shuffled_share(tmp_path):

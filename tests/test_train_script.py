@@ -216,7 +216,7 @@ sys.path.insert(0, {root!r})
 import numpy as np
 import tensorflow as tf
 from absl import app
-from framework.trainer import Trainer
+from framework.core.trainer import Trainer
 from scripts import cli, train
 
 class NanGradients(Trainer):

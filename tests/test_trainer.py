@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 
 GLOBAL_BATCH = 32
@@ -163,7 +164,7 @@ def test_evaluation_counts_every_example(data, strategy):
   results = trainer.evaluate(framework.distribute_eval(
       trainer.strategy, data.test_x, data.test_y, 8))
   assert results["examples"] == 37
-  logits = trainer.model(framework.inputs.to_float(data.test_x)).numpy()
+  logits = trainer.model(framework.data.inputs.to_float(data.test_x)).numpy()
   assert results["accuracy"] == pytest.approx(
       float(np.mean(logits.argmax(-1) == data.test_y)), abs=1e-6)
   loss = keras.losses.sparse_categorical_crossentropy(
@@ -172,7 +173,7 @@ def test_evaluation_counts_every_example(data, strategy):
 
 
 def nan_batches(data, poison_step):
-  x = framework.inputs.to_float(data.train_x[:GLOBAL_BATCH]).numpy()
+  x = framework.data.inputs.to_float(data.train_x[:GLOBAL_BATCH]).numpy()
   y = data.train_y[:GLOBAL_BATCH]
   bad = x.copy()
   bad[0] = 3e38  # overflows to Inf in the first layer, NaN after

@@ -10,8 +10,9 @@ import tensorflow as tf
 
 import framework
 import models
-from framework import segmentation, segmentation_data
-from framework.metrics import iou_metrics
+from framework.data import segmentation_data
+from framework.tasks import segmentation
+from framework.tasks.metrics import iou_metrics
 from tests.helpers import run_script
 from tests.shared_strategy import mirrored
 

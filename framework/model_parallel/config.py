@@ -6,7 +6,7 @@ import functools
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.pipeline import PipelineTrainer
 from framework.model_parallel.tensor_parallel import TensorParallelTrainer
-from framework.trainer import Trainer
+from framework.core.trainer import Trainer
 
 MODES = ("none", "pipeline", "tensor")
 

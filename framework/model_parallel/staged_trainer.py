@@ -30,7 +30,7 @@ from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (format_memory, memory_by_device,
                                              memory_metrics)
-from framework.trainer import Trainer
+from framework.core.trainer import Trainer
 
 
 def update_scope(device):

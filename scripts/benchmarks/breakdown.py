@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 def measure():
   """One process: where a Trainer step's time goes, stage by stage."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import flops, profiling  # pylint: disable=g-import-not-at-top
+  from framework.perf import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = common.load()
   batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
   setup = common.Setup(strategy, dataset)

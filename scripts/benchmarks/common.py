@@ -96,7 +96,7 @@ class Setup:
                grad_accum_steps=1):
     import keras  # pylint: disable=g-import-not-at-top
     import models  # pylint: disable=g-import-not-at-top
-    from framework import precision as precision_lib  # pylint: disable=g-import-not-at-top
+    from framework.core import precision as precision_lib  # pylint: disable=g-import-not-at-top
     keras.utils.set_random_seed(0)
     precision_lib.set_precision(precision)
     try:

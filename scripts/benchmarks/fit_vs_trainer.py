@@ -6,7 +6,7 @@ updates), and MFU, on the seed CIFAR-10 CNN.
 
 For each of --strategies (`default`, `mirrored` on 2 CPU devices), in its own
 process (logical devices are fixed when TensorFlow starts):
-  * the same model, global batch, input pipeline (`framework.inputs`) and
+  * the same model, global batch, input pipeline (`framework.data.inputs`) and
     optimizer for (A) `model.fit` with `steps_per_execution = steps_per_loop`
     and (B) `Trainer.train` with `steps_per_loop`, and (C) the same Trainer
     with Keras's `update_step` instead of fused optimizer kernels (the
@@ -61,7 +61,7 @@ def measure():
   """One process: Keras fit vs Trainer, alternating, plus FLOPs and peak."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import flops, profiling  # pylint: disable=g-import-not-at-top
+  from framework.perf import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = common.load()
   name, cpu_devices = common.strategy_spec()
   batch, spl, loops = (FLAGS.global_batch_size, FLAGS.steps_per_loop,

@@ -43,9 +43,9 @@ def bench():
   # pylint: disable=g-import-not-at-top
   import tensorflow as tf
   import models
-  from framework import augment, file_input
-  from framework.optimizers import OptimizerConfig, make_optimizer
-  from framework.trainer import Trainer
+  from framework.data import augment, file_input
+  from framework.core.optimizers import OptimizerConfig, make_optimizer
+  from framework.core.trainer import Trainer
   # pylint: enable=g-import-not-at-top
   dataset = file_input.load_tfrecord(FLAGS.data_dir)
   batch = FLAGS.global_batch_size

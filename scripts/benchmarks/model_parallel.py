@@ -81,7 +81,7 @@ def _union_length(intervals):
 
 def _stage_intervals(xspace_path, num_stages):
   """{stage: [(start_ps, end_ps)]} of ops named under `stage_i/`."""
-  from framework.profiling import load_xspace  # pylint: disable=g-import-not-at-top
+  from framework.perf.profiling import load_xspace  # pylint: disable=g-import-not-at-top
   space = load_xspace(xspace_path)
   pattern = re.compile(r"(?:^|/)stage_(\d+)(?:_\d+)?/[^:]*:")
   intervals = {i: [] for i in range(num_stages)}
@@ -115,7 +115,7 @@ def _timeline(intervals, start, window, width=64):
 
 def _idle_fraction(tf, trainer, iterator, num_stages):
   """(median idle fraction, text timeline of the last profiled step)."""
-  from framework import profiling  # pylint: disable=g-import-not-at-top
+  from framework.perf import profiling  # pylint: disable=g-import-not-at-top
   fractions = []
   for _ in range(FLAGS.profiled_steps):
     logdir = tempfile.mkdtemp(prefix="distloop_profile_")

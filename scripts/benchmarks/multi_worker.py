@@ -29,7 +29,7 @@ sys.path.insert(0, _ROOT)
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-from framework import launcher  # pylint: disable=g-import-not-at-top
+from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "cifar_cnn", "Model name.")

@@ -6,7 +6,7 @@
 Class names are the sorted sub-folder names; an example's `index` is its
 position in the split's files sorted by (class, file name). `scan` lists the
 files (the converter reads them with PIL); `load_image_folder` streams them
-for training as a `framework.file_input.FileDataset` whose shards are
+for training as a `framework.data.file_input.FileDataset` whose shards are
 fixed groups of files (the files are dealt to them in a seeded order, so
 each shard holds every class).
 """
@@ -101,7 +101,7 @@ def image_shape(path):
 def _split(files, shape, files_per_shard):
   """A `ShardedSplit` over files: records are positions in a shuffled list."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework import file_input  # pylint: disable=g-import-not-at-top
+  from framework.data import file_input  # pylint: disable=g-import-not-at-top
   order = np.random.default_rng(0).permutation(len(files))
   paths = tf.constant([files[i][0] for i in order])
   labels = tf.constant([files[i][1] for i in order], tf.int32)
@@ -126,7 +126,7 @@ def _split(files, shape, files_per_shard):
 def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
                       test_fraction=DEFAULT_TEST_FRACTION):
   """A `FileDataset` streaming an image folder (all images one shape)."""
-  from framework import file_input  # pylint: disable=g-import-not-at-top
+  from framework.data import file_input  # pylint: disable=g-import-not-at-top
   check_positive("files_per_shard", files_per_shard)
   if not data_dir:
     raise ConfigError("dataset=image_folder needs data_dir (the folder "
@@ -150,7 +150,7 @@ def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
 
 
 def _register():
-  from framework import datasets  # pylint: disable=g-import-not-at-top
+  from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["image_folder"] = (
       lambda data_dir=None, **_: load_image_folder(data_dir))
 

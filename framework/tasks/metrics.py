@@ -9,7 +9,7 @@ per-replica IoUs would be wrong: IoU is a ratio).
 import numpy as np
 import tensorflow as tf
 
-from framework.trainer import Trainer
+from framework.core.trainer import Trainer
 
 
 def confusion_matrix(labels, logits, num_classes):

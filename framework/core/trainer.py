@@ -1,7 +1,7 @@
 """The Trainer: the math of one distributed training step, and nothing else.
 
 The outer loop (checkpoints, summaries, evaluation schedule, logging) lives in
-`framework.controller`. A Trainer subclass changes the math by overriding
+`framework.core.controller`. A Trainer subclass changes the math by overriding
 `train_step` (and `eval_step`); the helpers below keep it correct under every
 strategy.
 
@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_choice, check_positive
-from framework.fused_updates import fused_update
+from framework.core.fused_updates import fused_update
 
 NAN_POLICIES = ("stop", "skip")
 SUM = tf.distribute.ReduceOp.SUM
@@ -62,10 +62,10 @@ class Trainer:
     grad_accum_steps: split each replica's batch into this many micro-batches
       and sum their gradients before the one all-reduce and update: the same
       update as the whole batch at 1/grad_accum_steps of the activations.
-    loss_scale: a `framework.precision.LossScale` (float16 training), or None.
+    loss_scale: a `framework.core.precision.LossScale` (float16 training), or None.
     fused_updates: update each variable with TensorFlow's one-kernel
       optimizer op where there is one (Adam, AdamW, SGD; see
-      `framework.fused_updates`), else the optimizer's `update_step`.
+      `framework.core.fused_updates`), else the optimizer's `update_step`.
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
@@ -314,7 +314,7 @@ class Trainer:
     `learning_rate` a tensor of `var`'s dtype; override to change where or
     how a variable is updated. Keras's order: decoupled weight decay (AdamW),
     then the step, as one fused kernel where TensorFlow has one
-    (`framework.fused_updates`).
+    (`framework.core.fused_updates`).
     """
     optimizer = self.optimizer
     weight_decay = getattr(optimizer, "weight_decay", None)

@@ -20,11 +20,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import (checkpointing, datasets, export, inputs, segmentation,
-                       strategies)
+from framework.app import export
+from framework.core import checkpointing
+from framework.data import datasets, inputs
+from framework.distribute import strategies
+from framework.tasks import segmentation
 from framework.errors import CheckpointError, ConfigError, check_positive
-from framework.metrics import ConfusionTrainer, format_confusion
-from framework.summaries import SummaryWriter, markdown_table
+from framework.tasks.metrics import ConfusionTrainer, format_confusion
+from framework.core.summaries import SummaryWriter, markdown_table
 
 
 @dataclasses.dataclass(frozen=True)

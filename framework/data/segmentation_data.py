@@ -1,7 +1,7 @@
 """Segmentation datasets: generated shapes, and the Oxford-IIIT Pet trimaps.
 
 Both return an `ArrayDataset` whose labels are int32 masks [N, H, W] (one
-class per pixel), registered in `framework.datasets.DATASETS` as `shapes` and
+class per pixel), registered in `framework.data.datasets.DATASETS` as `shapes` and
 `oxford_pet`. `image_size` (a dataset option) is the side of the square
 images.
 """
@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from framework import datasets
+from framework.data import datasets
 from framework.errors import ConfigError, DataError, check_positive
 
 SHAPES_CLASSES = ("background", "rectangle", "ellipse")

@@ -20,9 +20,9 @@ import tensorflow as tf
 
 import models
 from models import registry
-from framework import atomic
+from framework.core import atomic
 from framework.errors import CheckpointError
-from framework.inputs import to_float
+from framework.data.inputs import to_float
 
 MODEL_INFO_FILE = "model_info.json"
 EXPORT_DIR = "export"

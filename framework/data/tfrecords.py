@@ -12,7 +12,7 @@ Each record is a `tf.train.Example` with `image` (PNG bytes, uint8),
 `label` (int64; classification), `mask` (PNG bytes of a uint8 [H, W, 1]
 class mask; segmentation, instead of `label`) and `index` (int64: the
 example's position in its source split, which seeds its augmentation exactly
-as `framework.inputs` does for in-memory arrays). The sidecar lets a reader
+as `framework.data.inputs` does for in-memory arrays). The sidecar lets a reader
 plan epochs and resume positions without opening a shard.
 """
 
@@ -189,7 +189,7 @@ def parse_fn(image_shape, label_shape):
 
 def read_split_arrays(data_dir, split):
   """(index, images, labels) of a whole split as numpy, in index order (for
-  tests and small tools; training streams with `framework.file_input`)."""
+  tests and small tools; training streams with `framework.data.file_input`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   sidecar = read_sidecar(data_dir, split)
   files = [os.path.join(data_dir, s) for s in sidecar["shards"]]

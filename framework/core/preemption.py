@@ -29,7 +29,7 @@ import threading
 from absl import logging
 import tensorflow as tf
 
-from framework import strategies
+from framework.distribute import strategies
 
 # Exit status after a preemption checkpoint: "relaunch me to resume".
 EXIT_PREEMPTED = 42

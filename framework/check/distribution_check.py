@@ -74,9 +74,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework import distribution_randomness
-from framework import strategies
-from framework.distribution_diagnosis import Finding, Outcome, compare
+from framework.check import distribution_randomness
+from framework.distribute import strategies
+from framework.check.distribution_diagnosis import Finding, Outcome, compare
 from framework.errors import ConfigError, DistloopError
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -493,7 +493,8 @@ def check_experiment(config, strategy, dataset, trainer_cls, *,
   """
   # Imported here: models import framework modules.
   import models  # pylint: disable=g-import-not-at-top
-  from framework import inputs, optimizers  # pylint: disable=g-import-not-at-top
+  from framework.core import optimizers  # pylint: disable=g-import-not-at-top
+  from framework.data import inputs  # pylint: disable=g-import-not-at-top
   optimizer_config = config.optimizer
   if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=1)

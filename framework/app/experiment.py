@@ -15,15 +15,18 @@ import tensorflow as tf
 
 import models
 from models import registry
-from framework import (augment, checkpointing, datasets, distribution_check,
-                       export, inputs, precision, ps_training, segmentation,
-                       strategies)
-from framework.controller import Controller, LoopConfig
+from framework.app import export
+from framework.check import distribution_check
+from framework.core import checkpointing, precision, ps_training
+from framework.data import augment, datasets, inputs
+from framework.distribute import strategies
+from framework.tasks import segmentation
+from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
-from framework.optimizers import OptimizerConfig, make_optimizer
-from framework.run_lock import RunLock
-from framework.trainer import Trainer
+from framework.core.optimizers import OptimizerConfig, make_optimizer
+from framework.core.run_lock import RunLock
+from framework.core.trainer import Trainer
 
 WEIGHTS_FILE = "model.weights.h5"
 
@@ -184,7 +187,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   eval_input = eval_input or default_eval_input
   if ps_training.is_parameter_server(strategy):
     # The coordinator schedules the steps on the workers; the Controller
-    # around it is the same (framework/ps_training.py).
+    # around it is the same (framework/core/ps_training.py).
     trainer, train_input, eval_input = ps_training.coordinate(
         trainer, dataset, config.global_batch_size, seed=config.seed,
         augment=augment_fn)

@@ -25,11 +25,12 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from framework import profiling, strategies
-from framework.checkpointing import CheckpointManager
+from framework.distribute import strategies
+from framework.perf import profiling
+from framework.core.checkpointing import CheckpointManager
 from framework.errors import (ConfigError, DataError, NonFiniteLossError,
                               check_positive)
-from framework.summaries import SummaryWriter, markdown_table
+from framework.core.summaries import SummaryWriter, markdown_table
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ A `FileDataset` has the interface of an in-memory `ArrayDataset` that the
 run needs (`input_shape`, `num_classes`, `class_names`, `label_shape`,
 `num_train_examples`, `num_test_examples`, `test_samples(n)`) and builds its
 own input pipelines (`train_dataset`, `distribute_train`, `eval_dataset`,
-`distribute_eval`), which `framework.inputs` delegates to. Nothing of the
+`distribute_eval`), which `framework.data.inputs` delegates to. Nothing of the
 data is embedded in the graph; memory is bounded by a few shards.
 
 Per input pipeline (one per worker under `distribute_datasets_from_function`):
@@ -136,7 +136,7 @@ def _options():
 
 
 def _to_float(images):
-  from framework.inputs import to_float  # pylint: disable=g-import-not-at-top
+  from framework.data.inputs import to_float  # pylint: disable=g-import-not-at-top
   return to_float(images)
 
 
@@ -205,7 +205,7 @@ class FileDataset:
     def finish(epoch, index, images, labels):
       images = _to_float(images)
       if augment is not None:
-        # As framework.inputs: seeds from (seed, epoch, example index).
+        # As framework.data.inputs: seeds from (seed, epoch, example index).
         seeds = tf.stack([epoch * 1000003 + seed, index], axis=1)
         images, labels = augment(images, labels, seeds)
       return images, labels
@@ -284,7 +284,7 @@ class FileDataset:
 def tfrecord_split(data_dir, sidecar):
   """A `ShardedSplit` over the shards a sidecar names."""
   import os  # pylint: disable=g-import-not-at-top
-  from framework import tfrecords  # pylint: disable=g-import-not-at-top
+  from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
   paths = [os.path.join(data_dir, s) for s in sidecar["shards"]]
 
   def read(ids):
@@ -297,7 +297,7 @@ def tfrecord_split(data_dir, sidecar):
 
 def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP):
   """The `FileDataset` of a directory written by scripts/make_tfrecords.py."""
-  from framework import tfrecords  # pylint: disable=g-import-not-at-top
+  from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
   if not data_dir:
     raise ConfigError("dataset=tfrecord needs data_dir (a directory written "
                       "by scripts/make_tfrecords.py)")
@@ -315,7 +315,7 @@ def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP):
 
 
 def _register():
-  from framework import datasets  # pylint: disable=g-import-not-at-top
+  from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["tfrecord"] = (
       lambda data_dir=None, **_: load_tfrecord(data_dir))
 

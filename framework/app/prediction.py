@@ -14,11 +14,11 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from framework import datasets
+from framework.data import datasets
 from framework.errors import CheckpointError, ConfigError, DataError
-from framework.experiment import WEIGHTS_FILE
-from framework.export import MODEL_INFO_FILE, build_inference_model, read_model_info
-from framework.inputs import to_float
+from framework.app.experiment import WEIGHTS_FILE
+from framework.app.export import MODEL_INFO_FILE, build_inference_model, read_model_info
+from framework.data.inputs import to_float
 
 CIFAR10_TEST_SIZE = 10000
 

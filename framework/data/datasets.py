@@ -1,6 +1,6 @@
 """Datasets as in-memory arrays: CIFAR-10 (official python layout), synthetic.
 
-Loading is separate from the input pipeline (`framework.inputs`), so a loader
+Loading is separate from the input pipeline (`framework.data.inputs`), so a loader
 is a plain function returning numpy arrays that tests can build by hand.
 """
 
@@ -41,7 +41,7 @@ class ArrayDataset:
   def num_classes(self):
     return len(self.class_names)
 
-  # The interface a file-backed dataset (framework.file_input) shares.
+  # The interface a file-backed dataset (framework.data.file_input) shares.
 
   @property
   def label_shape(self):
@@ -187,8 +187,8 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
 
 
 # Modules that add their datasets to DATASETS when imported.
-_REGISTERING_MODULES = ("framework.segmentation_data", "framework.file_input",
-                        "framework.image_folder")
+_REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file_input",
+                        "framework.data.image_folder")
 
 
 def load_dataset(name, data_dir=None, seed=0, **options):

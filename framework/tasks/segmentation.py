@@ -11,9 +11,9 @@ gets image | true mask | predicted mask triplets.
 import numpy as np
 import tensorflow as tf
 
-from framework.controller import Controller
-from framework.inputs import to_float
-from framework.metrics import ConfusionTrainer, iou_metrics
+from framework.core.controller import Controller
+from framework.data.inputs import to_float
+from framework.tasks.metrics import ConfusionTrainer, iou_metrics
 
 # Mask colours by class (RGB); classes past the end reuse them cyclically.
 PALETTE = np.array([[40, 40, 40], [230, 25, 75], [60, 180, 75],

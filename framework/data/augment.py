@@ -1,9 +1,9 @@
-"""Training-time augmentations for the `augment` hook of `framework.inputs`.
+"""Training-time augmentations for the `augment` hook of `framework.data.inputs`.
 
 An augmentation is `(images [B, H, W, C] float, labels, seeds [B, 2]) ->
 (images, labels)`. Each example's randomness comes from its own stateless seed,
 so an example is augmented identically under every replica count, input mode
-and restart (see `framework.inputs`).
+and restart (see `framework.data.inputs`).
 """
 
 import tensorflow as tf

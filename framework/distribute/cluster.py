@@ -21,7 +21,7 @@ import sys
 from absl import logging
 import tensorflow as tf
 
-from framework import strategies
+from framework.distribute.tf_config import parse_tf_config
 from framework.errors import ClusterError, ConfigError
 
 # Seconds without heartbeats after which a peer counts as dead.
@@ -45,7 +45,7 @@ def configure_coordination_service(config=None, *,
   from tensorflow.python.distribute import multi_worker_util
   from tensorflow.python.eager import context
   # pylint: enable=g-import-not-at-top
-  config = config or strategies.parse_tf_config()
+  config = config or parse_tf_config()
   if config is None or context.context().coordination_service is not None:
     return
   spec = _cluster_spec(config)
@@ -63,7 +63,7 @@ def configure_coordination_service(config=None, *,
 
 def run_server(config=None):
   """Runs this `worker`/`ps` task's gRPC server until the process is killed."""
-  config = config or strategies.parse_tf_config()
+  config = config or parse_tf_config()
   if config is None:
     raise ConfigError("a parameter-server worker or ps task needs TF_CONFIG")
   task = config["task"]
@@ -181,7 +181,7 @@ PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 def peer_failure(error, config=None):
   """A one-line ConfigError-style ClusterError for a TensorFlow peer error."""
-  config = config or strategies.parse_tf_config()
+  config = config or parse_tf_config()
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
   tasks = [f"{m.group(1)}:{m.group(2)}" for l in lines
            for m in [re.match(r"/job:(\w+)/replica:\d+/task:(\d+)$", l)] if m]

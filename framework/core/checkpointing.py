@@ -22,7 +22,8 @@ from absl import logging
 from google.protobuf import text_format
 import tensorflow as tf
 
-from framework import atomic, strategies
+from framework.core import atomic
+from framework.distribute import strategies
 from framework.errors import (CheckpointError, ModelDirError, check_choice,
                               check_positive)
 

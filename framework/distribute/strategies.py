@@ -2,7 +2,7 @@
 
 `make_strategy("mirrored")` is the only place that knows how each strategy is
 constructed; everything else in distloop takes the strategy object. Cluster
-strategies read TF_CONFIG, which is validated first (framework.tf_config) so
+strategies read TF_CONFIG, which is validated first (framework.distribute.tf_config) so
 that a bad cluster description fails in seconds with the field named, instead
 of hanging in gRPC.
 """
@@ -11,9 +11,9 @@ import os
 
 import tensorflow as tf
 
+from framework.distribute import cluster
+from framework.distribute.tf_config import parse_tf_config, require_tf_config
 from framework.errors import ConfigError, check_choice, check_positive
-from framework.tf_config import parse_tf_config  # pylint: disable=unused-import
-from framework.tf_config import require_tf_config as _require_tf_config
 
 STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored",
               "central_storage", "parameter_server", "tpu")
@@ -71,13 +71,12 @@ def make_strategy(name, *, tpu=None):
   # Cluster strategies first: listing devices initialises TensorFlow, after
   # which collective ops can no longer be configured.
   if name == "multi_worker_mirrored":
-    from framework import cluster  # pylint: disable=g-import-not-at-top
     cluster.configure_coordination_service(
-        _require_tf_config(name, needs_ps=False))
+        require_tf_config(name, needs_ps=False))
     return tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
   if name == "parameter_server":
-    _require_tf_config(name, needs_ps=True)
+    require_tf_config(name, needs_ps=True)
     return tf.distribute.experimental.ParameterServerStrategy(
         tf.distribute.cluster_resolver.TFConfigClusterResolver())
   gpus = tf.config.list_logical_devices("GPU")

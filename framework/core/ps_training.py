@@ -25,7 +25,7 @@ bit-exactly. Evaluation runs on the coordinator.
 
 import tensorflow as tf
 
-from framework import inputs
+from framework.data import inputs
 from framework.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM

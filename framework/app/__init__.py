@@ -1,0 +1,2 @@
+"""Runs from a config: experiment (train), export, evaluation, prediction.
+"""

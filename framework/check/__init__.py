@@ -1,0 +1,2 @@
+"""The distribution self-check: one step under a strategy against one device.
+"""

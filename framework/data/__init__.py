@@ -1,0 +1,3 @@
+"""Input: in-memory datasets, TFRecord shards, image folders, and the
+tf.data pipelines that distribute them.
+"""

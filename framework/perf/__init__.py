@@ -1,0 +1,2 @@
+"""Measuring: FLOP counts and the profiler window.
+"""

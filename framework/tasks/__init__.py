@@ -1,0 +1,2 @@
+"""Task-specific trainers and metrics (confusion matrices, segmentation).
+"""
