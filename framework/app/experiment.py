@@ -16,7 +16,7 @@ import tensorflow as tf
 import models
 from models import registry
 from framework.app import export
-from framework.check import distribution_check
+from framework.app import check_run
 from framework.core import checkpointing, precision, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
@@ -278,7 +278,7 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
-    distribution_check.check_experiment(
+    check_run.check_experiment(
         config, strategy, dataset,
         make_trainer or trainer_cls or default_trainer_cls(dataset))
   trainer, controller = build(
