@@ -20,14 +20,21 @@ def one_line_errors():
   """Turns a `DistloopError` into one stderr line and exit status 1.
 
   The line is `<script>: error: <message>`, with no traceback: the message
-  already names the argument, its value and what would be valid.
+  already names the argument, its value and what would be valid. A Ctrl-C
+  that arrives before training installs its own handler (imports, data
+  loading) is one line and exit status 130, as a shell reports SIGINT.
   """
   from framework.errors import DistloopError  # pylint: disable=g-import-not-at-top
+  script = os.path.basename(sys.argv[0])
   try:
     yield
   except DistloopError as e:
-    print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+    print(f"{script}: error: {e}", file=sys.stderr)
     sys.exit(1)
+  except KeyboardInterrupt:
+    print(f"{script}: interrupted before training started; nothing was "
+          "saved", file=sys.stderr)
+    sys.exit(130)
 
 
 def import_tensorflow_quietly():
