@@ -32,8 +32,8 @@ def one_line_errors():
     print(f"{script}: error: {e}", file=sys.stderr)
     sys.exit(1)
   except KeyboardInterrupt:
-    print(f"{script}: interrupted before training started; nothing was "
-          "saved", file=sys.stderr)
+    print(f"{script}: interrupted (Ctrl-C) outside the training loop; nothing "
+          "was saved", file=sys.stderr)
     sys.exit(130)
 
 
