@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
+from framework.model_parallel.graph import graph_stages, resolve_boundaries, split_graph
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import Stage
 
@@ -59,6 +60,7 @@ def check_boundaries(boundaries, num_layers, num_stages):
   """Raises ConfigError unless `boundaries` cut `num_layers` into stages."""
   boundaries = tuple(boundaries)
   valid = (len(boundaries) == num_stages - 1 and
+           all(isinstance(b, int) for b in boundaries) and
            all(0 < b < num_layers for b in boundaries) and
            list(boundaries) == sorted(set(boundaries)))
   if not valid:
@@ -81,7 +83,9 @@ def split_layers(layers, num_stages, boundaries=None):
         f"num_stages={num_stages} is more than the model's {len(layers)} "
         f"layers; use at most {len(layers)} stages")
   if boundaries:
-    boundaries = check_boundaries(boundaries, len(layers), num_stages)
+    boundaries = check_boundaries(
+        resolve_boundaries(boundaries, [layer.name for layer in layers]),
+        len(layers), num_stages)
   else:
     boundaries = balanced_boundaries(
         [layer.count_params() for layer in layers], num_stages)
@@ -115,16 +119,22 @@ def place_sequential(model, groups, devices):
 
 
 class PipelineTrainer(StagedTrainer):
-  """Trains a Sequential model cut into `num_stages` stages on as many devices.
+  """Trains a model cut into `num_stages` stages on as many devices.
+
+  A `keras.Sequential` is copied onto the stage devices (`self.model` is the
+  copy, same layers, names and weights); a functional `keras.Model` (any
+  graph of layers, skip connections included) keeps its own layers, whose
+  variables move to their stage's device (`self.model` is the model).
 
   Args:
-    model: a built `keras.Sequential` (e.g. from `models.build_model`); it is
-      copied onto the stage devices and `self.model` is the copy.
+    model: a built `keras.Sequential` or functional `keras.Model` (e.g. from
+      `models.build_model`).
     optimizer, strategy: as for `Trainer` (one replica).
     num_stages: S, the number of stages and devices.
     num_microbatches: M, micro-batches per global batch (GPipe).
-    stage_boundaries: S-1 cut points between layers; default: balanced by
-      parameter count.
+    stage_boundaries: S-1 cut points: indices into the layers (in the order
+      Keras runs them) or layer names (a name starts a stage); default:
+      balanced by parameter count.
     devices: S device names; default `/GPU:0..` or `/CPU:0..`.
     **kwargs: `Trainer` arguments.
   """
@@ -132,11 +142,22 @@ class PipelineTrainer(StagedTrainer):
   def __init__(self, model, optimizer, strategy, *, num_stages=2,
                num_microbatches=1, stage_boundaries=None, devices=None,
                **kwargs):
-    groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+    sequential = isinstance(model, keras.Sequential)
+    if sequential:
+      groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+    else:
+      groups, self.boundaries = split_graph(model, num_stages,
+                                            stage_boundaries)
     devices = list(devices or model_parallel_devices(num_stages))
     if len(devices) != num_stages:
       raise ConfigError(f"devices={devices} must name num_stages="
                         f"{num_stages} devices")
+    if not sequential:
+      with strategy.scope():
+        stages = graph_stages(model, groups, devices)
+      super().__init__(model, optimizer, strategy, stages=stages,
+                       num_microbatches=num_microbatches, **kwargs)
+      return
     with strategy.scope():
       placed, placed_groups = place_sequential(model, groups, devices)
     self.boundaries = tuple(
