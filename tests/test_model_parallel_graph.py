@@ -1,5 +1,7 @@
 """Pipelines cut from functional models: U-Net, skips across cuts, names."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from framework.errors import ConfigError
 from tests.model_parallel_reference import (DEVICES, STRATEGY,
                                             MicroBatchedTrainer, assert_close,
                                             batches, build, unsplit_gradients)
+from tests.helpers import run_script
 
 MICRO = 2
 
@@ -159,3 +162,37 @@ def test_more_stages_than_layers_is_one_clear_error():
     mp.PipelineTrainer(_skip_model(), keras.optimizers.Adam(), STRATEGY,
                        global_batch_size=8, num_stages=7,
                        devices=["/CPU:0"] * 7)
+
+
+UNET_FLAGS = ["--model=unet", "--dataset=shapes", "--image_size=16",
+              "--unet_depth=2", "--unet_width=4", "--cpu_devices=2",
+              "--model_parallel=pipeline", "--num_stages=2",
+              "--num_microbatches=2", "--global_batch_size=8",
+              "--steps_per_loop=2", "--log_every=2",
+              "--export_saved_model=false"]
+
+
+@pytest.mark.slow
+def test_train_py_unet_pipeline_cut_at_a_layer_name(tmp_path):
+  # The decoder starts at the first transposed convolution: both encoder
+  # skips cross the cut.
+  proc = run_script("train.py", *UNET_FLAGS, "--train_steps=2",
+                    "--stage_boundaries=conv2d_transpose",
+                    f"--model_dir={tmp_path}", timeout=600)
+  assert "model-parallel memory per device: /CPU:0" in proc.stderr
+  assert "mean_iou" in proc.stderr  # the segmentation trainer evaluated
+  assert os.path.exists(tmp_path / "ckpt-2.index")
+  assert os.path.exists(tmp_path / "model.weights.h5")
+
+
+def test_train_py_unknown_boundary_name_is_one_line(tmp_path):
+  proc = run_script("train.py", *UNET_FLAGS, "--train_steps=2",
+                    "--stage_boundaries=decoder", f"--model_dir={tmp_path}",
+                    check=False, timeout=300)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("train.py:")]
+  assert len(errors) == 1, errors
+  assert errors[0].startswith("train.py: error: stage_boundaries: no layer "
+                              "is named 'decoder'; a name cuts before that "
+                              "layer; the layers in order are: conv2d, "), errors
+  assert not os.listdir(tmp_path)
