@@ -196,3 +196,21 @@ def test_train_py_unknown_boundary_name_is_one_line(tmp_path):
                               "is named 'decoder'; a name cuts before that "
                               "layer; the layers in order are: conv2d, "), errors
   assert not os.listdir(tmp_path)
+
+
+def test_every_graph_stage_op_forward_and_backward_is_on_its_device():
+  pipeline = _skip_pipeline(_skip_model(), stage_boundaries=("c", "d"))
+  step = tf.function(lambda batch: pipeline.strategy.run(
+      pipeline.train_step, args=(batch,)))
+  graph = step.get_concrete_function(
+      (tf.TensorSpec((8, 6), tf.float32),
+       tf.TensorSpec((8,), tf.int32))).graph
+  devices = {s.name: s.device for s in pipeline.stages}
+  offenders = mp.misplaced_ops(
+      graph, devices, shared_variables=[pipeline.optimizer.iterations])
+  assert not offenders, "\n".join(offenders[:50])
+  by_scope = mp.ops_by_scope(graph, devices)
+  for scope in devices:  # forward and backward matmuls were checked
+    names = [op.name for op in by_scope[scope] if op.type == "MatMul"]
+    assert [n for n in names if n.startswith("gradient_tape/")], scope
+    assert [n for n in names if not n.startswith("gradient_tape/")], scope
