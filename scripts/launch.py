@@ -29,7 +29,8 @@ flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)
 flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; with ps > 0 "
                      "a chief (the coordinator) is added.", lower_bound=0)
 flags.DEFINE_bool("chief", None, "Add a chief task (default: only with "
-                  "--ps > 0).")
+                  "--ps > 0 or a command with --model_parallel_devices="
+                  "cluster, whose chief runs the loop).")
 flags.DEFINE_string("host", "127.0.0.1", "Address every task listens on.")
 flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
                    "when stopping tasks.", lower_bound=0.0)
@@ -38,9 +39,12 @@ flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
 def main(argv):
   command = argv[1:]
   with cli.one_line_errors():
+    serving = launcher.model_parallel_on_cluster(command)
+    chief = FLAGS.chief if FLAGS.chief is not None else (serving or None)
     cluster = launcher.local_cluster(FLAGS.workers, FLAGS.ps,
-                                     chief=FLAGS.chief, host=FLAGS.host)
-    job = launcher.Launcher(command, cluster, grace_period=FLAGS.grace_period)
+                                     chief=chief, host=FLAGS.host)
+    job = launcher.Launcher(command, cluster, grace_period=FLAGS.grace_period,
+                            serving_workers=serving)
 
   def on_signal(signum, frame):
     del frame

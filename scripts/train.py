@@ -63,8 +63,12 @@ flags.DEFINE_integer("num_stages", 2, "Pipeline stages (devices).")
 flags.DEFINE_integer("num_microbatches", 1, "Micro-batches per global batch "
                      "(GPipe schedule); must divide --global_batch_size.")
 flags.DEFINE_list("stage_boundaries", [], "Pipeline cut points between "
-                  "layers, e.g. '3' or '2,5'; default: balanced by parameter "
-                  "count.")
+                  "layers, e.g. '3', '2,5' or layer names (a name starts a "
+                  "stage); default: balanced by parameter count.")
+flags.DEFINE_enum("model_parallel_devices", "local", ["local", "cluster"],
+                  "local: this process's GPUs or --cpu_devices; cluster: "
+                  "stage/shard i on TF_CONFIG's worker i, the chief runs the "
+                  "loop (scripts/launch.py --workers=N adds the chief).")
 flags.DEFINE_integer("num_shards", 2, "Tensor parallel: devices the hidden "
                      "units are split across.")
 flags.DEFINE_integer("split_layer", None, "Tensor parallel: index of the "
@@ -174,8 +178,7 @@ for _name in ("train_steps", "epochs"):
 for _name in ("cpu_devices", "image_size", "unet_depth", "unet_width"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
                            message=f"--{_name} must be a positive integer")
-for _name in ("hidden_units", "lr_step_boundaries", "stage_boundaries",
-              "profile_steps"):
+for _name in ("hidden_units", "lr_step_boundaries", "profile_steps"):
   flags.register_validator(_name, _is_int_list,
                            message=f"--{_name} must be integers separated "
                            "by commas")
@@ -208,8 +211,10 @@ def config_from_flags():
   model_parallel = ModelParallelConfig(
       mode=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
       num_microbatches=FLAGS.num_microbatches,
-      stage_boundaries=_int_list(FLAGS.stage_boundaries),
-      num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer)
+      stage_boundaries=tuple(int(v) if v.lstrip("-").isdigit() else v
+                             for v in FLAGS.stage_boundaries),
+      num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer,
+      devices=FLAGS.model_parallel_devices)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,
@@ -254,6 +259,11 @@ def _run_config(config, trainer_cls):
   if config.strategy in ("multi_worker_mirrored", "parameter_server"):
     tf_config = require_tf_config(
         config.strategy, needs_ps=config.strategy == "parameter_server")
+  if config.model_parallel.devices == "cluster":
+    from framework.model_parallel import start_cluster  # pylint: disable=g-import-not-at-top
+    tf_config = start_cluster(config.model_parallel)
+    if tf_config is None:
+      return None  # a worker: it served the chief until stopped
   if config.strategy == "parameter_server":
     # Recommended for every task of a parameter-server job: a lost peer
     # surfaces as an error instead of endless gRPC retries.

@@ -38,6 +38,9 @@ def unsplit_gradients(model, x, y, global_batch_size, num_microbatches=1):
     with tf.GradientTape() as tape:
       per_example = framework.sparse_categorical_loss(
           ys, model(xs, training=True))
+      if per_example.shape.rank > 1:  # per pixel: each example's mean
+        per_example = tf.reduce_mean(
+            tf.reshape(per_example, [tf.shape(per_example)[0], -1]), 1)
       loss = tf.nn.compute_average_loss(per_example,
                                         global_batch_size=global_batch_size)
     tapes.append(tape)

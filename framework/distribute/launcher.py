@@ -108,9 +108,21 @@ def tasks_of(cluster):
   return [(role, i) for role in roles for i in range(len(cluster[role]))]
 
 
-def is_server(cluster, role):
+def is_server(cluster, role, serving_workers=False):
   """Whether `role` only serves (never exits by itself) in this cluster."""
-  return role == "ps" or (role == "worker" and "ps" in cluster)
+  return role == "ps" or (role == "worker" and ("ps" in cluster or
+                                                serving_workers))
+
+
+def model_parallel_on_cluster(command):
+  """Whether `command` splits a model over the workers (they only serve).
+
+  `train.py --model_parallel_devices=cluster`: the chief runs the loop.
+  """
+  command = list(command)
+  return "--model_parallel_devices=cluster" in command or any(
+      a == "--model_parallel_devices" and b == "cluster"
+      for a, b in zip(command, command[1:]))
 
 
 def exit_status(returncode):
@@ -186,7 +198,8 @@ def check_command(command, cluster):
     raise ConfigError(f"command {command[0]!r} is not an executable file or "
                       "a program on PATH")
   strategy = command_strategy(command)
-  if strategy is None:
+  if strategy is None or model_parallel_on_cluster(command):
+    # A model split over the workers: the chief alone runs the loop.
     return
   wanted = "parameter_server" if "ps" in cluster else "multi_worker_mirrored"
   if strategy not in CLUSTER_STRATEGIES:
@@ -211,10 +224,12 @@ class Launcher:
     grace_period: seconds between SIGTERM and SIGKILL when stopping tasks.
     env: extra environment variables for every task.
     output: where prefixed lines go (default: sys.stdout).
+    serving_workers: the `worker` tasks only serve (model parallelism over
+      the cluster): the job ends when the chief does.
   """
 
   def __init__(self, command, cluster, *, grace_period=10.0, env=None,
-               output=None):
+               output=None, serving_workers=False):
     check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")
@@ -223,6 +238,7 @@ class Launcher:
     self.grace_period = grace_period
     self.env = dict(env or {})
     self.output = output or sys.stdout
+    self.serving_workers = serving_workers
     self.processes = {}  # (role, index) -> Popen
     self._readers = []
     self._lock = threading.Lock()
@@ -265,7 +281,7 @@ class Launcher:
   def wait(self, poll_seconds=0.1):
     """Waits for the run to end; returns its exit status (0: success)."""
     finishing = [t for t in self.processes
-                 if not is_server(self.cluster, t[0])]
+                 if not is_server(self.cluster, t[0], self.serving_workers)]
     while True:
       for (role, index), process in self.processes.items():
         code = process.poll()

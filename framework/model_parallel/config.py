@@ -4,7 +4,9 @@ import dataclasses
 import functools
 
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.model_parallel.devices import PLACEMENTS, cluster_devices
 from framework.model_parallel.pipeline import PipelineTrainer
+from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.tensor_parallel import TensorParallelTrainer
 from framework.core.trainer import Trainer
 
@@ -20,11 +22,14 @@ class ModelParallelConfig:
       hidden Dense layer's units split across devices).
     num_stages: pipeline stages (= devices).
     num_microbatches: micro-batches per global batch (GPipe schedule).
-    stage_boundaries: pipeline cut points between layers; empty: balanced
-      by parameter count.
+    stage_boundaries: pipeline cut points between layers: indices, or layer
+      names (a name starts a stage); empty: balanced by parameter count.
     num_shards: tensor: devices the hidden units are split across.
     split_layer: tensor: index of the Dense layer to split (None: the last
       Dense followed by a Dense).
+    devices: `local` (this process's GPUs or logical CPUs) or `cluster`
+      (piece i on `/job:worker/task:i`; the chief must have called
+      `devices.connect_cluster` first).
   """
   mode: str = "none"
   num_stages: int = 2
@@ -32,15 +37,33 @@ class ModelParallelConfig:
   stage_boundaries: tuple = ()
   num_shards: int = 2
   split_layer: int = None
+  devices: str = "local"
 
   def __post_init__(self):
     check_choice("model_parallel", self.mode, MODES)
+    check_choice("model_parallel_devices", self.devices, PLACEMENTS)
+    if self.devices == "cluster" and self.mode == "none":
+      raise ConfigError("model_parallel_devices=cluster places the pieces of "
+                        "a split model; set --model_parallel=pipeline or "
+                        "tensor")
     check_positive("num_stages", self.num_stages)
     check_positive("num_microbatches", self.num_microbatches)
     check_positive("num_shards", self.num_shards)
 
+  @property
+  def device_count(self):
+    """(devices the split needs, the argument that sets it)."""
+    if self.mode == "tensor":
+      return self.num_shards, "num_shards"
+    return self.num_stages, "num_stages"
+
   def trainer_factory(self, trainer_cls=Trainer):
-    """`trainer_cls`, or the model-parallel trainer bound to this config."""
+    """`trainer_cls`, or the model-parallel trainer bound to this config.
+
+    A plain `Trainer` subclass (e.g. the segmentation trainer, for its
+    evaluation metrics) is combined with the model-parallel trainer: the
+    split trains, the subclass evaluates the (whole) model.
+    """
     if self.mode == "none":
       return trainer_cls
     parallel_cls = (PipelineTrainer if self.mode == "pipeline"
@@ -48,14 +71,23 @@ class ModelParallelConfig:
     if trainer_cls is Trainer:
       trainer_cls = parallel_cls
     elif not issubclass(trainer_cls, parallel_cls):
-      raise ConfigError(
-          f"model_parallel={self.mode} needs a trainer derived from "
-          f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
+      if not issubclass(trainer_cls, Trainer) or issubclass(
+          trainer_cls, StagedTrainer):
+        raise ConfigError(
+            f"model_parallel={self.mode} needs a trainer derived from "
+            f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
+      trainer_cls = type(parallel_cls.__name__ + trainer_cls.__name__,
+                         (parallel_cls, trainer_cls),
+                         {"eval_step": trainer_cls.eval_step})
+    devices = None
+    if self.devices == "cluster":
+      devices = cluster_devices(self.device_count[0])
     if self.mode == "pipeline":
       return functools.partial(
           trainer_cls, num_stages=self.num_stages,
           num_microbatches=self.num_microbatches,
-          stage_boundaries=tuple(self.stage_boundaries) or None)
+          stage_boundaries=tuple(self.stage_boundaries) or None,
+          devices=devices)
     return functools.partial(
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
-        num_microbatches=self.num_microbatches)
+        num_microbatches=self.num_microbatches, devices=devices)

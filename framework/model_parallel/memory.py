@@ -52,7 +52,7 @@ def memory_metrics(report):
   """The report as flat scalars for TensorBoard (`memory/CPU_1/param_bytes`)."""
   metrics = {}
   for device, entry in report.items():
-    tag = device.strip("/").replace(":", "_")
+    tag = device.strip("/").replace(":", "_").replace("/", "_")
     for key, value in entry.items():
       metrics[f"memory/{tag}/{key}"] = float(value)
   return metrics

@@ -14,6 +14,9 @@ import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
+from framework.model_parallel.boundaries import (balanced_boundaries,
+                                                 check_boundaries)
+from framework.model_parallel.graph import graph_stages, resolve_boundaries, split_graph
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import Stage
 
@@ -25,48 +28,6 @@ def model_layers(model):
         f"pipeline parallelism needs a keras.Sequential model (an ordered "
         f"list of layers); got {type(model).__name__}")
   return list(model.layers)
-
-
-def balanced_boundaries(sizes, num_stages):
-  """Cut points that minimise the largest stage's total of `sizes`.
-
-  Args:
-    sizes: per-layer cost (parameter counts), in order.
-    num_stages: how many contiguous, non-empty stages.
-  Returns:
-    A tuple of `num_stages - 1` increasing indices: stage i is
-    `layers[bounds[i-1]:bounds[i]]`.
-  """
-  n = len(sizes)
-  prefix = [0]
-  for size in sizes:
-    prefix.append(prefix[-1] + size)
-  # best[k][j]: (largest stage, cuts) for the first j layers in k stages.
-  inf = (float("inf"), ())
-  best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-  best[0][0] = (0, ())
-  for k in range(1, num_stages + 1):
-    for j in range(k, n + 1):
-      for i in range(k - 1, j):
-        worst, cuts = best[k - 1][i]
-        candidate = (max(worst, prefix[j] - prefix[i]), cuts + (i,))
-        if candidate[0] < best[k][j][0]:
-          best[k][j] = candidate
-  return best[num_stages][n][1][1:]
-
-
-def check_boundaries(boundaries, num_layers, num_stages):
-  """Raises ConfigError unless `boundaries` cut `num_layers` into stages."""
-  boundaries = tuple(boundaries)
-  valid = (len(boundaries) == num_stages - 1 and
-           all(0 < b < num_layers for b in boundaries) and
-           list(boundaries) == sorted(set(boundaries)))
-  if not valid:
-    raise ConfigError(
-        f"stage_boundaries={list(boundaries)} must be {num_stages - 1} "
-        f"strictly increasing layer indices in 1..{num_layers - 1} (cut "
-        f"points between the {num_layers} layers)")
-  return boundaries
 
 
 def split_layers(layers, num_stages, boundaries=None):
@@ -81,7 +42,9 @@ def split_layers(layers, num_stages, boundaries=None):
         f"num_stages={num_stages} is more than the model's {len(layers)} "
         f"layers; use at most {len(layers)} stages")
   if boundaries:
-    boundaries = check_boundaries(boundaries, len(layers), num_stages)
+    boundaries = check_boundaries(
+        resolve_boundaries(boundaries, [layer.name for layer in layers]),
+        len(layers), num_stages)
   else:
     boundaries = balanced_boundaries(
         [layer.count_params() for layer in layers], num_stages)
@@ -115,16 +78,22 @@ def place_sequential(model, groups, devices):
 
 
 class PipelineTrainer(StagedTrainer):
-  """Trains a Sequential model cut into `num_stages` stages on as many devices.
+  """Trains a model cut into `num_stages` stages on as many devices.
+
+  A `keras.Sequential` is copied onto the stage devices (`self.model` is the
+  copy, same layers, names and weights); a functional `keras.Model` (any
+  graph of layers, skip connections included) keeps its own layers, whose
+  variables move to their stage's device (`self.model` is the model).
 
   Args:
-    model: a built `keras.Sequential` (e.g. from `models.build_model`); it is
-      copied onto the stage devices and `self.model` is the copy.
+    model: a built `keras.Sequential` or functional `keras.Model` (e.g. from
+      `models.build_model`).
     optimizer, strategy: as for `Trainer` (one replica).
     num_stages: S, the number of stages and devices.
     num_microbatches: M, micro-batches per global batch (GPipe).
-    stage_boundaries: S-1 cut points between layers; default: balanced by
-      parameter count.
+    stage_boundaries: S-1 cut points: indices into the layers (in the order
+      Keras runs them) or layer names (a name starts a stage); default:
+      balanced by parameter count.
     devices: S device names; default `/GPU:0..` or `/CPU:0..`.
     **kwargs: `Trainer` arguments.
   """
@@ -132,11 +101,22 @@ class PipelineTrainer(StagedTrainer):
   def __init__(self, model, optimizer, strategy, *, num_stages=2,
                num_microbatches=1, stage_boundaries=None, devices=None,
                **kwargs):
-    groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+    sequential = isinstance(model, keras.Sequential)
+    if sequential:
+      groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+    else:
+      groups, self.boundaries = split_graph(model, num_stages,
+                                            stage_boundaries)
     devices = list(devices or model_parallel_devices(num_stages))
     if len(devices) != num_stages:
       raise ConfigError(f"devices={devices} must name num_stages="
                         f"{num_stages} devices")
+    if not sequential:
+      with strategy.scope():
+        stages = graph_stages(model, groups, devices)
+      super().__init__(model, optimizer, strategy, stages=stages,
+                       num_microbatches=num_microbatches, **kwargs)
+      return
     with strategy.scope():
       placed, placed_groups = place_sequential(model, groups, devices)
     self.boundaries = tuple(

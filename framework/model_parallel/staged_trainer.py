@@ -121,7 +121,7 @@ class StagedTrainer(Trainer):
       for i, stage in enumerate(self.stages):
         x, record = stage.forward(x, training=True, after=previous[i],
                                   head=head if i == last else None)
-        previous[i] = [x]
+        previous[i] = tf.nest.flatten(x)
         micro_records.append(record)
       records.append(micro_records)
       losses.append(micro_records[last].target)
