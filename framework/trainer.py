@@ -23,9 +23,13 @@ One training step, per replica, inside `strategy.run` inside a `tf.function`:
 on the per-step path.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
+from framework import tta
+from framework.ema import WeightAverage
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.fused_updates import fused_update
 
@@ -60,12 +64,19 @@ class Trainer:
     fused_updates: update each variable with TensorFlow's one-kernel
       optimizer op where there is one (Adam, AdamW, SGD; see
       `framework.fused_updates`), else the optimizer's `update_step`.
+    ema_decay: keep an exponential moving average of the trainable weights
+      (`framework.ema`), updated after each applied update; evaluation
+      uses it. None: off.
+    ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
+    eval_tta: test-time augmentation in evaluation (`framework.tta`):
+      `none` or `flip` (mean logits of each image and its mirror).
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
                nan_policy="stop", grad_accum_steps=1, loss_scale=None,
-               fused_updates=True):
+               fused_updates=True, ema_decay=None, ema_warmup=False,
+               eval_tta="none"):
     check_positive("global_batch_size", global_batch_size)
     check_positive("grad_accum_steps", grad_accum_steps)
     replicas = strategy.num_replicas_in_sync
@@ -91,6 +102,11 @@ class Trainer:
     self.grad_accum_steps = grad_accum_steps
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
+    self.eval_tta = tta.check_tta(eval_tta)
+    self.ema = None
+    if ema_decay is not None:
+      self.ema = WeightAverage(model.trainable_variables, strategy, ema_decay,
+                               warmup=ema_warmup)
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
@@ -151,10 +167,14 @@ class Trainer:
       A dict of sums; `examples` counts the examples (partial batches too).
     """
     features, labels = batch
-    logits = self.model(features, training=False)
+    logits = self.eval_logits(features)
     return {"loss": tf.reduce_sum(self.loss_fn(labels, logits)),
             "accuracy": tf.reduce_sum(self.correct(labels, logits)),
             "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  def eval_logits(self, features):
+    """The model's outputs for evaluation (with `eval_tta` applied)."""
+    return tta.eval_logits(self.model, features, self.eval_tta)
 
   def eval_results(self, totals):
     """Turns the summed `eval_step` outputs into the reported metrics."""
@@ -322,6 +342,9 @@ class Trainer:
       # which loses increments when PS workers update concurrently.
       iterations = optimizer.iterations
       getattr(iterations, "value", iterations).assign_add(1)
+      if self.ema is not None:
+        # Reads the updated weights (TF orders ops on the same variables).
+        self.ema.update()
       return tf.constant(True)
 
     if self.nan_policy != "skip" and self.loss_scale is None:
@@ -366,8 +389,15 @@ class Trainer:
       totals = {k: totals[k] + batch_totals[k] for k in totals}
     return totals
 
+  def averaged_weights(self):
+    """A context in which the model holds its EMA weights (if any)."""
+    return self.ema.swapped() if self.ema is not None else (
+        contextlib.nullcontext())
+
   def evaluate(self, distributed_dataset):
-    """Evaluates over the whole dataset (partial last batch included)."""
-    totals = self._eval_loop(iter(distributed_dataset))
+    """Evaluates over the whole dataset (partial last batch included), with
+    the EMA weights when there is an EMA."""
+    with self.averaged_weights():
+      totals = self._eval_loop(iter(distributed_dataset))
     return {k: float(v) for k, v in
             self.eval_results({k: v.numpy() for k, v in totals.items()}).items()}
