@@ -122,3 +122,22 @@ def test_average_survives_a_checkpoint(tmp_path, data):
 def test_bad_decay_is_rejected():
   with pytest.raises(framework.ConfigError, match="ema_decay=1.0"):
     make_trainer(mirrored(), ema_decay=1.0)
+
+
+def test_resumed_run_continues_the_same_average(tmp_path):
+  # pylint: disable=g-import-not-at-top
+  from test_stop_at_accuracy import h5_arrays
+  from test_train_script import train
+  flags = ["--strategy=mirrored", "--cpu_devices=2", "--steps_per_loop=5",
+           "--checkpoint_every=10", "--ema_decay=0.8", "--ema_warmup",
+           "--export_saved_model=false"]
+  train(tmp_path / "straight", *flags, "--train_steps=20")
+  train(tmp_path / "resumed", *flags, "--train_steps=10")
+  proc = train(tmp_path / "resumed", *flags, "--train_steps=20")
+  assert "Restored checkpoint" in proc.stderr
+  for name in ("model.weights.h5", "model.raw.weights.h5"):
+    expected = h5_arrays(tmp_path / "straight" / name)
+    resumed = h5_arrays(tmp_path / "resumed" / name)
+    assert expected.keys() == resumed.keys() and expected
+    for key in expected:
+      np.testing.assert_array_equal(expected[key], resumed[key])
