@@ -49,6 +49,9 @@ class LoopConfig:
       and the run ends as at its last step. The time it took goes to the
       log and to TensorBoard as `eval/time_to_target_seconds` (see
       `Controller.time_to_target`). None: train to `train_steps`.
+    eval_start_step: periodic evaluations (`eval_every`) only from this
+      step on: a time-to-accuracy run skips evaluations that cannot reach
+      its target yet. The final evaluation always happens.
   """
   train_steps: int
   steps_per_loop: int = 100
@@ -59,6 +62,7 @@ class LoopConfig:
   log_every: int = 100
   profile_steps: tuple = ()
   stop_at_accuracy: float = None
+  eval_start_step: int = 0
 
   def __post_init__(self):
     if self.stop_at_accuracy is not None and not (
@@ -71,7 +75,7 @@ class LoopConfig:
     check_positive("steps_per_loop", self.steps_per_loop)
     check_positive("keep_checkpoints", self.keep_checkpoints)
     for name in ("checkpoint_every", "eval_every", "summary_every",
-                 "log_every"):
+                 "log_every", "eval_start_step"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name}={value!r} must be an integer >= 0")
@@ -385,7 +389,8 @@ class Controller:
       if self._due(c.checkpoint_every, step):
         self.save(step)
         last_saved = step
-      if self._due(c.eval_every, step) and step != c.train_steps:
+      if (self._due(c.eval_every, step) and step != c.train_steps
+          and step >= c.eval_start_step):
         self.evaluate()
       for fn in self.on_loop_end:
         fn(step)

@@ -148,6 +148,8 @@ flags.DEFINE_integer("checkpoint_every", 1000, "Steps between checkpoints "
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints to keep.")
 flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
+flags.DEFINE_integer("eval_start_step", 0, "Periodic evaluations "
+                     "(--eval_every) only from this step on.")
 flags.DEFINE_float("stop_at_accuracy", None, "Stop after the first evaluation "
                    "whose accuracy reaches this fraction (e.g. 0.8079); logs "
                    "and writes eval/time_to_target_seconds (wall time from "
@@ -201,7 +203,7 @@ for _name in ("hidden_units", "lr_step_boundaries", "stage_boundaries",
                            message=f"--{_name} must be integers separated "
                            "by commas")
 for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
-              "startup_timeout"):
+              "startup_timeout", "eval_start_step"):
   flags.register_validator(_name, lambda v: v is not None and v >= 0,
                            message=f"--{_name} must be >= 0")
 
@@ -228,7 +230,8 @@ def config_from_flags():
       keep_checkpoints=FLAGS.keep_checkpoints, eval_every=FLAGS.eval_every,
       summary_every=FLAGS.summary_every, log_every=FLAGS.log_every,
       profile_steps=_int_list(FLAGS.profile_steps),
-      stop_at_accuracy=FLAGS.stop_at_accuracy)
+      stop_at_accuracy=FLAGS.stop_at_accuracy,
+      eval_start_step=FLAGS.eval_start_step)
   model_parallel = ModelParallelConfig(
       mode=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
       num_microbatches=FLAGS.num_microbatches,

@@ -54,11 +54,13 @@ def test_an_easy_target_stops_early_and_records_the_time(tmp_path):
 
 
 def test_an_unreachable_target_trains_to_the_end(tmp_path):
-  proc = train(tmp_path, "--train_steps=10", "--eval_every=5",
-               "--stop_at_accuracy=1.0")
-  assert "target accuracy 1.0000 not reached in 10 steps" in proc.stderr
-  tags = events(str(tmp_path / "eval")).Tags()["tensors"]
-  assert "accuracy" in tags and "time_to_target_seconds" not in tags
+  proc = train(tmp_path, "--train_steps=15", "--eval_every=5",
+               "--eval_start_step=10", "--stop_at_accuracy=1.0")
+  assert "target accuracy 1.0000 not reached in 15 steps" in proc.stderr
+  acc = events(str(tmp_path / "eval"))
+  assert "time_to_target_seconds" not in acc.Tags()["tensors"]
+  # Periodic evaluations from eval_start_step on, and the final one.
+  assert list(scalars(acc, "accuracy")) == [10, 15]
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.2])
