@@ -18,12 +18,11 @@ import tensorflow as tf
 import models
 from models import registry
 from framework import (augment, datasets, distribution_check, export, inputs,
-                       losses, precision, ps_training, segmentation,
-                       strategies, tta)
+                       losses, optimizers, precision, ps_training,
+                       segmentation, strategies, tta)
 from framework.controller import Controller, LoopConfig
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.config import ModelParallelConfig
-from framework import optimizers
 from framework.optimizers import OptimizerConfig, make_optimizer
 from framework.trainer import Trainer
 

@@ -141,3 +141,26 @@ def test_resumed_run_continues_the_same_average(tmp_path):
     assert expected.keys() == resumed.keys() and expected
     for key in expected:
       np.testing.assert_array_equal(expected[key], resumed[key])
+
+
+def test_evaluate_py_reports_what_training_reported(tmp_path):
+  # pylint: disable=g-import-not-at-top
+  from framework import evaluation, experiment
+  small = framework.synthetic(num_train=64, num_test=21, seed=2)
+  data_dir = str(tmp_path / "cifar")
+  framework.write_cifar10(data_dir, small.train_x, small.train_y,
+                          small.test_x, small.test_y)
+  model_dir = str(tmp_path / "run")
+  config = framework.ExperimentConfig(
+      model="mlp", dataset="cifar10", data_dir=data_dir, model_dir=model_dir,
+      strategy="mirrored", global_batch_size=16, train_steps=6,
+      model_options={"hidden_units": (32,)}, export_saved_model=False,
+      ema_decay=0.5, eval_tta="flip", label_smoothing=0.2,
+      loop=framework.LoopConfig(train_steps=6, steps_per_loop=3,
+                                checkpoint_every=3))
+  trained = experiment.run(config, strategy=mirrored())
+  evaluated = evaluation.Evaluator(
+      evaluation.EvalConfig(model_dir=model_dir),
+      strategy=mirrored()).evaluate().metrics
+  for name in ("loss", "accuracy", "examples"):
+    assert evaluated[name] == pytest.approx(trained[name], rel=1e-6)
