@@ -65,3 +65,12 @@ def test_per_pixel_outputs_are_mirrored_back():
 def test_unknown_mode_is_rejected():
   with pytest.raises(framework.ConfigError, match="eval_tta"):
     tta.check_tta("rotate")
+
+
+def test_model_parallel_runs_reject_ema_and_tta():
+  from framework.model_parallel import ModelParallelConfig  # pylint: disable=g-import-not-at-top
+  for extra in ({"eval_tta": "flip"}, {"ema_decay": 0.9}):
+    with pytest.raises(framework.ConfigError, match="model_parallel=pipeline"):
+      framework.ExperimentConfig(
+          train_steps=1, model_parallel=ModelParallelConfig(mode="pipeline"),
+          **extra)
