@@ -86,8 +86,10 @@ flags.DEFINE_integer("grad_accum_steps", 1, "Split each replica's batch into "
                      "this many micro-batches; one all-reduce and update per "
                      "step (same update, less activation memory).")
 flags.DEFINE_enum("mixed_precision", "float32",
-                  ["float32", "bfloat16", "float16"], "Compute dtype "
-                  "(float32 variables); float16 uses dynamic loss scaling.")
+                  ["float32", "bfloat16", "float16", "auto"], "Compute dtype "
+                  "(float32 variables); float16 uses dynamic loss scaling; "
+                  "auto: bfloat16 on CPUs with AVX512_BF16/AMX-BF16 or GPUs "
+                  "with native bfloat16, else float32 (logged).")
 flags.DEFINE_enum("augment", "none", ["none", "crop_flip"], "Training "
                   "augmentation: crop_flip = 4-pixel random crop + "
                   "horizontal flip.")
@@ -96,8 +98,34 @@ flags.DEFINE_enum("optimizer", "adam", ["sgd", "momentum", "adam", "adamw"],
 flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate.")
 flags.DEFINE_float("momentum", 0.9, "Momentum for --optimizer=momentum.")
 flags.DEFINE_float("weight_decay", 1e-4, "Decoupled weight decay (adamw).")
-flags.DEFINE_enum("lr_schedule", "constant", ["constant", "cosine", "step"],
-                  "Learning-rate schedule after warm-up.")
+flags.DEFINE_enum("lr_schedule", "constant", ["constant", "cosine", "step",
+                                              "linear", "onecycle"],
+                  "Learning-rate schedule after warm-up. linear: straight "
+                  "down to --lr_min_ratio x peak at the last step; onecycle: "
+                  "linear whose warm-up defaults to the first 30 % of the "
+                  "run.")
+flags.DEFINE_float("lr_min_ratio", 0.0, "cosine, linear, onecycle: final "
+                   "learning rate as a fraction of the peak.")
+flags.DEFINE_bool("nesterov", False, "Nesterov momentum for "
+                  "--optimizer=momentum.")
+flags.DEFINE_enum("lr_scaling", "none", ["none", "linear", "sqrt"],
+                  "Scale --learning_rate from --lr_base_batch_size to "
+                  "--global_batch_size (linear: by the ratio; sqrt: by its "
+                  "square root).")
+flags.DEFINE_integer("lr_base_batch_size", 256, "The global batch "
+                     "--learning_rate is given for (with --lr_scaling).")
+flags.DEFINE_float("label_smoothing", 0.0, "Label smoothing of the "
+                   "cross-entropy, in [0, 1).")
+flags.DEFINE_float("ema_decay", None, "Keep an exponential moving average "
+                   "of the weights with this decay (e.g. 0.99); evaluation "
+                   "and model.weights.h5 / the SavedModel use it "
+                   "(model.raw.weights.h5: the raw weights).")
+flags.DEFINE_bool("ema_warmup", False, "EMA decay min(ema_decay, "
+                  "(1+n)/(10+n)) at update n: forgets the initial weights "
+                  "quickly in short runs.")
+flags.DEFINE_enum("eval_tta", "none", ["none", "flip"], "Test-time "
+                  "augmentation in evaluation: flip averages the logits of "
+                  "each image and its horizontal mirror.")
 flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps.")
 flags.DEFINE_list("lr_step_boundaries", [], "Steps where --lr_schedule=step "
                   "multiplies the rate by --lr_step_decay.")
@@ -136,6 +164,13 @@ flags.DEFINE_bool("allow_config_change", False, "Resume although --model, "
                   "fine-tuning); otherwise that is an error.")
 flags.DEFINE_integer("eval_every", 0, "Steps between evaluations (0: only at "
                      "the end).")
+flags.DEFINE_integer("eval_start_step", 0, "Periodic evaluations "
+                     "(--eval_every) only from this step on.")
+flags.DEFINE_float("stop_at_accuracy", None, "Stop after the first evaluation "
+                   "whose accuracy reaches this fraction (e.g. 0.8079); logs "
+                   "and writes eval/time_to_target_seconds (wall time from "
+                   "the run's start: data loading, steps and evaluations "
+                   "included).")
 flags.DEFINE_integer("summary_every", 100, "Steps between train summaries.")
 flags.DEFINE_integer("log_every", 100, "Steps between progress lines.")
 flags.DEFINE_list("profile_steps", [], "first,last: trace these global steps "
@@ -183,7 +218,7 @@ for _name in ("hidden_units", "lr_step_boundaries", "profile_steps"):
                            message=f"--{_name} must be integers separated "
                            "by commas")
 for _name in ("checkpoint_every", "eval_every", "summary_every", "log_every",
-              "startup_timeout"):
+              "startup_timeout", "eval_start_step"):
   flags.register_validator(_name, lambda v: v is not None and v >= 0,
                            message=f"--{_name} must be >= 0")
 
@@ -201,13 +236,17 @@ def config_from_flags():
       momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
       schedule=FLAGS.lr_schedule, warmup_steps=FLAGS.warmup_steps,
       step_boundaries=_int_list(FLAGS.lr_step_boundaries),
-      step_decay=FLAGS.lr_step_decay)
+      step_decay=FLAGS.lr_step_decay, min_lr_ratio=FLAGS.lr_min_ratio,
+      nesterov=FLAGS.nesterov, lr_scaling=FLAGS.lr_scaling,
+      base_batch_size=FLAGS.lr_base_batch_size)
   loop = LoopConfig(
       train_steps=1, steps_per_loop=FLAGS.steps_per_loop,
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints, eval_every=FLAGS.eval_every,
       summary_every=FLAGS.summary_every, log_every=FLAGS.log_every,
-      profile_steps=_int_list(FLAGS.profile_steps))
+      profile_steps=_int_list(FLAGS.profile_steps),
+      stop_at_accuracy=FLAGS.stop_at_accuracy,
+      eval_start_step=FLAGS.eval_start_step)
   model_parallel = ModelParallelConfig(
       mode=FLAGS.model_parallel, num_stages=FLAGS.num_stages,
       num_microbatches=FLAGS.num_microbatches,
@@ -235,7 +274,9 @@ def config_from_flags():
       export_saved_model=FLAGS.export_saved_model,
       hparams=hparams, check_distribution=FLAGS.check_distribution,
       model_parallel=model_parallel, restore=FLAGS.restore,
-      allow_config_change=FLAGS.allow_config_change)
+      allow_config_change=FLAGS.allow_config_change,
+      label_smoothing=FLAGS.label_smoothing, ema_decay=FLAGS.ema_decay,
+      ema_warmup=FLAGS.ema_warmup, eval_tta=FLAGS.eval_tta)
 
 
 def _run_config(config, trainer_cls):

@@ -79,6 +79,18 @@ def _flag_file_values(name):
   return values
 
 
+def test_cifar10_fast_recipe():
+  config = _config("cifar10_fast.cfg")
+  assert (config.model, config.strategy, config.global_batch_size) == (
+      "cifar_cnn", "default", 512)
+  assert config.optimizer.nesterov and config.optimizer.schedule == "onecycle"
+  assert config.optimizer.scaled(512).learning_rate == pytest.approx(0.1)
+  assert (config.label_smoothing, config.ema_decay, config.eval_tta) == (
+      0.2, 0.99, "flip")
+  assert config.loop.stop_at_accuracy == 0.8079
+  assert config.mixed_precision == "auto"
+
+
 @pytest.mark.parametrize("name", sorted(os.listdir(CONFIGS)))
 def test_every_flag_of_a_flag_file_reaches_its_config_field(name):
   config = _file(name)

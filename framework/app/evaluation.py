@@ -8,7 +8,9 @@
 The model is rebuilt from model_dir/model_info.json under any strategy, the
 checkpoint's model weights and global step are restored (the optimizer is
 not needed), and the whole test set is evaluated with the confusion matrix
-summed over replicas. Results go to TensorBoard under model_dir/eval.
+summed over replicas. As in training: a run with an EMA of the weights is
+evaluated with the averaged weights, and with its test-time augmentation
+and loss. Results go to TensorBoard under model_dir/eval.
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from framework.core import losses
 from framework.app import export
 from framework.core import checkpointing
 from framework.data import datasets, inputs
@@ -123,8 +126,20 @@ class Evaluator:
       optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
     replicas = self.strategy.num_replicas_in_sync
     batch = -(-self.global_batch_size // replicas) * replicas
+    extra = {}
+    if self.info.get("eval_tta", "none") != "none":
+      extra["eval_tta"] = self.info["eval_tta"]
+    if self.info.get("label_smoothing"):
+      extra["loss_fn"] = losses.smoothed_sparse_categorical_loss(
+          self.info["label_smoothing"])
     self.trainer = trainer_cls(model, optimizer, self.strategy,
-                               global_batch_size=batch)
+                               global_batch_size=batch, **extra)
+    # The EMA's averages, restored over the trainable weights (same order as
+    # in training: the same builder made both models).
+    self.averages = None
+    if self.info.get("ema_decay"):
+      self.averages = tf.train.Checkpoint(ema={"averages": [
+          getattr(v, "value", v) for v in model.trainable_variables]})
     self.checkpoint = tf.train.Checkpoint(
         model=model, global_step=self.trainer.global_step)
     self.samples = self.dataset.test_samples(3) if per_pixel else None
@@ -148,6 +163,9 @@ class Evaluator:
     try:
       status = self.checkpoint.restore(path).expect_partial()
       status.assert_existing_objects_matched()
+      if self.averages is not None:
+        self.averages.restore(path).expect_partial(
+        ).assert_existing_objects_matched()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
       raise CheckpointError(
           f"checkpoint {path} does not fit model={self.info['model']} "

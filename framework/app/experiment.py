@@ -6,8 +6,10 @@ train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
 data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
+import contextlib
 import dataclasses
 import os
+import time
 
 from absl import logging
 import keras
@@ -15,6 +17,7 @@ import tensorflow as tf
 
 import models
 from models import registry
+from framework.core import losses, optimizers, tta
 from framework.app import export
 from framework.app import check_run
 from framework.core import checkpointing, precision, ps_training
@@ -29,13 +32,21 @@ from framework.core.run_lock import RunLock
 from framework.core.trainer import Trainer
 
 WEIGHTS_FILE = "model.weights.h5"
+# With an EMA, WEIGHTS_FILE holds the averaged weights and this the raw ones.
+RAW_WEIGHTS_FILE = "model.raw.weights.h5"
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything a run needs; `scripts/train.py` fills it from flags.
 
-  Exactly one of `train_steps` and `epochs` is set.
+  Exactly one of `train_steps` and `epochs` is set. `mixed_precision` may
+  be `auto` (`precision.resolve_precision`: bfloat16 where the hardware
+  computes it natively). `label_smoothing`, `ema_decay`, `ema_warmup` and
+  `eval_tta` go to the Trainer (see `Trainer`); with an EMA, evaluation,
+  model.weights.h5 and the SavedModel use the averaged weights, the
+  checkpoints keep the raw ones (and the EMA), and model.raw.weights.h5
+  the raw final weights.
   """
   model: str = "cifar_cnn"
   dataset: str = "cifar10"
@@ -69,6 +80,10 @@ class ExperimentConfig:
   # Resume although model, options, optimizer, global batch or dataset
   # differ from the checkpoint's (e.g. fine-tuning with another optimizer).
   allow_config_change: bool = False
+  label_smoothing: float = 0.0
+  ema_decay: float = None
+  ema_warmup: bool = False
+  eval_tta: str = "none"
 
   def __post_init__(self):
     if not self.model_dir:
@@ -86,8 +101,19 @@ class ExperimentConfig:
     check_positive("grad_accum_steps", self.grad_accum_steps)
     check_positive("max_skipped_steps", self.max_skipped_steps)
     check_choice("mixed_precision", self.mixed_precision,
-                 precision.PRECISIONS)
+                 precision.PRECISION_CHOICES)
     check_choice("augment", self.augment, augment.AUGMENTATIONS)
+    if self.label_smoothing:
+      losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
+    if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+      raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
+                        "unset)")
+    tta.check_tta(self.eval_tta)
+    if self.model_parallel.mode != "none" and (
+        self.ema_decay is not None or self.eval_tta != "none"):
+      raise ConfigError(
+          f"ema_decay and eval_tta are not supported with model_parallel="
+          f"{self.model_parallel.mode}")
 
 
 def total_steps(config, num_train_examples):
@@ -119,8 +145,17 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
         f"step (train_steps={steps}): nothing would be traced; choose steps "
         f"in 1..{steps}")
   optimizer_config = config.optimizer
-  if optimizer_config.schedule == "cosine" and not optimizer_config.total_steps:
+  if (optimizer_config.schedule in optimizers.DECAYING_SCHEDULES
+      and not optimizer_config.total_steps):
     optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
+  if optimizer_config.lr_scaling != "none":
+    scaled = optimizer_config.scaled(config.global_batch_size)
+    logging.info("lr_scaling=%s: learning_rate %g for batch %d -> %g for "
+                 "batch %d", optimizer_config.lr_scaling,
+                 optimizer_config.learning_rate,
+                 optimizer_config.base_batch_size, scaled.learning_rate,
+                 config.global_batch_size)
+    optimizer_config = scaled
   keras.utils.set_random_seed(config.seed)
   # Layers keep the dtype policy they are built with; restore the global one.
   policy = keras.mixed_precision.global_policy()
@@ -162,6 +197,13 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     extra["grad_accum_steps"] = config.grad_accum_steps
   if config.max_skipped_steps != ExperimentConfig.max_skipped_steps:
     extra["max_skipped_steps"] = config.max_skipped_steps
+  if config.label_smoothing:
+    extra["loss_fn"] = losses.smoothed_sparse_categorical_loss(
+        config.label_smoothing)
+  if config.ema_decay is not None:
+    extra.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
+  if config.eval_tta != "none":
+    extra["eval_tta"] = config.eval_tta
   loss_scale = None
   if precision.needs_loss_scale(config.mixed_precision):
     loss_scale = precision.LossScale(strategy)
@@ -191,10 +233,13 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     trainer, train_input, eval_input = ps_training.coordinate(
         trainer, dataset, config.global_batch_size, seed=config.seed,
         augment=augment_fn)
+  checkpoint_items = dict(loss_scale.checkpoint_items() if loss_scale
+                          else {})
+  if getattr(trainer, "ema", None) is not None:
+    checkpoint_items.update(trainer.ema.checkpoint_items())
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 hparams=config.hparams,
-                checkpoint_items=(loss_scale.checkpoint_items()
-                                  if loss_scale else None))
+                checkpoint_items=checkpoint_items or None)
   if per_pixel:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
@@ -244,6 +289,11 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
     config = dataclasses.replace(config, model=path)
   else:
     registry.get_builder(config.model)  # a bad --model fails before any work
+  start_time = time.time()  # time_to_target counts from here
+  # `auto` becomes what it means on this machine, once, before anything reads
+  # the config (the check, model_info.json, the policy).
+  config = dataclasses.replace(config, mixed_precision=(
+      precision.resolve_precision(config.mixed_precision)))
   if config.strategy == "parameter_server" or (
       strategy is not None and ps_training.is_parameter_server(strategy)):
     ps_training.check_config(config)
@@ -256,11 +306,12 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
                enabled=strategies.is_chief(strategy)) as lock:
     return _run(config, trainer_cls, strategy, prepare_controller, lock,
                 build_model=build_model, train_input=train_input,
-                eval_input=eval_input, make_trainer=make_trainer)
+                eval_input=eval_input, make_trainer=make_trainer,
+                start_time=start_time)
 
 
 def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
-         build_model, train_input, eval_input, make_trainer):
+         build_model, train_input, eval_input, make_trainer, start_time):
   replicas = strategy.num_replicas_in_sync
   if config.global_batch_size % replicas:
     raise ConfigError(
@@ -296,13 +347,19 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
     export.write_model_info(config.model_dir, info)
   if prepare_controller is not None:
     prepare_controller(controller)
+  controller.start_time = start_time
   # Raises NonFiniteLossError, before the weights file is (over)written,
   # when the last loop's loss was not finite.
   results = controller.run()
   if chief:
     model = trainer.export_model()
-    export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
-    if config.export_saved_model:
-      export.export_saved_model(model, info, os.path.join(
-          config.model_dir, export.EXPORT_DIR))
+    averaged = getattr(trainer, "averaged_weights", None)
+    if getattr(trainer, "ema", None) is not None:
+      export.save_weights(model, os.path.join(config.model_dir,
+                                              RAW_WEIGHTS_FILE))
+    with averaged() if averaged else contextlib.nullcontext():
+      export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
+      if config.export_saved_model:
+        export.export_saved_model(model, info, os.path.join(
+            config.model_dir, export.EXPORT_DIR))
   return results

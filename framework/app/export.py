@@ -45,7 +45,11 @@ def model_info(config, dataset):
           "dataset_options": _jsonable(getattr(config, "dataset_options", {})),
           "global_batch_size": config.global_batch_size,
           "strategy": config.strategy,
-          "seed": config.seed}
+          "seed": config.seed,
+          # How the run evaluates, so that evaluate.py reports the same.
+          "ema_decay": getattr(config, "ema_decay", None),
+          "eval_tta": getattr(config, "eval_tta", "none"),
+          "label_smoothing": getattr(config, "label_smoothing", 0.0)}
 
 
 def run_config(config):

@@ -46,6 +46,15 @@ class LoopConfig:
     profile_steps: `(first, last)` global steps (inclusive) to trace with
       TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
       tab); the time per op type goes to the log and a text summary.
+    stop_at_accuracy: stop training after the first evaluation (every
+      `eval_every` steps, and at the end) whose `accuracy` (or
+      `pixel_accuracy`) reaches this value in (0, 1]; a checkpoint is saved
+      and the run ends as at its last step. The time it took goes to the
+      log and to TensorBoard as `eval/time_to_target_seconds` (see
+      `Controller.time_to_target`). None: train to `train_steps`.
+    eval_start_step: periodic evaluations (`eval_every`) only from this
+      step on: a time-to-accuracy run skips evaluations that cannot reach
+      its target yet. The final evaluation always happens.
   """
   train_steps: int
   steps_per_loop: int = 100
@@ -55,15 +64,21 @@ class LoopConfig:
   summary_every: int = 100
   log_every: int = 100
   profile_steps: tuple = ()
+  stop_at_accuracy: float = None
+  eval_start_step: int = 0
 
   def __post_init__(self):
+    if self.stop_at_accuracy is not None and not (
+        0 < self.stop_at_accuracy <= 1):
+      raise ConfigError(f"stop_at_accuracy={self.stop_at_accuracy} must be "
+                        "in (0, 1] (a fraction, e.g. 0.8079)")
     object.__setattr__(self, "profile_steps",
                        profiling.check_profile_steps(self.profile_steps))
     check_positive("train_steps", self.train_steps)
     check_positive("steps_per_loop", self.steps_per_loop)
     check_positive("keep_checkpoints", self.keep_checkpoints)
     for name in ("checkpoint_every", "eval_every", "summary_every",
-                 "log_every"):
+                 "log_every", "eval_start_step"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name}={value!r} must be an integer >= 0")
@@ -161,6 +176,14 @@ class Controller:
       optimizer and global step.
     on_loop_end: callables `fn(step)` run after each loop's events (e.g.
       preemption checks); more can be appended to `self.on_loop_end`.
+
+  Time to target (`config.stop_at_accuracy`): `time_to_target` is the wall
+  time from `start_time` to the end of the first evaluation that reaches
+  the target: everything in between counts (building the input pipeline,
+  tracing, every step, every evaluation, checkpoints and summaries).
+  `start_time` defaults to the start of `run()`; `experiment.run` sets it
+  to its own start, so loading the dataset and building the model count
+  too. A resumed run counts from its own start.
   """
 
   def __init__(self, trainer, config, model_dir, *, train_input,
@@ -194,6 +217,8 @@ class Controller:
     self._last_loop = None
     self.last_eval = None
     self.on_loop_end = list(on_loop_end)
+    self.start_time = None
+    self.time_to_target = None
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
         config.profile_steps if chief else (),
@@ -255,7 +280,26 @@ class Controller:
         f"{k}={v:.4f}" if k != "examples" else f"{k}={int(v)}"
         for k, v in sorted(results.items())))
     self.last_eval = results
+    self._check_target(results, step)
     return results
+
+  def _check_target(self, results, step):
+    """Records the time to `stop_at_accuracy` at the first eval reaching it."""
+    target = self.config.stop_at_accuracy
+    if target is None or self.time_to_target is not None:
+      return
+    accuracy = results.get("accuracy", results.get("pixel_accuracy"))
+    if accuracy is None:
+      raise ConfigError(f"stop_at_accuracy={target}: the evaluation reports "
+                        f"no accuracy (only {', '.join(sorted(results))})")
+    if accuracy < target:
+      return
+    self.time_to_target = time.time() - (self.start_time or time.time())
+    self.writer("eval").scalars(
+        step, {"time_to_target_seconds": self.time_to_target})
+    logging.info("target accuracy %.4f reached at step %d: accuracy=%.4f "
+                 "time_to_target_seconds=%.1f", target, step, accuracy,
+                 self.time_to_target)
 
   def _report_profile(self, table, step):
     if table is None:
@@ -274,6 +318,8 @@ class Controller:
   def run(self):
     """Trains to `train_steps`, resuming from the latest checkpoint."""
     c = self.config
+    if self.start_time is None:
+      self.start_time = time.time()
     self.restore()
     step = self.step
     if step >= c.train_steps:
@@ -296,7 +342,13 @@ class Controller:
           "train on from the last good checkpoint")
     if last_saved != step:
       self.save(step)
-    return self.evaluate()
+    if self.time_to_target is not None and self.last_eval is not None:
+      return self.last_eval  # stopped at the target: just evaluated
+    results = self.evaluate()
+    if c.stop_at_accuracy is not None and self.time_to_target is None:
+      logging.info("target accuracy %.4f not reached in %d steps",
+                   c.stop_at_accuracy, step)
+    return results
 
   def _distribute_train(self, data):
     """A plain dataset from `train_input`, checked and distributed."""
@@ -368,10 +420,13 @@ class Controller:
       if self._due(c.checkpoint_every, step):
         self.save(step)  # skipped with a warning after a non-finite loss
         last_saved = step if self.loss_finite else last_saved
-      if self._due(c.eval_every, step) and step != c.train_steps:
+      if (self._due(c.eval_every, step) and step != c.train_steps
+          and step >= c.eval_start_step):
         self.evaluate()
       for fn in self.on_loop_end:
         fn(step)
+      if self.time_to_target is not None:
+        break
     return step, last_saved
 
   def _check_skipped_steps(self, step):

@@ -26,9 +26,13 @@ when `request_stop` was called (preemption) or, under `nan_policy=skip`, once
 steps that ran.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
+from framework.core import tta
+from framework.core.ema import WeightAverage
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.core.fused_updates import fused_update
 
@@ -66,12 +70,19 @@ class Trainer:
     fused_updates: update each variable with TensorFlow's one-kernel
       optimizer op where there is one (Adam, AdamW, SGD; see
       `framework.core.fused_updates`), else the optimizer's `update_step`.
+    ema_decay: keep an exponential moving average of the trainable weights
+      (`framework.core.ema`), updated after each applied update; evaluation
+      uses it. None: off.
+    ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
+    eval_tta: test-time augmentation in evaluation (`framework.core.tta`):
+      `none` or `flip` (mean logits of each image and its mirror).
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
                nan_policy="stop", grad_accum_steps=1, loss_scale=None,
-               fused_updates=True, max_skipped_steps=10):
+               fused_updates=True, max_skipped_steps=10, ema_decay=None,
+               ema_warmup=False, eval_tta="none"):
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
@@ -99,6 +110,11 @@ class Trainer:
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
     self.max_skipped_steps = max_skipped_steps
+    self.eval_tta = tta.check_tta(eval_tta)
+    self.ema = None
+    if ema_decay is not None:
+      self.ema = WeightAverage(model.trainable_variables, strategy, ema_decay,
+                               warmup=ema_warmup)
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
       optimizer.build(model.trainable_variables)
@@ -172,10 +188,14 @@ class Trainer:
       A dict of sums; `examples` counts the examples (partial batches too).
     """
     features, labels = batch
-    logits = self.model(features, training=False)
+    logits = self.eval_logits(features)
     return {"loss": tf.reduce_sum(self.loss_fn(labels, logits)),
             "accuracy": tf.reduce_sum(self.correct(labels, logits)),
             "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+
+  def eval_logits(self, features):
+    """The model's outputs for evaluation (with `eval_tta` applied)."""
+    return tta.eval_logits(self.model, features, self.eval_tta)
 
   def eval_results(self, totals):
     """Turns the summed `eval_step` outputs into the reported metrics."""
@@ -350,6 +370,9 @@ class Trainer:
       # which loses increments when PS workers update concurrently.
       iterations = optimizer.iterations
       getattr(iterations, "value", iterations).assign_add(1)
+      if self.ema is not None:
+        # Reads the updated weights (TF orders ops on the same variables).
+        self.ema.update()
       return tf.constant(True)
 
     if self.nan_policy != "skip" and self.loss_scale is None:
@@ -421,8 +444,15 @@ class Trainer:
       totals = {k: totals[k] + batch_totals[k] for k in totals}
     return totals
 
+  def averaged_weights(self):
+    """A context in which the model holds its EMA weights (if any)."""
+    return self.ema.swapped() if self.ema is not None else (
+        contextlib.nullcontext())
+
   def evaluate(self, distributed_dataset):
-    """Evaluates over the whole dataset (partial last batch included)."""
-    totals = self._eval_loop(iter(distributed_dataset))
+    """Evaluates over the whole dataset (partial last batch included), with
+    the EMA weights when there is an EMA."""
+    with self.averaged_weights():
+      totals = self._eval_loop(iter(distributed_dataset))
     return {k: float(v) for k, v in
             self.eval_results({k: v.numpy() for k, v in totals.items()}).items()}

@@ -57,7 +57,7 @@ class ConfusionTrainer(Trainer):
 
   def eval_step(self, batch):
     features, labels = batch
-    logits = self.model(features, training=False)
+    logits = self.eval_logits(features)
     return {"loss": tf.reduce_sum(self._per_example(self.loss_fn(labels, logits))),
             "accuracy": tf.reduce_sum(self._per_example(self.correct(labels, logits))),
             "confusion": confusion_matrix(labels, logits, self.num_classes),
