@@ -47,6 +47,29 @@ class MyTiny(tfds.core.GeneratorBasedBuilder):
                             "name": f"example {i}"}
 
 
+class MyTinyMasks(tfds.core.GeneratorBasedBuilder):
+  """Images of varying size with a one-channel mask (values 0..2)."""
+  VERSION = tfds.core.Version("0.1.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        "image": tfds.features.Image(shape=(None, None, 3)),
+        "segmentation_mask": tfds.features.Image(shape=(None, None, 1)),
+        "label": tfds.features.ClassLabel(num_classes=2)}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples(6), "test": self._generate_examples(2)}
+
+  def _generate_examples(self, n):
+    for i in range(n):
+      side = 6 + 2 * i  # every size differs
+      mask = np.zeros((side, side, 1), np.uint8)
+      mask[side // 2:] = 1 + i % 2
+      yield i, {"image": np.full((side, side, 3), 10 * i, np.uint8),
+                "segmentation_mask": mask, "label": i % 2}
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("tfds")
@@ -54,6 +77,9 @@ def data_dir(tmp_path_factory):
       download_dir=str(root / "downloads"),
       download_config=tfds.download.DownloadConfig(
           num_shards=NUM_SHARDS, try_download_gcs=False))
+  MyTinyMasks(data_dir=str(root / "data")).download_and_prepare(
+      download_dir=str(root / "downloads"),
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return str(root / "data")
 
 
@@ -140,6 +166,29 @@ def test_two_pipelines_read_disjoint_halves_of_the_shards(data_dir):
   shards = [{shard_of(i) for i in r} for r in read]
   assert shards == [{0, 2}, {1, 3}]
   assert sorted(read[0] + read[1]) == list(range(NUM_TRAIN))
+
+
+def test_a_mask_feature_gives_segmentation_resized_to_image_size(data_dir):
+  dataset = datasets.load_dataset(
+      "tfds:my_tiny_masks", data_dir, image_size=4,
+      label_key="segmentation_mask", mask_classes=["bg", "a", "b"])
+  assert dataset.input_shape == (4, 4, 3) and dataset.label_shape == (4, 4)
+  assert dataset.class_names == ("bg", "a", "b")
+  (x, y), = _batches(dataset.eval_dataset(2), 1)
+  assert x.shape == (2, 4, 4, 3) and y.shape == (2, 4, 4)
+  # Example i (TFDS orders a split by key hash): pixels 10*i, lower half of
+  # the mask 1 + i % 2.
+  seen = set()
+  for image, mask in zip(x, y):
+    i = int(round(image[0, 0, 0] * 255 / 10))
+    seen.add(i)
+    np.testing.assert_allclose(image, 10 * i / 255.0, atol=1e-6)
+    np.testing.assert_array_equal(mask[:2], 0)
+    np.testing.assert_array_equal(mask[2:], 1 + i % 2)
+  assert seen == {0, 1}
+  with pytest.raises(ConfigError, match="is a mask: give mask_classes"):
+    datasets.load_dataset("tfds:my_tiny_masks", data_dir,
+                          label_key="segmentation_mask", image_size=4)
 
 
 def test_not_prepared_and_bad_keys_are_one_line_errors(data_dir, tmp_path):

@@ -115,7 +115,7 @@ def _decoder(tfds, features, name, image_key, label_key, image_size,
       raise ConfigError(f"{option}={key!r} is not a feature of TFDS dataset "
                         f"{name}; its features: {', '.join(keys)}")
   image = features[image_key]
-  if not isinstance(image, tfds.features.Image) or image.dtype != tf.uint8:
+  if not isinstance(image, tfds.features.Image) or image.tf_dtype != tf.uint8:
     raise DataError(f"feature {image_key!r} of {name} is {image}, not a uint8 "
                     "Image (set image_key)")
   height, width, channels = image.shape
