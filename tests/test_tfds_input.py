@@ -222,3 +222,16 @@ def test_train_py_trains_on_a_prepared_tfds_dataset(data_dir, tmp_path):
       f"--model_dir={model_dir}")
   assert f"examples={NUM_TEST}" in proc.stderr
   assert os.path.isfile(model_dir / "checkpoint")
+
+
+@pytest.mark.slow
+def test_train_py_on_an_unprepared_dataset_is_one_line(tmp_path):
+  model_dir = tmp_path / "run"
+  proc = run_script("train.py", "--model=mlp", "--dataset=tfds:my_tiny:9.*.*",
+                    f"--data_dir={tmp_path}", f"--model_dir={model_dir}",
+                    "--train_steps=2", check=False)
+  assert proc.returncode == 1
+  lines = [l for l in proc.stderr.splitlines()
+           if l.startswith("train.py: error:")]
+  assert len(lines) == 1 and "is not prepared" in lines[0], proc.stderr[-2000:]
+  assert not model_dir.exists()
