@@ -27,13 +27,18 @@ _FLAGS_BEFORE = set(FLAGS)
 flags.DEFINE_string("model", "cifar_cnn", "Model name (see models/).")
 flags.DEFINE_string("dataset", "cifar10", "cifar10, synthetic, shapes "
                     "(generated segmentation) or oxford_pet (in memory); "
-                    "tfrecord (--data_dir written by make_tfrecords.py) or "
-                    "image_folder (--data_dir/<class>/*.png|jpg), streamed.")
+                    "tfrecord (--data_dir written by make_tfrecords.py), "
+                    "image_folder (--data_dir/<class>/*.png|jpg) or "
+                    "tfds:NAME[:VERSION] (prepared under --data_dir; "
+                    'pip install -e ".[tfds]"), streamed.')
 flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory (default: "
                     "Keras's cache, ~/.keras/datasets/cifar-10-batches-py) "
                     "or the Oxford-IIIT Pet directory.")
 flags.DEFINE_integer("image_size", 128, "shapes, oxford_pet: side of the "
-                     "square images.")
+                     "square images (tfds: of images without a fixed size).")
+flags.DEFINE_string("label_key", "label", "tfds: the feature used as label: "
+                    "a ClassLabel, or an image mask (e.g. segmentation_mask).")
+flags.DEFINE_string("image_key", "image", "tfds: the image feature.")
 flags.DEFINE_list("hidden_units", ["64", "64"], "mlp: hidden layer sizes.")
 flags.DEFINE_bool("dropout", True, "cifar_cnn: keep the Dropout layers.")
 flags.DEFINE_integer("unet_depth", 4, "unet: down-sampling levels.")
@@ -270,7 +275,9 @@ def config_from_flags():
           hidden_units=_int_list(FLAGS.hidden_units),
           dropout=FLAGS.dropout, sync_batch_norm=FLAGS.sync_batch_norm,
           depth=FLAGS.unet_depth, width=FLAGS.unet_width),
-      dataset_options=dict(image_size=FLAGS.image_size),
+      dataset_options=dict(image_size=FLAGS.image_size, **(
+          dict(image_key=FLAGS.image_key, label_key=FLAGS.label_key)
+          if FLAGS.dataset.startswith("tfds:") else {})),
       export_saved_model=FLAGS.export_saved_model,
       hparams=hparams, check_distribution=FLAGS.check_distribution,
       model_parallel=model_parallel, restore=FLAGS.restore,

@@ -188,7 +188,11 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
 
 # Modules that add their datasets to DATASETS when imported.
 _REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file_input",
-                        "framework.data.image_folder")
+                        "framework.data.image_folder",
+                        "framework.data.tfds_input")
+# Loaders named by a prefix: `load_dataset("tfds:mnist")` calls
+# DATASETS["tfds"](spec="mnist", ...).
+_SPEC_LOADERS = ("tfds",)
 
 
 def load_dataset(name, data_dir=None, seed=0, **options):
@@ -196,8 +200,17 @@ def load_dataset(name, data_dir=None, seed=0, **options):
   to the loaders that take them."""
   for module in _REGISTERING_MODULES:
     importlib.import_module(module)
-  if name not in DATASETS:
+  # `tfds:NAME[:VERSION]`: the loader registered as `tfds` gets the rest.
+  key, _, spec = name.partition(":")
+  if key not in _SPEC_LOADERS:
+    key = name
+  if key not in DATASETS:
+    known = sorted(set(DATASETS) - set(_SPEC_LOADERS))
     raise ConfigError(f"dataset={name!r} is unknown; known datasets: "
-                      f"{', '.join(sorted(DATASETS))}")
-  dataset = DATASETS[name](data_dir=data_dir, seed=seed, **options)
+                      f"{', '.join(known)}, tfds:NAME[:VERSION]")
+  if key in _SPEC_LOADERS:
+    options["spec"] = spec
+  dataset = DATASETS[key](data_dir=data_dir, seed=seed, **options)
+  if not hasattr(dataset, "train_y"):
+    return dataset  # Streamed from files: labels are checked by the reader.
   return check_labels(dataset, f" (data_dir={data_dir!r})" if data_dir else "")

@@ -52,7 +52,9 @@ class ShardedSplit:
   Attributes:
     counts: examples in each shard, in shard order.
     read: `shard ids (int64 [k]) -> tf.data.Dataset` of the records of those
-      shards, shard after shard, each shard in its stored order.
+      shards, shard after shard, each shard in its stored order. A record
+      is a tensor or a dict of tensors (not a tuple: it is mapped as one
+      argument).
     decode: `record -> (index int64, image uint8 [H, W, C], label int32)`.
   """
   counts: tuple
@@ -115,8 +117,11 @@ def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group):
     group_key = tf.random.experimental.stateless_fold_in(key, g + 1)
 
     def shuffle(records):
-      keys = tf.random.stateless_uniform(tf.shape(records)[:1], seed=group_key)
-      return tf.gather(records, tf.argsort(keys))[first:]
+      # Records may be a structure (a dict of tensors), never a tuple.
+      size = tf.shape(tf.nest.flatten(records)[0])[:1]
+      order = tf.argsort(tf.random.stateless_uniform(size, seed=group_key))
+      return tf.nest.map_structure(
+          lambda r: tf.gather(r, order)[first:], records)
 
     records = split.read(ids[g * shards_per_group:(g + 1) * shards_per_group])
     return records.batch(group_counts[g]).map(shuffle).unbatch()
