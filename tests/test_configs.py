@@ -44,6 +44,13 @@ FIELDS = {
     "hidden_units": "model_options.hidden_units",
     "unet_depth": "model_options.depth", "unet_width": "model_options.width",
     "image_size": "dataset_options.image_size",
+    "mixed_precision": "mixed_precision", "nesterov": "optimizer.nesterov",
+    "lr_scaling": "optimizer.lr_scaling",
+    "lr_base_batch_size": "optimizer.base_batch_size",
+    "label_smoothing": "label_smoothing", "ema_decay": "ema_decay",
+    "ema_warmup": "ema_warmup", "eval_tta": "eval_tta",
+    "stop_at_accuracy": "loop.stop_at_accuracy",
+    "eval_start_step": "loop.eval_start_step",
     # Not part of the config (it configures devices before TensorFlow starts);
     # recorded with the run's flags.
     "cpu_devices": "hparams.cpu_devices",
@@ -74,13 +81,15 @@ def _flag_file_values(name):
   for line in open(os.path.join(CONFIGS, name)):
     line = line.strip()
     if line and not line.startswith("#"):
-      flag, raw = line[2:].split("=", 1)
-      values[flag] = flags.FLAGS[flag].parser.parse(raw)
+      flag, _, raw = line[2:].partition("=")
+      if not raw and flag not in flags.FLAGS:  # --noflag
+        flag, raw = flag[2:], "false"
+      values[flag] = flags.FLAGS[flag].parser.parse(raw or "true")
   return values
 
 
 def test_cifar10_fast_recipe():
-  config = _config("cifar10_fast.cfg")
+  config = _file("cifar10_fast.cfg")
   assert (config.model, config.strategy, config.global_batch_size) == (
       "cifar_cnn", "default", 512)
   assert config.optimizer.nesterov and config.optimizer.schedule == "onecycle"
@@ -122,8 +131,9 @@ def test_each_numeric_flag_reaches_its_own_field():
 def _optimizer_and_loop(config):
   """What `experiment.build_model_and_optimizer` makes of `config` for
   CIFAR-10's 50000 training images (the images themselves are not needed)."""
-  dataset = types.SimpleNamespace(train_x=range(CIFAR10_TRAIN),
-                                  input_shape=(32, 32, 3), num_classes=10)
+  dataset = types.SimpleNamespace(num_train_examples=CIFAR10_TRAIN,
+                                  input_shape=(32, 32, 3), num_classes=10,
+                                  label_shape=())
   _, optimizer, loop = experiment.build_model_and_optimizer(
       config, tf.distribute.get_strategy(), dataset)
   return optimizer, loop
