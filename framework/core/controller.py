@@ -271,7 +271,7 @@ class Controller:
     self.trainer.sync_replica_state()
     data = self.eval_input()
     if isinstance(data, tf.data.Dataset):
-      data = self.trainer.strategy.experimental_distribute_dataset(data)
+      data = self._distribute(data)
     results = self.trainer.evaluate(data)
     step = self.step
     self.writer("eval").scalars(step, {k: v for k, v in results.items()
@@ -357,7 +357,15 @@ class Controller:
     batch_size = getattr(self.trainer, "global_batch_size", None)
     if batch_size:
       data = _check_batch_size(data, batch_size)
-    return self.trainer.strategy.experimental_distribute_dataset(data)
+    return self._distribute(data)
+
+  def _distribute(self, data):
+    """The trainer's `distribute_dataset` if it has one (a parameter-server
+    coordinator evaluates plain datasets itself), else the strategy's."""
+    distribute = getattr(self.trainer, "distribute_dataset", None)
+    if distribute is None:
+      distribute = self.trainer.strategy.experimental_distribute_dataset
+    return distribute(data)
 
   def _train(self, iterator, num_steps):
     """`trainer.train` as floats; a partial batch becomes a DataError."""

@@ -175,6 +175,10 @@ class CoordinatedTrainer:
     return {k: tf.cast(v, tf.float64)
             for k, v in self.trainer.eval_step(batch).items()}
 
+  def distribute_dataset(self, dataset):
+    """Eval datasets stay plain: the coordinator runs them itself."""
+    return dataset
+
   def evaluate(self, dataset):
     """Evaluates on the coordinator over `dataset` (a plain tf.data one)."""
     totals = None
