@@ -24,7 +24,9 @@ import tensorflow as tf
 from framework.errors import ConfigError
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
-from framework.model_parallel.stages import Record
+from framework.model_parallel.stages import (Record, read_state,
+                                             restored_state, state_variables,
+                                             tensor_bytes)
 
 
 def is_functional(model):
@@ -186,22 +188,53 @@ class GraphStage:
       self._run(local, training)
       return self._outputs(env, local)
 
-  def forward(self, x, training=True, head=None, after=()):
+  def _target(self, local, outputs, head):
+    if self.last:
+      return head(outputs) if head is not None else outputs
+    return [local[k] for k in self.makes]
+
+  def forward(self, x, training=True, head=None, after=(), recompute=False):
     """(outputs, record), as `Stage.forward`; outputs are an environment."""
     env = self._environment(x)
     with tf.device(self.device), tf.name_scope(self.name + "/"):
       with tf.control_dependencies(after):
         inputs = {k: tf.identity(env[k]) for k in self.reads}
+      if recompute:
+        state = read_state(state_variables(self.layers))
+        local = dict(inputs)
+        self._run(local, training)
+        outputs = self._outputs(env, local)
+        target = self._target(local, outputs, head)
+        return outputs, Record(None, inputs, target, state, head, training)
       with tf.GradientTape() as tape:
         tape.watch(inputs)
         local = dict(inputs)
         self._run(local, training)
         outputs = self._outputs(env, local)
-        if self.last:
-          target = head(outputs) if head is not None else outputs
-        else:
-          target = [local[k] for k in self.makes]
+        target = self._target(local, outputs, head)
     return outputs, Record(tape, inputs, target)
+
+  def _recompute(self, record, grads_out):
+    """The record `forward` would have kept, by running it again."""
+    # Starts once the output gradient exists: in the backward pass.
+    with tf.control_dependencies(tf.nest.flatten(grads_out)):
+      inputs = {k: tf.identity(v) for k, v in record.inputs.items()}
+    with restored_state(state_variables(self.layers), record.state):
+      with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        local = dict(inputs)
+        self._run(local, record.training)
+        outputs = local[self.outgoing[0]] if self.last else None
+        target = self._target(local, outputs, record.head)
+    return Record(tape, inputs, target)
+
+  def activation_bytes(self, recompute=False):
+    """Bytes per example kept for backward: inputs read (+ node outputs)."""
+    tensors = {id(t): t for n in self.nodes for t in n.input_tensors}
+    kept = [tensors[k] for k in self.reads]
+    if not recompute:
+      kept += [t for n in self.nodes for t in n.outputs]
+    return sum(tensor_bytes(t) for t in kept)
 
   def backward(self, record, output_grad, input_grad=True, after=()):
     """(d environment in, [d variable]) on `device`.
@@ -217,6 +250,8 @@ class GraphStage:
                      else output_grad)
       else:
         grads_out = [output_grad[k] for k in self.makes]
+      if record.tape is None:
+        record = self._recompute(record, grads_out)
       input_grads, variable_grads = record.tape.gradient(
           record.target, [record.inputs, variables],
           output_gradients=grads_out,
