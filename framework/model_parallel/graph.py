@@ -18,12 +18,12 @@ the model, its checkpoints and its saved weights are those of the unsplit
 model.
 """
 
-import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
+from framework.model_parallel.costs import call_layer, node_costs
 from framework.model_parallel.stages import (Record, read_state,
                                              restored_state, state_variables,
                                              tensor_bytes)
@@ -83,18 +83,6 @@ def resolve_boundaries(boundaries, names):
     else:
       resolved.append(int(boundary))
   return tuple(resolved)
-
-
-def _count_params(operation):
-  return operation.count_params() if isinstance(
-      operation, keras.layers.Layer) and operation.built else 0
-
-
-def _call(operation, args, kwargs, training):
-  # As keras.Model's call: `training` only for operations that take it.
-  if "training" in getattr(operation, "_call_context_args", ()):
-    kwargs = dict(kwargs, training=training)
-  return operation(*args, **kwargs)
 
 
 def place_variables(layers, device):
@@ -171,7 +159,7 @@ class GraphStage:
     """Runs the nodes on the tensors in `local` (filled in place)."""
     for node in self.nodes:
       args, kwargs = node.arguments.fill_in(local)
-      outputs = _call(node.operation, args, kwargs, training)
+      outputs = call_layer(node.operation, args, kwargs, training)
       for key, value in zip(node.outputs, tf.nest.flatten(outputs)):
         local[id(key)] = value
 
@@ -268,12 +256,14 @@ class GraphStage:
     return grads_in, variable_grads
 
 
-def split_graph(model, num_stages, boundaries=None):
+def split_graph(model, num_stages, boundaries=None, balance="flops"):
   """(node groups, boundaries): the graph's nodes cut into `num_stages`.
 
   Args:
     boundaries: S-1 cut points: node indices or layer names (a name cuts
-      before that layer); default: balanced by parameter count.
+      before that layer); default: balanced by `balance`.
+    balance: without `boundaries`, what the stages share equally:
+      `flops` (forward + backward FLOPs per layer) or `params`.
   Raises:
     ConfigError: bad boundaries, or more stages than layers.
   """
@@ -287,8 +277,7 @@ def split_graph(model, num_stages, boundaries=None):
     boundaries = check_boundaries(resolve_boundaries(boundaries, names),
                                   len(nodes), num_stages)
   else:
-    boundaries = balanced_boundaries([_count_params(n.operation)
-                                      for n in nodes], num_stages)
+    boundaries = balanced_boundaries(node_costs(nodes, balance), num_stages)
   edges = (0, *boundaries, len(nodes))
   return [nodes[a:b] for a, b in zip(edges, edges[1:])], tuple(boundaries)
 
