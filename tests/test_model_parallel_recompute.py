@@ -149,6 +149,13 @@ def _conv_then_big_dense(seed=1):
   ])
 
 
+def test_a_layer_after_only_weightless_layers_needs_no_input_gradient():
+  model = build("mlp", (12,), 5, hidden_units=(16, 16))
+  # Flatten, then the first Dense: forward + weight gradient only.
+  assert layer_costs(model.layers)[:2] == [0, 2 * 12 * 16 * 2]
+  assert layer_costs(model.layers)[2] == 2 * 16 * 16 * 3
+
+
 def test_flops_balance_cuts_by_work_not_parameters():
   model = _conv_then_big_dense()
   # Multiply-adds per example: conv 8*8*16*3*3*Cin, dense Cin*units.

@@ -58,21 +58,23 @@ def node_flops(node, input_gradient=True):
 def node_costs(nodes, balance="flops"):
   """Per-node cost (`flops` or `params`) of a model's call nodes, in order.
 
-  The first node reading only the model's input needs no input gradient
-  (as in the pipeline, whose first stage computes none).
+  A node with no trainable layer before it (in this order) needs no input
+  gradient (as in the pipeline, whose first stage computes none).
   """
   params = [count_params(node.operation) for node in nodes]
   if balance == "params":
     return params
-  costs = []
-  for i, node in enumerate(nodes):
+  costs, trainable_before = [], False
+  for node in nodes:
     try:
-      costs.append(node_flops(node, input_gradient=i > 0))
+      costs.append(node_flops(node, input_gradient=trainable_before))
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("stage_balance=flops: cannot trace layer %r alone "
                       "(%s); counting it as 0 FLOPs",
                       node.operation.name, e)
       costs.append(0)
+    trainable_before |= bool(getattr(node.operation, "trainable_variables",
+                                     None))
   if not any(costs):
     logging.warning("stage_balance=flops: no conv/matmul FLOPs counted; "
                     "balancing by parameter count")
