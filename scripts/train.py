@@ -69,7 +69,15 @@ flags.DEFINE_integer("num_microbatches", 1, "Micro-batches per global batch "
                      "(GPipe schedule); must divide --global_batch_size.")
 flags.DEFINE_list("stage_boundaries", [], "Pipeline cut points between "
                   "layers, e.g. '3', '2,5' or layer names (a name starts a "
-                  "stage); default: balanced by parameter count.")
+                  "stage); default: balanced by --stage_balance.")
+flags.DEFINE_enum("stage_balance", "flops", ["flops", "params"],
+                  "Pipeline cut points without --stage_boundaries: equal "
+                  "forward+backward conv/matmul FLOPs per stage, or equal "
+                  "parameter counts.")
+flags.DEFINE_bool("recompute", False, "Model parallel: keep only each "
+                  "stage's inputs per micro-batch and recompute its forward "
+                  "pass in the backward pass (less activation memory, one "
+                  "more forward pass per step).")
 flags.DEFINE_enum("model_parallel_devices", "local", ["local", "cluster"],
                   "local: this process's GPUs or --cpu_devices; cluster: "
                   "stage/shard i on TF_CONFIG's worker i, the chief runs the "
@@ -258,7 +266,8 @@ def config_from_flags():
       stage_boundaries=tuple(int(v) if v.lstrip("-").isdigit() else v
                              for v in FLAGS.stage_boundaries),
       num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer,
-      devices=FLAGS.model_parallel_devices)
+      devices=FLAGS.model_parallel_devices, recompute=FLAGS.recompute,
+      stage_balance=FLAGS.stage_balance)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,

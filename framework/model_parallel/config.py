@@ -4,6 +4,7 @@ import dataclasses
 import functools
 
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.model_parallel.costs import BALANCES
 from framework.model_parallel.devices import PLACEMENTS, cluster_devices
 from framework.model_parallel.pipeline import PipelineTrainer
 from framework.model_parallel.staged_trainer import StagedTrainer
@@ -30,6 +31,10 @@ class ModelParallelConfig:
     devices: `local` (this process's GPUs or logical CPUs) or `cluster`
       (piece i on `/job:worker/task:i`; the chief must have called
       `devices.connect_cluster` first).
+    recompute: keep only each stage's inputs per micro-batch and recompute
+      its forward pass in the backward pass (GPipe's re-materialisation).
+    stage_balance: pipeline cut points without `stage_boundaries`:
+      `flops` (per-layer forward + backward FLOPs) or `params`.
   """
   mode: str = "none"
   num_stages: int = 2
@@ -38,9 +43,16 @@ class ModelParallelConfig:
   num_shards: int = 2
   split_layer: int = None
   devices: str = "local"
+  recompute: bool = False
+  stage_balance: str = "flops"
 
   def __post_init__(self):
     check_choice("model_parallel", self.mode, MODES)
+    check_choice("stage_balance", self.stage_balance, BALANCES)
+    if self.recompute and self.mode == "none":
+      raise ConfigError("recompute re-runs the stages of a split model in "
+                        "the backward pass; set --model_parallel=pipeline "
+                        "or tensor")
     check_choice("model_parallel_devices", self.devices, PLACEMENTS)
     if self.devices == "cluster" and self.mode == "none":
       raise ConfigError("model_parallel_devices=cluster places the pieces of "
@@ -87,7 +99,9 @@ class ModelParallelConfig:
           trainer_cls, num_stages=self.num_stages,
           num_microbatches=self.num_microbatches,
           stage_boundaries=tuple(self.stage_boundaries) or None,
+          stage_balance=self.stage_balance, recompute=self.recompute,
           devices=devices)
     return functools.partial(
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
-        num_microbatches=self.num_microbatches, devices=devices)
+        num_microbatches=self.num_microbatches, recompute=self.recompute,
+        devices=devices)

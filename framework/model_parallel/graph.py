@@ -18,13 +18,15 @@ the model, its checkpoints and its saved weights are those of the unsplit
 model.
 """
 
-import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
-from framework.model_parallel.stages import Record
+from framework.model_parallel.costs import call_layer, node_costs
+from framework.model_parallel.stages import (Record, read_state,
+                                             restored_state, state_variables,
+                                             tensor_bytes)
 
 
 def is_functional(model):
@@ -81,18 +83,6 @@ def resolve_boundaries(boundaries, names):
     else:
       resolved.append(int(boundary))
   return tuple(resolved)
-
-
-def _count_params(operation):
-  return operation.count_params() if isinstance(
-      operation, keras.layers.Layer) and operation.built else 0
-
-
-def _call(operation, args, kwargs, training):
-  # As keras.Model's call: `training` only for operations that take it.
-  if "training" in getattr(operation, "_call_context_args", ()):
-    kwargs = dict(kwargs, training=training)
-  return operation(*args, **kwargs)
 
 
 def place_variables(layers, device):
@@ -169,7 +159,7 @@ class GraphStage:
     """Runs the nodes on the tensors in `local` (filled in place)."""
     for node in self.nodes:
       args, kwargs = node.arguments.fill_in(local)
-      outputs = _call(node.operation, args, kwargs, training)
+      outputs = call_layer(node.operation, args, kwargs, training)
       for key, value in zip(node.outputs, tf.nest.flatten(outputs)):
         local[id(key)] = value
 
@@ -186,22 +176,53 @@ class GraphStage:
       self._run(local, training)
       return self._outputs(env, local)
 
-  def forward(self, x, training=True, head=None, after=()):
+  def _target(self, local, outputs, head):
+    if self.last:
+      return head(outputs) if head is not None else outputs
+    return [local[k] for k in self.makes]
+
+  def forward(self, x, training=True, head=None, after=(), recompute=False):
     """(outputs, record), as `Stage.forward`; outputs are an environment."""
     env = self._environment(x)
     with tf.device(self.device), tf.name_scope(self.name + "/"):
       with tf.control_dependencies(after):
         inputs = {k: tf.identity(env[k]) for k in self.reads}
+      if recompute:
+        state = read_state(state_variables(self.layers))
+        local = dict(inputs)
+        self._run(local, training)
+        outputs = self._outputs(env, local)
+        target = self._target(local, outputs, head)
+        return outputs, Record(None, inputs, target, state, head, training)
       with tf.GradientTape() as tape:
         tape.watch(inputs)
         local = dict(inputs)
         self._run(local, training)
         outputs = self._outputs(env, local)
-        if self.last:
-          target = head(outputs) if head is not None else outputs
-        else:
-          target = [local[k] for k in self.makes]
+        target = self._target(local, outputs, head)
     return outputs, Record(tape, inputs, target)
+
+  def _recompute(self, record, grads_out):
+    """The record `forward` would have kept, by running it again."""
+    # Starts once the output gradient exists: in the backward pass.
+    with tf.control_dependencies(tf.nest.flatten(grads_out)):
+      inputs = {k: tf.identity(v) for k, v in record.inputs.items()}
+    with restored_state(state_variables(self.layers), record.state):
+      with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        local = dict(inputs)
+        self._run(local, record.training)
+        outputs = local[self.outgoing[0]] if self.last else None
+        target = self._target(local, outputs, record.head)
+    return Record(tape, inputs, target)
+
+  def activation_bytes(self, recompute=False):
+    """Bytes per example kept for backward: inputs read (+ node outputs)."""
+    tensors = {id(t): t for n in self.nodes for t in n.input_tensors}
+    kept = [tensors[k] for k in self.reads]
+    if not recompute:
+      kept += [t for n in self.nodes for t in n.outputs]
+    return sum(tensor_bytes(t) for t in kept)
 
   def backward(self, record, output_grad, input_grad=True, after=()):
     """(d environment in, [d variable]) on `device`.
@@ -217,6 +238,8 @@ class GraphStage:
                      else output_grad)
       else:
         grads_out = [output_grad[k] for k in self.makes]
+      if record.tape is None:
+        record = self._recompute(record, grads_out)
       input_grads, variable_grads = record.tape.gradient(
           record.target, [record.inputs, variables],
           output_gradients=grads_out,
@@ -233,12 +256,14 @@ class GraphStage:
     return grads_in, variable_grads
 
 
-def split_graph(model, num_stages, boundaries=None):
+def split_graph(model, num_stages, boundaries=None, balance="flops"):
   """(node groups, boundaries): the graph's nodes cut into `num_stages`.
 
   Args:
     boundaries: S-1 cut points: node indices or layer names (a name cuts
-      before that layer); default: balanced by parameter count.
+      before that layer); default: balanced by `balance`.
+    balance: without `boundaries`, what the stages share equally:
+      `flops` (forward + backward FLOPs per layer) or `params`.
   Raises:
     ConfigError: bad boundaries, or more stages than layers.
   """
@@ -252,8 +277,7 @@ def split_graph(model, num_stages, boundaries=None):
     boundaries = check_boundaries(resolve_boundaries(boundaries, names),
                                   len(nodes), num_stages)
   else:
-    boundaries = balanced_boundaries([_count_params(n.operation)
-                                      for n in nodes], num_stages)
+    boundaries = balanced_boundaries(node_costs(nodes, balance), num_stages)
   edges = (0, *boundaries, len(nodes))
   return [nodes[a:b] for a, b in zip(edges, edges[1:])], tuple(boundaries)
 

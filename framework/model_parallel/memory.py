@@ -1,15 +1,24 @@
-"""Bytes of parameters and optimizer slots on each device.
+"""Bytes of parameters, optimizer slots and activations on each device.
 
 The point of model parallelism is that no device has to hold the whole model:
 these figures (logged at start-up and written to TensorBoard as
-`memory/<device>/param_bytes` and `memory/<device>/optimizer_slot_bytes`)
-show how much each device holds. Activations are not counted.
+`memory/<device>/param_bytes`, `.../optimizer_slot_bytes` and
+`.../activation_bytes`) show how much each device holds.
+
+Activations are computed, not measured (`get_memory_info` does not work on
+CPU devices): the bytes each stage keeps between its forward and backward
+pass, from the static shapes of its input and its layers' outputs, for all
+M micro-batches (GPipe runs every forward before any backward, so the whole
+global batch is in flight). With recomputation a stage keeps only its
+inputs; its backward pass then holds one micro-batch's outputs for a moment
+on top (not counted). It is an estimate of what TensorFlow keeps: some ops
+keep less (a Flatten's output is a view), some keep their own temporaries.
 """
 
 import numpy as np
 import tensorflow as tf
 
-from framework.model_parallel.devices import variable_device
+from framework.model_parallel.devices import short_device, variable_device
 
 
 def _nbytes(variable):
@@ -48,6 +57,27 @@ def memory_by_device(model, optimizer):
   return dict(sorted(report.items()))
 
 
+def add_activations(report, stages, global_batch_size, recompute=False):
+  """Adds `activation_bytes` (peak, all micro-batches) per device to `report`.
+
+  Args:
+    report: from `memory_by_device`; changed in place.
+    stages: the trainer's stages (`activation_bytes(recompute)` per example).
+    global_batch_size: B; M micro-batches of B/M are all kept at once.
+  """
+  for stage in stages:
+    for leaf in stage.leaves:
+      per_example = getattr(leaf, "activation_bytes", lambda _: None)(
+          recompute)
+      if per_example is None:
+        continue
+      entry = report.setdefault(short_device(leaf.device),
+                                {"param_bytes": 0, "optimizer_slot_bytes": 0})
+      entry["activation_bytes"] = (entry.get("activation_bytes", 0) +
+                                   per_example * global_batch_size)
+  return report
+
+
 def memory_metrics(report):
   """The report as flat scalars for TensorBoard (`memory/CPU_1/param_bytes`)."""
   metrics = {}
@@ -62,4 +92,7 @@ def format_memory(report):
   """One line per device, e.g. `/CPU:0 params 1.2 MiB, optimizer slots ...`."""
   return "; ".join(
       f"{device}: params {entry['param_bytes']} B, optimizer slots "
-      f"{entry['optimizer_slot_bytes']} B" for device, entry in report.items())
+      f"{entry['optimizer_slot_bytes']} B" + (
+          f", activations {entry['activation_bytes']} B"
+          if "activation_bytes" in entry else "")
+      for device, entry in report.items())

@@ -12,7 +12,8 @@ micro-batches through the stages.
 import keras
 import tensorflow as tf
 
-from framework.errors import ConfigError, check_positive
+from framework.errors import ConfigError, check_choice, check_positive
+from framework.model_parallel.costs import BALANCES, layer_costs
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
@@ -30,8 +31,9 @@ def model_layers(model):
   return list(model.layers)
 
 
-def split_layers(layers, num_stages, boundaries=None):
-  """Cuts `layers` into `num_stages` lists (balanced by parameter count).
+def split_layers(layers, num_stages, boundaries=None, balance="flops"):
+  """Cuts `layers` into `num_stages` lists (balanced by `balance`:
+  forward + backward FLOPs or parameter count, see `costs`).
 
   Raises:
     ConfigError: more stages than layers, or bad `boundaries`.
@@ -46,8 +48,8 @@ def split_layers(layers, num_stages, boundaries=None):
         resolve_boundaries(boundaries, [layer.name for layer in layers]),
         len(layers), num_stages)
   else:
-    boundaries = balanced_boundaries(
-        [layer.count_params() for layer in layers], num_stages)
+    boundaries = balanced_boundaries(layer_costs(layers, balance),
+                                     num_stages)
   edges = (0, *boundaries, len(layers))
   return [layers[a:b] for a, b in zip(edges, edges[1:])]
 
@@ -93,20 +95,26 @@ class PipelineTrainer(StagedTrainer):
     num_microbatches: M, micro-batches per global batch (GPipe).
     stage_boundaries: S-1 cut points: indices into the layers (in the order
       Keras runs them) or layer names (a name starts a stage); default:
-      balanced by parameter count.
+      balanced by `stage_balance`.
+    stage_balance: `flops` (each layer's forward + backward conv/matmul
+      FLOPs, see `costs`) or `params` (parameter count).
+    recompute: keep only each stage's inputs per micro-batch and recompute
+      its forward pass in backward (see `StagedTrainer`).
     devices: S device names; default `/GPU:0..` or `/CPU:0..`.
     **kwargs: `Trainer` arguments.
   """
 
   def __init__(self, model, optimizer, strategy, *, num_stages=2,
                num_microbatches=1, stage_boundaries=None, devices=None,
-               **kwargs):
+               stage_balance="flops", **kwargs):
+    check_choice("stage_balance", stage_balance, BALANCES)
     sequential = isinstance(model, keras.Sequential)
     if sequential:
-      groups = split_layers(model_layers(model), num_stages, stage_boundaries)
+      groups = split_layers(model_layers(model), num_stages, stage_boundaries,
+                            stage_balance)
     else:
       groups, self.boundaries = split_graph(model, num_stages,
-                                            stage_boundaries)
+                                            stage_boundaries, stage_balance)
     devices = list(devices or model_parallel_devices(num_stages))
     if len(devices) != num_stages:
       raise ConfigError(f"devices={devices} must name num_stages="

@@ -28,8 +28,8 @@ import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import variable_device
-from framework.model_parallel.memory import (format_memory, memory_by_device,
-                                             memory_metrics)
+from framework.model_parallel.memory import (add_activations, format_memory,
+                                             memory_by_device, memory_metrics)
 from framework.core.trainer import Trainer
 
 
@@ -49,11 +49,14 @@ class StagedTrainer(Trainer):
       `Stage` (it computes the loss). Together they must use every
       trainable variable of `model` exactly once.
     num_microbatches: M; `global_batch_size` must be divisible by it.
+    recompute: keep only each stage's inputs per micro-batch and run its
+      forward pass again in the backward pass (GPipe's re-materialisation:
+      less activation memory, one more forward pass per step).
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
   def __init__(self, model, optimizer, strategy, *, stages,
-               num_microbatches=1, **kwargs):
+               num_microbatches=1, recompute=False, **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
@@ -72,6 +75,7 @@ class StagedTrainer(Trainer):
           "decay)")
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
+    self.recompute = bool(recompute)
     self.stage_variables = [s.trainable_variables for s in self.stages]
     staged = [id(v) for vs in self.stage_variables for v in vs]
     if (len(staged) != len(set(staged)) or
@@ -80,6 +84,8 @@ class StagedTrainer(Trainer):
                        "model exactly once")
     super().__init__(model, optimizer, strategy, **kwargs)
     self.memory = memory_by_device(model, optimizer)
+    add_activations(self.memory, self.stages, self.global_batch_size,
+                    self.recompute)
     logging.info("model-parallel memory per device: %s",
                  format_memory(self.memory))
 
@@ -112,7 +118,8 @@ class StagedTrainer(Trainer):
     # all at once on the shared cores).
     previous = [[] for _ in self.stages]
 
-    # Forward, all micro-batches: each stage keeps its tapes for backward.
+    # Forward, all micro-batches: each stage keeps its tapes for backward
+    # (with recompute: only its inputs).
     records, losses, accuracies = [], [], []
     for x, y in zip(micro_features, micro_labels):
       # Divide by the GLOBAL batch size, so the M shares sum to the mean.
@@ -120,7 +127,8 @@ class StagedTrainer(Trainer):
       micro_records = []
       for i, stage in enumerate(self.stages):
         x, record = stage.forward(x, training=True, after=previous[i],
-                                  head=head if i == last else None)
+                                  head=head if i == last else None,
+                                  recompute=self.recompute)
         previous[i] = tf.nest.flatten(x)
         micro_records.append(record)
       records.append(micro_records)

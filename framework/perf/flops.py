@@ -49,6 +49,35 @@ def graph_matmul_flops(concrete_function):
   return total
 
 
+def call_training_flops(fn, specs, variables, input_gradient=True):
+  """Conv + matmul FLOPs of `fn(*inputs)`'s forward and backward pass.
+
+  Traces (never runs) `fn` on inputs of `specs` under a tape and its
+  gradient with respect to `variables` (and the floating inputs when
+  `input_gradient`), then counts with `graph_matmul_flops`: a layer's share
+  of a training step, counted alone.
+
+  Args:
+    fn: `(*tensors) -> outputs` (a layer call).
+    specs: a list of `tf.TensorSpec`, one per argument.
+    variables: the trainable variables `fn` reads.
+    input_gradient: also differentiate with respect to the inputs (every
+      layer but the first in a model needs it).
+  """
+
+  @tf.function(autograph=False)
+  def step(*inputs):
+    floating = [t for t in inputs if t.dtype.is_floating]
+    with tf.GradientTape() as tape:
+      tape.watch(floating)
+      outputs = [tf.cast(o, tf.float32) for o in tf.nest.flatten(fn(*inputs))]
+    sources = (floating if input_gradient else []) + list(variables)
+    return tape.gradient(outputs, sources,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+  return graph_matmul_flops(step.get_concrete_function(*specs))
+
+
 def graph_flops(concrete_function):
   """All float operations of a traced `tf.function`, per TF's profiler."""
   options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()

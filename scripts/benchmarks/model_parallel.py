@@ -6,7 +6,11 @@
 Prints (not a test; figures vary with the machine and its load):
   * examples/s of the unsplit model (plain Trainer, one device) and of the
     pipeline (S stages on S logical CPU devices, or GPUs), and their ratio;
-  * the measured pipeline idle fraction against GPipe's (S-1)/(M+S-1).
+  * the measured pipeline idle fraction against GPipe's (S-1)/(M+S-1);
+  * with --compare_recompute: the pipeline with --recompute too, its
+    examples/s and each device's activation bytes with and without (computed
+    from static shapes, see framework/model_parallel/memory.py: CPU devices
+    report no measured memory).
 
 The idle fraction is read from a profiler trace of single steps: each op
 named under `stage_i/` (forward, backward, sends; not the receives, which
@@ -40,6 +44,8 @@ flags.DEFINE_integer("steps", 10, "Steps per timed call.")
 flags.DEFINE_integer("repeats", 5, "Timed calls (the best is reported).")
 flags.DEFINE_integer("profiled_steps", 3, "Single steps profiled for the "
                      "idle fraction (the median is reported).")
+flags.DEFINE_bool("compare_recompute", True, "Also time the pipeline with "
+                  "recomputation and print activation bytes with/without.")
 FLAGS = flags.FLAGS
 
 INPUT_SHAPE, NUM_CLASSES = (32, 32, 3), 10
@@ -160,8 +166,14 @@ def main(argv):
   pipeline = PipelineTrainer(model(), keras.optimizers.Adam(1e-4), strategy,
                              global_batch_size=FLAGS.global_batch_size,
                              num_stages=s, num_microbatches=m)
-  base_rate, pipe_rate = _examples_per_second(
-      [unsplit, pipeline], [_batches(tf, np), _batches(tf, np)])
+  trainers = [unsplit, pipeline]
+  if FLAGS.compare_recompute:
+    trainers.append(PipelineTrainer(
+        model(), keras.optimizers.Adam(1e-4), strategy,
+        global_batch_size=FLAGS.global_batch_size, num_stages=s,
+        num_microbatches=m, recompute=True))
+  rates = _examples_per_second(trainers, [_batches(tf, np) for _ in trainers])
+  base_rate, pipe_rate = rates[:2]
   idle, timeline = _idle_fraction(tf, pipeline, _batches(tf, np), s)
   gpipe = (s - 1) / (m + s - 1)
   devices = [stage.device for stage in pipeline.stages]
@@ -175,6 +187,14 @@ def main(argv):
   print(f"idle fraction: measured {idle:.3f}, GPipe (S-1)/(M+S-1) = "
         f"{gpipe:.3f}")
   print(f"busy time per stage device over one step:\n{timeline}")
+  if FLAGS.compare_recompute:
+    print(f"pipeline --recompute: {rates[2]:9.1f} examples/s (step time "
+          f"x{pipe_rate / rates[2]:.3f} of without)")
+    for device in pipeline.memory:
+      print(f"activation bytes {device}: "
+            f"{pipeline.memory[device].get('activation_bytes')} without, "
+            f"{trainers[2].memory[device].get('activation_bytes')} with "
+            "--recompute")
 
 
 if __name__ == "__main__":
