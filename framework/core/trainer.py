@@ -184,13 +184,21 @@ class Trainer:
   def eval_step(self, batch):
     """Sums over this replica's part of an evaluation batch.
 
+    The one eval step of every task: `eval_logits` gives the outputs (TTA,
+    or a split model's placed forward pass), `eval_sums` what is summed.
+
     Returns:
       A dict of sums; `examples` counts the examples (partial batches too).
     """
     features, labels = batch
-    logits = self.eval_logits(features)
-    return {"loss": tf.reduce_sum(self.loss_fn(labels, logits)),
-            "accuracy": tf.reduce_sum(self.correct(labels, logits)),
+    return self.eval_sums(labels, self.eval_logits(features))
+
+  def eval_sums(self, labels, logits):
+    """Loss and accuracy summed over examples (a per-pixel value is first
+    averaged over its example's pixels), and the example count."""
+    return {"loss": tf.reduce_sum(_per_example(self.loss_fn(labels, logits))),
+            "accuracy": tf.reduce_sum(_per_example(
+                self.correct(labels, logits))),
             "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
 
   def eval_logits(self, features):
@@ -456,3 +464,11 @@ class Trainer:
       totals = self._eval_loop(iter(distributed_dataset))
     return {k: float(v) for k, v in
             self.eval_results({k: v.numpy() for k, v in totals.items()}).items()}
+
+
+def _per_example(values):
+  """Each example's mean over its trailing (pixel) dimensions."""
+  values = tf.cast(values, tf.float32)
+  if values.shape.rank > 1:
+    values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), 1)
+  return values

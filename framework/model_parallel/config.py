@@ -88,9 +88,9 @@ class ModelParallelConfig:
         raise ConfigError(
             f"model_parallel={self.mode} needs a trainer derived from "
             f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
+      # The split's eval_logits, the subclass's eval_sums and eval_results.
       trainer_cls = type(parallel_cls.__name__ + trainer_cls.__name__,
-                         (parallel_cls, trainer_cls),
-                         {"eval_step": trainer_cls.eval_step})
+                         (parallel_cls, trainer_cls), {})
     devices = None
     if self.devices == "cluster":
       devices = cluster_devices(self.device_count[0])

@@ -182,12 +182,9 @@ class StagedTrainer(Trainer):
           summed.append(totals[len(summed)] + grads[len(summed)])
     return summed
 
-  def eval_step(self, batch):
-    features, labels = batch
-    logits = self.forward(features, training=False)
-    return {"loss": tf.reduce_sum(self.loss_fn(labels, logits)),
-            "accuracy": tf.reduce_sum(self.correct(labels, logits)),
-            "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+  def eval_logits(self, features):
+    """The placed forward pass (no test-time augmentation under a split)."""
+    return self.forward(features, training=False)
 
   def train(self, iterator, num_steps):
     """As `Trainer.train`, plus each device's memory as extra scalars."""

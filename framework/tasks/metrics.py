@@ -55,21 +55,10 @@ class ConfusionTrainer(Trainer):
     self.num_classes = int(self.model.output_shape[-1])
     self.last_confusion = None
 
-  def eval_step(self, batch):
-    features, labels = batch
-    logits = self.eval_logits(features)
-    return {"loss": tf.reduce_sum(self._per_example(self.loss_fn(labels, logits))),
-            "accuracy": tf.reduce_sum(self._per_example(self.correct(labels, logits))),
-            "confusion": confusion_matrix(labels, logits, self.num_classes),
-            "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
-
-  @staticmethod
-  def _per_example(values):
-    """Each example's mean over its trailing (pixel) dimensions."""
-    values = tf.cast(values, tf.float32)
-    if values.shape.rank > 1:
-      values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), 1)
-    return values
+  def eval_sums(self, labels, logits):
+    sums = super().eval_sums(labels, logits)
+    sums["confusion"] = confusion_matrix(labels, logits, self.num_classes)
+    return sums
 
   def eval_results(self, totals):
     totals = dict(totals)
