@@ -30,6 +30,7 @@ from absl import logging
 import tensorflow as tf
 
 from framework.distribute import strategies
+from framework.core import run_lock
 
 # Exit status after a preemption checkpoint: "relaunch me to resume".
 EXIT_PREEMPTED = 42
@@ -54,6 +55,7 @@ def _exit(step, saved=True, at_once=False):
     # 30 s grace period.
     sys.stdout.flush()
     sys.stderr.flush()
+    run_lock.release_all()
     os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
   sys.exit(EXIT_PREEMPTED)
 

@@ -23,6 +23,9 @@ import socket
 
 from framework.errors import ConfigError, ModelDirError
 
+# Locks this process holds, for `release_all` before an immediate exit.
+_HELD = set()
+
 LOCK_FILE = ".distloop.lock"
 
 
@@ -104,6 +107,7 @@ class RunLock:
       self._remove_created_dir()
       raise
     self._fd = fd
+    _HELD.add(self)
     return self
 
   def record(self):
@@ -129,6 +133,7 @@ class RunLock:
   def release(self):
     if self._fd is None:
       return
+    _HELD.discard(self)
     if self._recorded:
       try:
         os.remove(self.path)
@@ -152,3 +157,10 @@ class RunLock:
 
   def __exit__(self, *exc):
     self.release()
+
+
+def release_all():
+  """Releases every lock this process holds (before `os._exit`, which skips
+  the `with` blocks that would)."""
+  for lock in list(_HELD):
+    lock.release()
