@@ -183,8 +183,10 @@ class Stage:
 
     From the static shapes: its input and every layer's output (with
     `recompute`: its input only). None if a layer was never called on a
-    symbolic input.
+    symbolic input, or the stage has no Keras layers (a tensor shard).
     """
+    if not self.layers:
+      return None
     try:
       tensors = [self.layers[0].input] + (
           [] if recompute else [layer.output for layer in self.layers])
