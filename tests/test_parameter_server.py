@@ -68,11 +68,11 @@ def test_worker_restart_is_survived_and_a_lost_ps_is_a_clear_error(tmp_path):
   model_dir = str(tmp_path / "run")
   cluster = launcher.local_cluster(2, ps=1)
 
-  def start(role, index, steps, name):
+  def start(role, index, steps, name, *extra):
     return cu.start_task(
         cluster, role, index, PS + [f"--train_steps={steps}",
                                     "--checkpoint_every=100",
-                                    f"--model_dir={model_dir}"],
+                                    f"--model_dir={model_dir}", *extra],
         str(tmp_path / f"{name}.log"))
 
   servers = {("ps", 0): start("ps", 0, 1, "ps"),
@@ -84,7 +84,8 @@ def test_worker_restart_is_survived_and_a_lost_ps_is_a_clear_error(tmp_path):
     cu.wait_listening(cluster, ["ps", "worker"], list(servers.values()))
     # 1. SIGKILL worker 1 mid-run, restart it 2 s later: every step is done,
     # and training goes on after the kill and after the worker is back.
-    chief = start("chief", 0, FIRST, "chief1")
+    # --verbosity=1: TensorFlow's INFO line that the worker is back.
+    chief = start("chief", 0, FIRST, "chief1", "--verbosity=1")
     cu.wait_for_checkpoint(model_dir, 100, [chief] + list(servers.values()))
     servers[("worker", 1)].kill()
     servers[("worker", 1)].wait()
