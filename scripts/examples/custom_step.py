@@ -28,7 +28,7 @@ import tensorflow as tf
 import framework
 from scripts import train
 
-flags.DEFINE_float("label_smoothing", 0.1, "Mass spread over all classes.")
+# --label_smoothing is train.py's flag (its evaluation loss smooths alike).
 flags.DEFINE_float("gradient_penalty", 0.01, "Weight of the squared norm of "
                    "the loss gradient with respect to the inputs.")
 FLAGS = flags.FLAGS
