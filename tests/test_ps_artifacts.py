@@ -33,6 +33,9 @@ def _artifacts(model_dir):
   names = set()
   for name in os.listdir(model_dir):
     name = re.sub(r"^ckpt-\d+\.data-\d+-of-\d+$", "ckpt-*.data-*", name)
+    # The HParams session's event file (its name has a time and a pid).
+    name = re.sub(r"^events\.out\.tfevents\..*$", "events.out.tfevents.*",
+                  name)
     names.add(re.sub(r"^ckpt-\d+\.index$", "ckpt-*.index", name))
   return names
 

@@ -199,8 +199,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   train(tmp_path, "--train_steps=10", "--checkpoint_every=10")
   before = files(tmp_path)
   proc = train(tmp_path, "--train_steps=40", "--learning_rate=1e30",
-               "--optimizer=sgd", "--steps_per_loop=5", "--checkpoint_every=5",
-               check=False)
+               "--optimizer=sgd", "--allow_config_change", "--steps_per_loop=5",
+               "--checkpoint_every=5", check=False)
   assert_one_line_error(proc, "loss is", "ckpt-10")
   after = files(tmp_path)
   ckpts = lambda f: {p: t for p, t in f.items() if "ckpt" in p or
@@ -273,7 +273,8 @@ def test_diverged_skipping_stops_after_max_skipped_steps(tmp_path):
   before = files(tmp_path)
   weights_file = os.path.join(tmp_path, "model.weights.h5")
   proc = train(tmp_path, "--train_steps=200", "--learning_rate=1e30",
-               "--optimizer=sgd", "--nan_policy=skip", "--steps_per_loop=5",
+               "--optimizer=sgd", "--allow_config_change", "--nan_policy=skip",
+               "--steps_per_loop=5",
                "--checkpoint_every=5", "--keep_checkpoints=2",
                "--summary_every=1", "--max_skipped_steps=10", check=False)
   assert proc.returncode == 1
