@@ -8,7 +8,6 @@ converts steps to epochs with the run's recorded `global_batch_size` and
 (matplotlib is not a dependency).
 """
 
-import glob
 import json
 import os
 import re
@@ -18,11 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
+from scripts.curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
-import numpy as np
-from PIL import Image, ImageDraw, ImageFont
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "The run's model_dir.")
@@ -32,78 +30,6 @@ flags.DEFINE_integer("train_examples", 50000, "Training examples per epoch.")
 flags.DEFINE_string("tag", "accuracy", "The scalar to plot.")
 flags.DEFINE_string("output_json", None, "Also write the per-epoch values.")
 flags.mark_flag_as_required("model_dir")
-
-COLORS = {"train": (31, 119, 180), "test": (255, 127, 14)}
-
-
-def read_scalars(logdir):
-  """{tag: [(step, value)]} and {tag: text} from the event files in `logdir`."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  scalars, texts = {}, {}
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        array = tf.make_ndarray(value.tensor)
-        if array.dtype == object:
-          texts[value.tag] = array.item().decode()
-        else:
-          scalars.setdefault(value.tag, []).append(
-              (event.step, float(array)))
-  return ({tag: sorted(dict(points).items()) for tag, points in
-           scalars.items()}, texts)
-
-
-def per_epoch(points, steps_per_epoch):
-  """{epoch: mean value} of the points whose step falls in each epoch."""
-  epochs = {}
-  for step, value in points:
-    epoch = int(np.ceil(step / steps_per_epoch))
-    epochs.setdefault(epoch, []).append(value)
-  return {epoch: float(np.mean(v)) for epoch, v in sorted(epochs.items())}
-
-
-def draw(curves, path, title, width=900, height=560):
-  """A line plot of {name: {epoch: value}} as a PNG (PIL only)."""
-  image = Image.new("RGB", (width, height), "white")
-  pen = ImageDraw.Draw(image)
-  font = ImageFont.load_default()
-  left, right, top, bottom = 70, width - 30, 40, height - 60
-  all_x = [x for c in curves.values() for x in c] or [1]
-  all_y = [y for c in curves.values() for y in c.values()] or [0, 1]
-  x_max = max(all_x)
-  y_min = np.floor(min(all_y) * 10) / 10
-  y_max = min(1.0, np.ceil(max(all_y) * 10) / 10)
-  if y_max <= y_min:
-    y_min, y_max = (y_max - 0.1, y_max) if y_max >= 0.1 else (0.0, 0.1)
-  to_px = lambda x, y: (left + (right - left) * x / max(x_max, 1),
-                        bottom - (bottom - top) * (y - y_min) / (y_max - y_min))
-  for i in range(11):  # grid and y labels
-    y = y_min + (y_max - y_min) * i / 10
-    _, py = to_px(0, y)
-    pen.line([(left, py), (right, py)], fill=(230, 230, 230))
-    pen.text((8, py - 6), f"{100 * y:.0f}%", fill="black", font=font)
-  for x in range(0, x_max + 1, max(1, int(np.ceil(x_max / 10)))):  # x labels
-    px, _ = to_px(x, y_min)
-    pen.line([(px, bottom), (px, bottom + 5)], fill="black")
-    pen.text((px - 4, bottom + 10), str(x), fill="black", font=font)
-  pen.rectangle([left, top, right, bottom], outline="black")
-  pen.text((width // 2 - 20, height - 25), "epoch", fill="black", font=font)
-  pen.text((left, 12), title, fill="black", font=font)
-  for row, (name, curve) in enumerate(curves.items()):
-    color = COLORS.get(name, (44, 160, 44))
-    points = [to_px(x, y) for x, y in sorted(curve.items())]
-    if len(points) > 1:
-      pen.line(points, fill=color, width=2)
-    for px, py in points:
-      pen.ellipse([px - 2, py - 2, px + 2, py + 2], fill=color)
-    last = curve[max(curve)] if curve else float("nan")
-    legend_y = bottom - 50 + 18 * row  # bottom right: curves rise
-    pen.line([(right - 190, legend_y), (right - 165, legend_y)], fill=color,
-             width=3)
-    pen.text((right - 158, legend_y - 6),
-             f"{name} (last {100 * last:.2f}%)", fill="black", font=font)
-  image.save(path)
-
 
 def main(argv):
   del argv
