@@ -154,15 +154,19 @@ def _stage_costs(costs, boundaries):
   return [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
 
 
-def _cut_idle(stage_costs, m):
+def _cut_idle(forward, backward, m):
   """The idle fraction GPipe's schedule leaves with these stage costs.
 
-  Each pass (forward, backward) takes sum_i t_i to fill and drain plus
-  (M-1) max_i t_i in the slowest stage; the devices are busy M sum_i t_i.
-  Equal stages give (S-1)/(M+S-1).
+  `forward`, `backward`: each stage's cost per micro-batch. All forward
+  passes, then all backward passes: each phase takes sum_i t_i to fill and
+  drain plus (M-1) max_i t_i in its slowest stage, while the devices are
+  busy M sum_i t_i. Equal stages give (S-1)/(M+S-1); stages equal in
+  forward + backward but not in each phase (the first stage computes no
+  input gradient) leave more.
   """
-  s, total = len(stage_costs), sum(stage_costs)
-  return 1.0 - m * total / (s * (total + (m - 1) * max(stage_costs)))
+  s = len(forward)
+  window = sum(sum(t) + (m - 1) * max(t) for t in (forward, backward))
+  return 1.0 - m * (sum(forward) + sum(backward)) / (s * window)
 
 
 def _union_length(intervals):
@@ -178,12 +182,12 @@ def _union_length(intervals):
 
 
 def _stage_intervals(xspace_path, num_stages):
-  """{stage: [(start_ps, end_ps)]} of ops named under `stage_i/`."""
+  """{stage: [(start_ps, end_ps, thread)]} of ops named under `stage_i/`."""
   from framework.perf.profiling import load_xspace  # pylint: disable=g-import-not-at-top
   space = load_xspace(xspace_path)
   pattern = re.compile(r"(?:^|/)stage_(\d+)(?:_\d+)?/[^:]*:")
   intervals = {i: [] for i in range(num_stages)}
-  for plane in space.planes:
+  for p, plane in enumerate(space.planes):
     for line in plane.lines:
       base = line.timestamp_ns * 1000
       for event in line.events:
@@ -193,7 +197,7 @@ def _stage_intervals(xspace_path, num_stages):
         if match and int(match.group(1)) < num_stages and "Recv" not in name:
           start = base + event.offset_ps
           intervals[int(match.group(1))].append(
-              (start, start + event.duration_ps))
+              (start, start + event.duration_ps, (p, line.id)))
   return intervals
 
 
@@ -202,7 +206,7 @@ def _timeline(intervals, start, window, width=64):
   rows = []
   for stage, stage_intervals in sorted(intervals.items()):
     cells = ["."] * width
-    for a, b in stage_intervals:
+    for a, b, _ in stage_intervals:
       first = int((a - start) / window * width)
       last = int((b - start) / window * width)
       for i in range(max(first, 0), min(last, width - 1) + 1):
@@ -212,9 +216,15 @@ def _timeline(intervals, start, window, width=64):
 
 
 def _idle_fraction(tf, trainer, iterator, num_stages):
-  """(median idle fraction, text timeline of the last profiled step)."""
+  """(median idle fraction, median thread-idle fraction, text timeline).
+
+  The idle fraction counts a device busy while any of its ops runs. The
+  thread-idle fraction counts each thread running a device's op: with one
+  thread per op, two ops of one stage at once (say a layer's input and
+  weight gradients) occupy two cores, which the other stage then lacks.
+  """
   from framework.perf import profiling  # pylint: disable=g-import-not-at-top
-  fractions = []
+  fractions, thread_fractions = [], []
   for _ in range(FLAGS.profiled_steps):
     logdir = tempfile.mkdtemp(prefix="distloop_profile_")
     try:
@@ -226,11 +236,19 @@ def _idle_fraction(tf, trainer, iterator, num_stages):
     finally:
       shutil.rmtree(logdir, ignore_errors=True)
     everything = [iv for ivs in intervals.values() for iv in ivs]
-    start = min(s for s, _ in everything)
-    window = max(e for _, e in everything) - start
-    busy = sum(_union_length(ivs) for ivs in intervals.values())
+    start = min(iv[0] for iv in everything)
+    window = max(iv[1] for iv in everything) - start
+    busy = sum(_union_length([iv[:2] for iv in ivs])
+               for ivs in intervals.values())
     fractions.append(1.0 - busy / (num_stages * window))
-  return (statistics.median(fractions), _timeline(intervals, start, window))
+    threads = {}
+    for stage, ivs in intervals.items():
+      for a, b, thread in ivs:
+        threads.setdefault((stage, thread), []).append((a, b))
+    thread_busy = sum(_union_length(ivs) for ivs in threads.values())
+    thread_fractions.append(1.0 - thread_busy / (num_stages * window))
+  return (statistics.median(fractions), statistics.median(thread_fractions),
+          _timeline(intervals, start, window))
 
 
 def _thread_env():
@@ -310,6 +328,9 @@ def main(argv):
 
   probe = model()
   flops = layer_costs(probe.layers, "flops")
+  forward_flops = [2 * layer.input.shape[-1] * layer.units
+                   if isinstance(layer, keras.layers.Dense) else 0
+                   for layer in probe.layers]
   unsplit = framework.Trainer(model(), keras.optimizers.Adam(1e-4), strategy,
                               global_batch_size=FLAGS.global_batch_size)
   print(f"model: mlp hidden={list(hidden)} ({probe.count_params()} params), "
@@ -333,13 +354,17 @@ def main(argv):
     trainer = pipeline(m, list(boundaries))
     base_seconds, pipe_seconds = _step_seconds(
         [unsplit, trainer], [_batches(tf, np), _batches(tf, np)])
-    idle, timeline = _idle_fraction(tf, trainer, _batches(tf, np), s)
+    idle, thread_idle, timeline = _idle_fraction(tf, trainer, _batches(tf, np), s)
     gpipe = (s - 1) / (m + s - 1)
     stage_flops = _stage_costs(flops, boundaries)
-    cut_idle = _cut_idle(stage_flops, m)
+    stage_forward = _stage_costs(forward_flops, boundaries)
+    stage_backward = [t - f for t, f in zip(stage_flops, stage_forward)]
+    cut_idle = _cut_idle(stage_forward, stage_backward, m)
     print(f"\n== S={s}, M={m}: boundaries {list(boundaries)} "
           f"(--stage_balance={FLAGS.stage_balance}); stage MFLOP per example "
-          f"{[round(f / 1e6, 2) for f in stage_flops]}")
+          f"{[round(f / 1e6, 2) for f in stage_flops]} (forward "
+          f"{[round(f / 1e6, 2) for f in stage_forward]}, backward "
+          f"{[round(f / 1e6, 2) for f in stage_backward]})")
     print(f"unsplit:  {FLAGS.global_batch_size / base_seconds:9.1f} "
           f"examples/s  ({base_seconds * 1e3:.1f} ms/step)")
     print(f"pipeline: {FLAGS.global_batch_size / pipe_seconds:9.1f} "
@@ -348,8 +373,11 @@ def main(argv):
           f"{base_seconds / pipe_seconds:.3f}")
     print(f"idle fraction: measured {idle:.3f}, GPipe (S-1)/(M+S-1) = "
           f"{gpipe:.3f}, ratio {idle / gpipe:.2f}x (goal <= {GOAL}x: "
-          f"{'met' if idle <= GOAL * gpipe else 'NOT met'}); this cut's "
-          f"FLOPs allow {cut_idle:.3f}")
+          f"{'met' if idle <= GOAL * gpipe else 'NOT met'})")
+    print(f"GPipe's schedule with this cut's per-stage forward/backward "
+          f"FLOPs allows {cut_idle:.3f} ({cut_idle / gpipe:.2f}x)")
+    print(f"thread-idle fraction (a stage's ops on 2 threads count twice): "
+          f"{thread_idle:.3f}")
     print(f"busy time per stage device over one step:\n{timeline}")
     results.append((m, idle, gpipe))
     last = (m, boundaries, trainer, pipe_seconds)
