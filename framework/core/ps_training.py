@@ -203,8 +203,8 @@ def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
   coordinated = CoordinatedTrainer(trainer)
   if hasattr(dataset, "per_worker_train_dataset_fn"):
     # Files (framework/data/file_input.py): worker i streams its own shards.
-    num_workers = trainer.strategy.cluster_resolver.cluster_spec().num_tasks(
-        "worker")
+    # Set when the strategy connects (its public `cluster_resolver` is None).
+    num_workers = trainer.strategy._num_workers  # pylint: disable=protected-access
 
     def train_input(start_step):
       return coordinated.per_worker_dataset(
