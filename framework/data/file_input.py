@@ -209,8 +209,9 @@ class FileDataset:
   def _train_stream(self, plan, seed, start_step):
     """(epoch, record) of one pipeline from global step `start_step` on."""
     start_epoch, offset = divmod(start_step, plan.steps)
-    first_skip = offset * plan.stream_batch * plan.keep_every
-    keep = plan.steps * plan.stream_batch * plan.keep_every
+    # In the common stream (before data sharding keeps 1 in keep_every).
+    first_skip = offset * plan.stream_batch
+    keep = plan.steps * plan.stream_batch
 
     # Decided where the pipeline is built (each worker, or a PS coordinator).
     label = None
