@@ -145,6 +145,20 @@ def test_fewer_shards_than_pipelines_fall_back_to_data_sharding(
       _keys(data.train_x / 255.0, data.train_y))
 
 
+def test_data_sharding_resumes_exactly(data, tmp_path):
+  # 1 shard over 2 pipelines: the skip counts the common stream's examples.
+  fn_of = lambda start: file_input.load_tfrecord(
+      _write(tmp_path, data, 1)).train_dataset_fn(BATCH, seed=5,
+                                                  start_step=start)
+  for pipeline in range(2):
+    context = tf.distribute.InputContext(2, pipeline, 2)
+    full = _batches(fn_of(0)(context), 40)
+    for start in (7, 15, 22):
+      resumed = _batches(fn_of(start)(context), 40 - start)
+      for a, b in zip(full[start:], resumed):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
 @pytest.mark.parametrize("num_shards", [6, 1])
 def test_evaluation_counts_every_example_once_over_two_pipelines(
     data, tmp_path, num_shards, caplog):

@@ -18,9 +18,10 @@ checkpoints, summaries, model_info.json, weights and export:
 The claim makes each loop end at exactly `limit` even when a failed worker's
 closure is run again elsewhere (a closure can run twice: the step is a
 variable, not a count of scheduled closures). Batches come from a per-worker
-dataset (each worker draws its own order): asynchronous training has no
-single global order, so PS runs resume from the checkpointed step but not
-bit-exactly. Evaluation runs on the coordinator.
+dataset (in memory, each worker draws its own order; from files, each
+worker streams its own shards): asynchronous training has no single global
+order, so PS runs resume from the checkpointed step but not bit-exactly.
+Evaluation runs on the coordinator.
 """
 
 import tensorflow as tf
@@ -193,16 +194,29 @@ class CoordinatedTrainer:
 def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
   """(CoordinatedTrainer, train_input, eval_input) for the Controller.
 
-  `train_input(start_step)` gives the per-worker datasets (each worker draws
-  its own order, so `start_step` only matters to the step counter);
-  `eval_input()` the whole test set, evaluated on the coordinator.
+  `train_input(start_step)` gives the per-worker datasets (in memory, each
+  worker draws its own order, so `start_step` only matters to the step
+  counter; from files, worker i reads its own shards, from its share of
+  `start_step` on); `eval_input()` the whole test set, evaluated on the
+  coordinator.
   """
-  if not hasattr(dataset, "train_x"):
-    raise ConfigError(
-        f"dataset={dataset.name!r} is read from files, which "
-        "parameter_server does not stream yet; use multi_worker_mirrored, "
-        "or an in-memory dataset (cifar10, synthetic, shapes, oxford_pet)")
   coordinated = CoordinatedTrainer(trainer)
+  if hasattr(dataset, "per_worker_train_dataset_fn"):
+    # Files (framework/data/file_input.py): worker i streams its own shards.
+    # Set when the strategy connects (its public `cluster_resolver` is None).
+    num_workers = trainer.strategy._num_workers  # pylint: disable=protected-access
+
+    def train_input(start_step):
+      return coordinated.per_worker_dataset(
+          dataset.per_worker_train_dataset_fn(
+              num_workers, global_batch_size, seed=seed,
+              start_step=start_step, augment=augment))
+
+    def eval_input():
+      return dataset.eval_dataset(global_batch_size)
+
+    return coordinated, train_input, eval_input
+
   dataset_fn = per_worker_dataset_fn(dataset, global_batch_size, seed=seed,
                                      augment=augment)
 

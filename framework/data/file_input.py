@@ -33,6 +33,7 @@ change them, the worker count does (see BUILD.md, "Data at scale").
 """
 
 import dataclasses
+import sys
 from typing import Callable
 
 from absl import logging
@@ -76,11 +77,22 @@ class _Plan:
   steps: int          # global steps per epoch of this stream
 
 
-def _plan(split, num_pipelines, pipeline_id, global_batch_size, name):
+def _shards_text(ids, total):
+  """`0,2,4 (3 of 6 shards)`; long lists cut after 8 ids."""
+  shown = ",".join(map(str, ids[:8])) + (",..." if len(ids) > 8 else "")
+  return f"{shown} ({len(ids)} of {total} shards)"
+
+
+def _plan(split, num_pipelines, pipeline_id, global_batch_size, name,
+          pipeline_batch=None):
+  """Pipeline `pipeline_id`'s part; `pipeline_batch`: its examples per step
+  (default: global_batch_size / num_pipelines)."""
   shards = len(split.counts)
+  if pipeline_batch is None:
+    pipeline_batch = global_batch_size // num_pipelines
   if shards >= num_pipelines:
     ids = tuple(range(pipeline_id, shards, num_pipelines))
-    keep_every, stream_batch = 1, global_batch_size // num_pipelines
+    keep_every, stream_batch = 1, pipeline_batch
   else:
     logging.warning(
         "%s has %d shards for %d input pipelines: every pipeline reads every "
@@ -88,9 +100,12 @@ def _plan(split, num_pipelines, pipeline_id, global_batch_size, name):
         "%d shards (make_tfrecords.py --num_shards) to shard by file", name,
         shards, num_pipelines, num_pipelines, num_pipelines)
     ids = tuple(range(shards))
-    keep_every, stream_batch = num_pipelines, global_batch_size
+    keep_every, stream_batch = num_pipelines, pipeline_batch * num_pipelines
   examples = sum(split.counts[i] for i in ids)
   steps = examples // stream_batch
+  logging.info("%s train: input pipeline %d/%d reads shards %s, %d examples",
+               name, pipeline_id, num_pipelines, _shards_text(ids, shards),
+               examples // keep_every)
   if steps == 0:
     raise ConfigError(
         f"global_batch_size={global_batch_size} is too large: input pipeline "
@@ -99,8 +114,13 @@ def _plan(split, num_pipelines, pipeline_id, global_batch_size, name):
   return _Plan(ids, keep_every, pipeline_id, stream_batch, steps)
 
 
-def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group):
-  """The records of one epoch of `shard_ids`, from position `skip` on."""
+def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group,
+                   label=None):
+  """The records of one epoch of `shard_ids`, from position `skip` on.
+
+  With `label` (a string), every group read prints `label read shards
+  [ids]: n records` to the stderr of the task that reads it (debug).
+  """
   ids = tf.constant(shard_ids, tf.int64)
   counts = tf.constant([split.counts[i] for i in shard_ids], tf.int64)
   num_groups = -(-len(shard_ids) // shards_per_group)
@@ -119,11 +139,17 @@ def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group):
     def shuffle(records):
       # Records may be a structure (a dict of tensors), never a tuple.
       size = tf.shape(tf.nest.flatten(records)[0])[:1]
+      if label is not None:
+        with tf.control_dependencies([tf.print(
+            label, "read shards", group_ids, ":", size[0], "records",
+            output_stream=sys.stderr)]):
+          size = tf.identity(size)
       order = tf.argsort(tf.random.stateless_uniform(size, seed=group_key))
       return tf.nest.map_structure(
           lambda r: tf.gather(r, order)[first:], records)
 
-    records = split.read(ids[g * shards_per_group:(g + 1) * shards_per_group])
+    group_ids = ids[g * shards_per_group:(g + 1) * shards_per_group]
+    records = split.read(group_ids)
     return records.batch(group_counts[g]).map(shuffle).unbatch()
 
   # Groups wholly before `skip` are filtered on their counts: never opened.
@@ -183,14 +209,21 @@ class FileDataset:
   def _train_stream(self, plan, seed, start_step):
     """(epoch, record) of one pipeline from global step `start_step` on."""
     start_epoch, offset = divmod(start_step, plan.steps)
-    first_skip = offset * plan.stream_batch * plan.keep_every
-    keep = plan.steps * plan.stream_batch * plan.keep_every
+    # In the common stream (before data sharding keeps 1 in keep_every).
+    first_skip = offset * plan.stream_batch
+    keep = plan.steps * plan.stream_batch
+
+    # Decided where the pipeline is built (each worker, or a PS coordinator).
+    label = None
+    if logging.level_debug():
+      label = f"{self.name} train: input pipeline {plan.pipeline_id}"
 
     def epoch_stream(epoch):
       skip = tf.where(epoch == start_epoch, tf.constant(first_skip, tf.int64),
                       tf.constant(0, tf.int64))
       records = _epoch_records(self.train, plan.shard_ids, seed, epoch, skip,
-                               self.shards_per_group).take(keep - skip)
+                               self.shards_per_group,
+                               label).take(keep - skip)
       return records.map(lambda r: (epoch, r))
 
     stream = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(
@@ -250,6 +283,36 @@ class FileDataset:
     return strategy.distribute_datasets_from_function(self.train_dataset_fn(
         global_batch_size, seed=seed, start_step=start_step, augment=augment))
 
+  def per_worker_train_dataset_fn(self, num_workers, global_batch_size, *,
+                                  seed=0, start_step=0, augment=None):
+    """A `ClusterCoordinator.create_per_worker_dataset` argument (PS).
+
+    Under `ParameterServerStrategy` the `InputContext` always says one
+    input pipeline, so the worker is told by
+    `experimental_get_current_worker_index()`: worker i is input pipeline
+    i of `num_workers`, with its shards (or, with fewer shards than workers,
+    every `num_workers`-th example). Each worker's step takes a whole
+    `global_batch_size` from its stream; it starts at its step
+    `start_step // num_workers` (its share of the steps done, if the
+    workers went equally fast). The plans are made here, the pipeline of
+    the worker's index is picked when the function runs on a worker.
+    """
+    check_positive("global_batch_size", global_batch_size)
+    check_positive("num_workers", num_workers)
+    plans = [_plan(self.train, num_workers, i, global_batch_size, self.name,
+                   pipeline_batch=global_batch_size)
+             for i in range(num_workers)]
+    branches = [
+        lambda plan=plan: self._train_pipeline(
+            plan, global_batch_size, seed, start_step // num_workers, augment)
+        for plan in plans]
+
+    def dataset_fn():
+      index = tf.distribute.coordinator.experimental_get_current_worker_index()
+      return tf.switch_case(tf.cast(index, tf.int32), branches)
+
+    return dataset_fn
+
   # Evaluation: every example once over all pipelines, last batch partial.
 
   def _eval_pipeline(self, num_pipelines, pipeline_id, batch_size):
@@ -257,11 +320,18 @@ class FileDataset:
     if shards >= num_pipelines:
       ids = list(range(pipeline_id, shards, num_pipelines))
       ds = self.test.read(tf.constant(ids, tf.int64))
+      examples = sum(self.test.counts[i] for i in ids)
     else:
       logging.warning("%s test split has %d shards for %d input pipelines: "
                       "data sharding", self.name, shards, num_pipelines)
-      ds = self.test.read(tf.constant(list(range(shards)), tf.int64))
+      ids = list(range(shards))
+      ds = self.test.read(tf.constant(ids, tf.int64))
       ds = ds.shard(num_pipelines, pipeline_id)
+      examples = len(range(pipeline_id, self.test.num_examples,
+                           num_pipelines))
+    logging.info("%s test: input pipeline %d/%d reads shards %s, %d examples",
+                 self.name, pipeline_id, num_pipelines,
+                 _shards_text(ids, shards), examples)
     ds = ds.map(lambda r: self.test.decode(r)[1:],
                 num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size).map(lambda x, y: (_to_float(x), y))
