@@ -39,6 +39,11 @@ flags.DEFINE_integer("image_size", 128, "shapes, oxford_pet: side of the "
 flags.DEFINE_string("label_key", "label", "tfds: the feature used as label: "
                     "a ClassLabel, or an image mask (e.g. segmentation_mask).")
 flags.DEFINE_string("image_key", "image", "tfds: the image feature.")
+flags.DEFINE_enum("file_shuffle", "shards", ["shards", "global"],
+                  "Streamed datasets: 'shards' shuffles groups of 4 shards "
+                  "(memory: a few shards); 'global' orders each epoch as "
+                  "the in-memory arrays are (on one worker the very same "
+                  "batches; memory: the encoded training split).")
 flags.DEFINE_list("hidden_units", ["64", "64"], "mlp: hidden layer sizes.")
 flags.DEFINE_bool("dropout", True, "cifar_cnn: keep the Dropout layers.")
 flags.DEFINE_integer("unet_depth", 4, "unet: down-sampling levels.")
@@ -286,7 +291,9 @@ def config_from_flags():
           depth=FLAGS.unet_depth, width=FLAGS.unet_width),
       dataset_options=dict(image_size=FLAGS.image_size, **(
           dict(image_key=FLAGS.image_key, label_key=FLAGS.label_key)
-          if FLAGS.dataset.startswith("tfds:") else {})),
+          if FLAGS.dataset.startswith("tfds:") else {}), **(
+              dict(file_shuffle=FLAGS.file_shuffle)
+              if FLAGS.file_shuffle != "shards" else {})),
       export_saved_model=FLAGS.export_saved_model,
       hparams=hparams, check_distribution=FLAGS.check_distribution,
       model_parallel=model_parallel, restore=FLAGS.restore,

@@ -62,6 +62,33 @@ def test_each_epoch_has_the_same_examples_as_the_arrays(data, files):
   assert not np.array_equal(from_files[0][0], from_files[steps][0])
 
 
+@pytest.mark.parametrize("start", [0, 7, 15])
+def test_global_shuffle_gives_the_arrays_batches_exactly(data, files, start):
+  # file_shuffle=global on one pipeline: the very batches of the in-memory
+  # arrays (order and augmentation), also when resumed mid-epoch (7) or at
+  # an epoch boundary (15).
+  steps = 2 * NUM_TRAIN // BATCH - start
+  from_arrays = _batches(inputs.train_dataset(
+      data, BATCH, seed=3, start_step=start, augment=augment.crop_flip),
+                         steps)
+  from_files = _batches(inputs.train_dataset(
+      file_input.load_tfrecord(files, shuffle="global"), BATCH, seed=3,
+      start_step=start, augment=augment.crop_flip), steps)
+  assert len(from_files) == len(from_arrays) == steps
+  for a, f in zip(from_arrays, from_files):
+    np.testing.assert_array_equal(a[0], f[0])
+    np.testing.assert_array_equal(a[1], f[1])
+
+
+def test_global_shuffle_needs_an_example_index(files):
+  dataset = file_input.load_tfrecord(files)
+  split = file_input.ShardedSplit(dataset.train.counts, dataset.train.read,
+                                  dataset.train.decode)
+  with pytest.raises(framework.ConfigError, match="file_shuffle=global"):
+    file_input.FileDataset("x", split, split, class_names=("a",),
+                           image_shape=(8, 8, 3), shuffle="global")
+
+
 def test_resume_gives_the_remaining_batches_exactly(files):
   dataset = file_input.load_tfrecord(files)
   full = _batches(dataset.train_dataset(BATCH, seed=5,

@@ -211,6 +211,11 @@ def load_dataset(name, data_dir=None, seed=0, **options):
   if key in _SPEC_LOADERS:
     options["spec"] = spec
   dataset = DATASETS[key](data_dir=data_dir, seed=seed, **options)
+  if (options.get("file_shuffle", "shards") != "shards" and
+      hasattr(dataset, "train_y")):
+    raise ConfigError(f"file_shuffle={options['file_shuffle']} is for "
+                      "datasets streamed from files (tfrecord, image_folder, "
+                      f"tfds:NAME), not dataset={name}")
   if not hasattr(dataset, "train_y"):
     return dataset  # Streamed from files: labels are checked by the reader.
   return check_labels(dataset, f" (data_dir={data_dir!r})" if data_dir else "")

@@ -18,6 +18,11 @@ Per input pipeline (one per worker under `distribute_datasets_from_function`):
     each group is read whole and its records permuted by a seed folded from
     (seed, e, group). The epoch is the concatenation of the groups, cut to
     `steps * batch` examples (the remainder is dropped, as in memory).
+  shuffle="global" instead reads all of the pipeline's shards each epoch
+    and orders their records as the in-memory arrays order examples: by
+    the stateless uniform keys of (seed, e) at each record's example index.
+    On one pipeline this IS the arrays' order, so the batches equal those
+    of the same data in memory; memory holds the pipeline's encoded split.
   step s: epoch, offset = divmod(s, steps per epoch of this pipeline). A
     restart builds the stream from there: groups before the offset are not
     opened, and the group holding it is read and sliced, so resuming costs
@@ -44,6 +49,7 @@ from framework.errors import ConfigError, DataError, check_positive
 
 _MAX_EPOCHS = 1 << 40
 DEFAULT_SHARDS_PER_GROUP = 4
+SHUFFLES = ("shards", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +63,13 @@ class ShardedSplit:
       is a tensor or a dict of tensors (not a tuple: it is mapped as one
       argument).
     decode: `record -> (index int64, image uint8 [H, W, C], label int32)`.
+    index: `records (a batch) -> int64 [n]`, their example indices without
+      decoding the images (for `shuffle="global"`); None: not supported.
   """
   counts: tuple
   read: Callable
   decode: Callable
+  index: Callable = None
 
   @property
   def num_examples(self):
@@ -112,6 +121,22 @@ def _plan(split, num_pipelines, pipeline_id, global_batch_size, name,
         f"{pipeline_id} of {num_pipelines} has {examples} training examples "
         f"of {name}, fewer than its {stream_batch} per step")
   return _Plan(ids, keep_every, pipeline_id, stream_batch, steps)
+
+
+def _global_epoch_records(split, shard_ids, seed, epoch, skip):
+  """The records of `shard_ids` in the arrays' order of epoch `epoch`."""
+  ids = tf.constant(shard_ids, tf.int64)
+  key = tf.stack([tf.cast(seed, tf.int64), epoch])
+  # framework.data.inputs orders example i of epoch e by keys[i]: the same
+  # keys, restricted to this pipeline's examples.
+  keys = tf.random.stateless_uniform([split.num_examples], seed=key)
+
+  def order(records):
+    rank = tf.argsort(tf.gather(keys, split.index(records)))
+    return tf.nest.map_structure(lambda r: tf.gather(r, rank)[skip:], records)
+
+  total = sum(split.counts[i] for i in shard_ids)
+  return split.read(ids).batch(total).map(order).unbatch()
 
 
 def _epoch_records(split, shard_ids, seed, epoch, skip, shards_per_group,
@@ -175,8 +200,16 @@ class FileDataset:
   """A dataset read from sharded files (TFRecords, an image folder)."""
 
   def __init__(self, name, train, test, *, class_names, image_shape,
-               label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP):
+               label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP,
+               shuffle="shards"):
     check_positive("shards_per_group", shards_per_group)
+    if shuffle not in SHUFFLES:
+      raise ConfigError(f"file_shuffle={shuffle!r} is not one of "
+                        f"{', '.join(SHUFFLES)}")
+    if shuffle == "global" and train.index is None:
+      raise ConfigError(f"file_shuffle=global is not supported by {name} "
+                        "(its records carry no example index)")
+    self.shuffle = shuffle
     self.name = name
     self.train = train
     self.test = test
@@ -221,9 +254,13 @@ class FileDataset:
     def epoch_stream(epoch):
       skip = tf.where(epoch == start_epoch, tf.constant(first_skip, tf.int64),
                       tf.constant(0, tf.int64))
-      records = _epoch_records(self.train, plan.shard_ids, seed, epoch, skip,
-                               self.shards_per_group,
-                               label).take(keep - skip)
+      if self.shuffle == "global":
+        records = _global_epoch_records(self.train, plan.shard_ids, seed,
+                                        epoch, skip)
+      else:
+        records = _epoch_records(self.train, plan.shard_ids, seed, epoch,
+                                 skip, self.shards_per_group, label)
+      records = records.take(keep - skip)
       return records.map(lambda r: (epoch, r))
 
     stream = tf.data.Dataset.range(start_epoch, _MAX_EPOCHS).flat_map(
@@ -365,12 +402,18 @@ def tfrecord_split(data_dir, sidecar):
   def read(ids):
     return tf.data.TFRecordDataset(tf.gather(tf.constant(paths), ids))
 
+  def index(records):
+    return tf.io.parse_example(
+        records, {"index": tf.io.FixedLenFeature([], tf.int64)})["index"]
+
   return ShardedSplit(
       tuple(sidecar["examples_per_shard"]), read,
-      tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"]))
+      tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"]),
+      index)
 
 
-def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP):
+def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP,
+                  shuffle="shards"):
   """The `FileDataset` of a directory written by scripts/make_tfrecords.py."""
   from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
   if not data_dir:
@@ -386,13 +429,14 @@ def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP):
       train.get("name", "tfrecord"), tfrecord_split(data_dir, train),
       tfrecord_split(data_dir, test), class_names=train["class_names"],
       image_shape=train["image_shape"], label_shape=train["label_shape"],
-      shards_per_group=shards_per_group)
+      shards_per_group=shards_per_group, shuffle=shuffle)
 
 
 def _register():
   from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["tfrecord"] = (
-      lambda data_dir=None, **_: load_tfrecord(data_dir))
+      lambda data_dir=None, file_shuffle="shards", **_: load_tfrecord(
+          data_dir, shuffle=file_shuffle))
 
 
 _register()

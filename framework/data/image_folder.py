@@ -120,12 +120,14 @@ def _split(files, shape, files_per_shard):
                                expand_animations=False)
     return index[position], tf.ensure_shape(image, shape), labels[position]
 
-  return file_input.ShardedSplit(tuple(counts), read, decode)
+  return file_input.ShardedSplit(tuple(counts), read, decode,
+                                lambda positions: tf.gather(index, positions))
 
 
 def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
-                      test_fraction=DEFAULT_TEST_FRACTION):
-  """A `FileDataset` streaming an image folder (all images one shape)."""
+                      test_fraction=DEFAULT_TEST_FRACTION, shuffle="shards"):
+  """A `FileDataset` streaming an image folder (all images one shape);
+  `shuffle` as for `FileDataset`."""
   from framework.data import file_input  # pylint: disable=g-import-not-at-top
   check_positive("files_per_shard", files_per_shard)
   if not data_dir:
@@ -146,13 +148,14 @@ def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
   return file_input.FileDataset(
       "image_folder", _split(splits["train"], shape, files_per_shard),
       _split(splits["test"], shape, files_per_shard), class_names=classes,
-      image_shape=shape)
+      image_shape=shape, shuffle=shuffle)
 
 
 def _register():
   from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["image_folder"] = (
-      lambda data_dir=None, **_: load_image_folder(data_dir))
+      lambda data_dir=None, file_shuffle="shards", **_: load_image_folder(
+          data_dir, shuffle=file_shuffle))
 
 
 _register()

@@ -102,7 +102,8 @@ def _split(tfds, builder, split, decode):
     return tf.data.Dataset.from_tensor_slices(ids).flat_map(shard)
 
   return file_input.ShardedSplit(
-      tuple(takes), read, lambda r: (r["index"],) + decode(r["record"]))
+      tuple(takes), read, lambda r: (r["index"],) + decode(r["record"]),
+      lambda records: records["index"])
 
 
 def _decoder(tfds, features, name, image_key, label_key, image_size,
@@ -171,7 +172,7 @@ def _decoder(tfds, features, name, image_key, label_key, image_size,
 
 def load_tfds(spec, data_dir, *, image_key="image", label_key="label",
               image_size=None, mask_classes=None, train_split="train",
-              test_split=None, shards_per_group=None):
+              test_split=None, shards_per_group=None, file_shuffle="shards"):
   """The `FileDataset` of TFDS dataset `spec` prepared under `data_dir`."""
   from framework.data import file_input  # pylint: disable=g-import-not-at-top
   if not spec:
@@ -211,7 +212,8 @@ def load_tfds(spec, data_dir, *, image_key="image", label_key="label",
   return file_input.FileDataset(
       f"tfds:{name}", _split(tfds, builder, train_split, decode),
       _split(tfds, builder, test_split, decode), class_names=classes,
-      image_shape=image_shape, label_shape=label_shape, **kwargs)
+      image_shape=image_shape, label_shape=label_shape, shuffle=file_shuffle,
+      **kwargs)
 
 
 def _register():

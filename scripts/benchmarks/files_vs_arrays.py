@@ -15,12 +15,15 @@ the median training examples/s of each (the first loop, which traces, left
 out) and their ratio, and draws both test curves in one PNG. `--measured`
 skips training and reads the two runs already in `--work_dir`.
 
-The two pipelines shuffle differently (BUILD.md, "Data at scale"), so the
-batches are not identical and the accuracies differ by the noise of a
-different data order.
+The files run uses `--file_shuffle=global` (default here): on one worker its
+batches are the arrays' batches, so both runs should train identically (the
+final weights' sha256 of both logs are compared). `--file_shuffle=shards`
+(train.py's default, bounded memory) shuffles differently: the accuracies
+then differ by the noise of another data order.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +49,9 @@ flags.DEFINE_string("recipe", os.path.join(
     ROOT, "scripts", "configs", "cifar10_reference.cfg"), "Flag file of the "
     "recipe.")
 flags.DEFINE_integer("epochs", 10, "Epochs of each run.")
+flags.DEFINE_enum("file_shuffle", "global", ["global", "shards"],
+                  "The files run's --file_shuffle: global gives the arrays' "
+                  "batches exactly; shards, another order.")
 flags.DEFINE_list("extra", [], "More train.py flags for both runs, e.g. "
                   "--extra=--strategy=default.")
 flags.DEFINE_bool("measured", False, "Only read the runs in --work_dir.")
@@ -63,11 +69,19 @@ def _train(name, dataset, data_dir):
              f"--flagfile={FLAGS.recipe}", f"--epochs={FLAGS.epochs}",
              f"--dataset={dataset}", f"--data_dir={data_dir}",
              f"--model_dir={model_dir}", *FLAGS.extra]
+  if dataset != "cifar10":
+    command.append(f"--file_shuffle={FLAGS.file_shuffle}")
   print(f"training {name}: {' '.join(command[1:])}", flush=True)
   with open(os.path.join(FLAGS.work_dir, f"{name}.log"), "w") as log:
     if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode:
       sys.exit(f"files_vs_arrays.py: error: the {name} run failed; see "
                f"{log.name}")
+
+
+def _final_weights(name):
+  with open(os.path.join(FLAGS.work_dir, f"{name}.log")) as log:
+    found = re.findall(r"final weights sha256=(\w+)", log.read())
+  return found[-1] if found else None
 
 
 def _read(name):
@@ -103,6 +117,9 @@ def main(argv):
         f"{len(diffs)} evaluations; final {100 * diffs[-1]:+.2f}")
   print(f"examples/s: arrays {arrays_rate:,.0f}, files {files_rate:,.0f}, "
         f"files/arrays {files_rate / arrays_rate:.3f}")
+  weights = _final_weights("arrays"), _final_weights("files")
+  print(f"final weights sha256: arrays {weights[0]}, files {weights[1]}: "
+        f"{'identical' if weights[0] == weights[1] else 'different'}")
   steps = sorted(set(arrays) | set(files))
   per_step = max(1, steps[0]) if steps else 1
   output = FLAGS.output or os.path.join(FLAGS.work_dir, "files_vs_arrays.png")
