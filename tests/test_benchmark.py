@@ -140,7 +140,7 @@ def test_large_dataset_reports_memory_and_resume_and_deletes_data(tmp_path):
   assert "36 steps of batch 16" in out, out
   small = float(re.search(r"small set: ([\d,]+) MiB", out)[1].replace(",", ""))
   large = float(re.search(r"large set: ([\d,]+) MiB", out)[1].replace(",", ""))
-  ratio = float(re.search(r"large / small: ([\d.]+)x \(goal <= 1.5x", out)[1])
+  ratio = float(re.search(r"large / small: ([\d.]+)x +\(goal <= 1.5x", out)[1])
   assert small > 100 and large > 100  # a whole TensorFlow process
   assert abs(ratio - large / small) < 0.01 + 1 / small
   # (c): step 1 vs the epoch's last step (37 steps per epoch), 3 ways.
