@@ -6,6 +6,7 @@ the benchmarks, never asserted in tests.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
-              "multi_worker", "model_parallel")
+              "multi_worker", "model_parallel", "large_dataset")
 
 
 def run(script, *args, timeout=120):
@@ -105,3 +106,52 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
                "op types of", "Trainer ms"):
     assert line in proc.stdout, proc.stdout
   assert set(result) == {"compare", "variants", "breakdown", "flags"}
+
+
+def test_large_dataset_bad_shape_is_one_line_and_writes_nothing(tmp_path):
+  proc = run("benchmarks/large_dataset.py", "--shape=16,16",
+             f"--work_dir={tmp_path}")
+  assert proc.returncode == 1
+  [line] = proc.stderr.strip().splitlines()[-1:]
+  assert line == ("large_dataset.py: error: --shape=16,16 must be three "
+                  "positive integers H,W,C"), proc.stderr[-3000:]
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_large_dataset_reports_memory_and_resume_and_deletes_data(tmp_path):
+  # Tiny sets (the real run writes > 2 GiB): 600 and 200 examples of 16x16x3
+  # in shards of ~50 KiB, so the large set has several groups of 4 shards.
+  proc = run("benchmarks/large_dataset.py", "--shape=16,16,3",
+             "--large_examples=600", "--small_examples=200",
+             "--test_examples=32", "--shard_mib=0.05",
+             "--global_batch_size=16", "--resume_repeats=1",
+             f"--work_dir={tmp_path}", timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  sizes = re.findall(r"^(large|small): ([\d,]+) train examples 16x16x3 in "
+                     r"(\d+) shards: ([\d,]+) bytes", out, re.M)
+  assert [(n, e, s) for n, e, s, _ in sizes] == [
+      ("large", "600", "9"), ("small", "200", "3")], out
+  # Noise PNGs do not compress: at least the raw pixels (16*16*3 bytes).
+  assert all(int(b.replace(",", "")) > int(e) * 768 for _, e, _, b in sizes)
+  assert "larger than 2 GiB: NO" in out
+  # (b): one epoch of the large set less one step, on both sets.
+  assert "36 steps of batch 16" in out, out
+  small = float(re.search(r"small set: ([\d,]+) MiB", out)[1].replace(",", ""))
+  large = float(re.search(r"large set: ([\d,]+) MiB", out)[1].replace(",", ""))
+  ratio = float(re.search(r"large / small: ([\d.]+)x +\(goal <= 1.5x", out)[1])
+  assert small > 100 and large > 100  # a whole TensorFlow process
+  assert abs(ratio - large / small) < 0.01 + 1 / small
+  # (c): step 1 vs the epoch's last step (37 steps per epoch), 3 ways.
+  assert "end of epoch = step 36" in out
+  latencies = re.findall(r"step 1 ([\d.]+) s, end of epoch ([\d.]+) s, "
+                         r"end/start ([\d.]+)x", out)
+  assert len(latencies) == 3, out
+  assert all(float(a) > 0 and float(b) > 0 for a, b, _ in latencies)
+  assert re.search(r"replaying the stream from step 0 to step 36: [\d.]+ s",
+                   out)
+  # Everything it wrote is gone.
+  [root] = re.findall(r"^deleted (\S+)$", out, re.M)
+  assert os.path.dirname(root) == str(tmp_path)
+  assert not os.listdir(tmp_path)
