@@ -150,12 +150,14 @@ class PipelineTrainer(StagedTrainer):
               for i, (device, group) in enumerate(zip(devices,
                                                       placed_groups))]
     copies = []
+    # The copies' optimizers hold their slots; the learning rate (a
+    # schedule, perhaps) is always copy 0's.
+    copy_config = dict(optimizer.get_config(), learning_rate=0.0)
     for r, copy_devices in enumerate((replica_devices or [])[1:], 1):
-      # The same layers and weights again, on copy r's devices; its own
-      # optimizer (same config) for its own slots.
+      # The same layers and weights again, on copy r's devices.
       with strategy.scope():
         copy, copy_groups = place_sequential(model, groups, copy_devices)
-        copy_optimizer = type(optimizer).from_config(optimizer.get_config())
+        copy_optimizer = type(optimizer).from_config(copy_config)
       copies.append(([Stage(f"copy_{r}_stage_{i}", device, group)
                       for i, (device, group) in enumerate(
                           zip(copy_devices, copy_groups))],

@@ -276,8 +276,10 @@ class StagedTrainer(Trainer):
 
   def _copy_pairs(self):
     """(copy 0's variable, copy r's variable): weights, optimizer slots."""
-    # The shared step counter is copy 0's; each copy's own is unused.
-    own = lambda opt: [v for v in opt.variables if "iteration" not in v.name]
+    # The slots. The step counter is shared and the learning rate copy 0's
+    # (a copy's own are unused).
+    own = lambda opt: [v for v in opt.variables
+                       if v.name not in ("iteration", "learning_rate")]
     pairs = []
     for _, model, optimizer in self.copies:
       pairs += zip(self.model.weights, model.weights)
