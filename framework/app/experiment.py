@@ -301,6 +301,14 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
     tf.config.experimental.enable_op_determinism()
   if strategy is None:
     strategy = strategies.make_strategy(config.strategy, tpu=config.tpu)
+  # A pipeline under mirrored: R copies of it, on one replica.
+  model_parallel, strategy = config.model_parallel.with_strategy(
+      strategy, config.strategy)
+  if model_parallel.replica_devices:
+    config = dataclasses.replace(config, model_parallel=model_parallel)
+    logging.info("data x pipeline: %d copies of a %d-stage pipeline on %s",
+                 len(model_parallel.replica_devices),
+                 model_parallel.num_stages, model_parallel.replica_devices)
   # One writer per model_dir, locked before anything there is touched.
   with RunLock(config.model_dir,
                enabled=strategies.is_chief(strategy)) as lock:

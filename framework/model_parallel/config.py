@@ -7,6 +7,7 @@ from framework.errors import ConfigError, check_choice, check_positive
 from framework.model_parallel.costs import BALANCES
 from framework.model_parallel.devices import PLACEMENTS, cluster_devices
 from framework.model_parallel.pipeline import PipelineTrainer
+from framework.model_parallel.replicas import split_strategy
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.tensor_parallel import TensorParallelTrainer
 from framework.core.trainer import Trainer
@@ -35,6 +36,8 @@ class ModelParallelConfig:
       its forward pass in the backward pass (GPipe's re-materialisation).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
+    replica_devices: data x pipeline: R tuples of `num_stages` devices, one
+      pipeline copy on each (set by `with_strategy`; empty: one pipeline).
   """
   mode: str = "none"
   num_stages: int = 2
@@ -45,6 +48,7 @@ class ModelParallelConfig:
   devices: str = "local"
   recompute: bool = False
   stage_balance: str = "flops"
+  replica_devices: tuple = ()
 
   def __post_init__(self):
     check_choice("model_parallel", self.mode, MODES)
@@ -68,6 +72,29 @@ class ModelParallelConfig:
     if self.mode == "tensor":
       return self.num_shards, "num_shards"
     return self.num_stages, "num_stages"
+
+  def with_strategy(self, strategy, name):
+    """(config, strategy) for a run under `strategy` (flag value `name`).
+
+    A pipeline under a multi-replica local strategy (mirrored) becomes
+    data x pipeline: the strategy's R * num_stages devices are cut into R
+    groups of num_stages consecutive devices (`replica_devices`) and the
+    run uses one replica (the default strategy). Anything else is returned
+    as it is (the trainers reject other splits with several replicas).
+
+    Raises:
+      ConfigError: the device count is not a multiple of num_stages, or
+        a strategy other than mirrored, or cluster placement.
+    """
+    if self.mode != "pipeline" or strategy.num_replicas_in_sync == 1:
+      return self, strategy
+    if self.devices == "cluster":
+      raise ConfigError(
+          f"model_parallel_devices=cluster with strategy={name} is not "
+          "supported; use strategy=default (one pipeline over the workers)")
+    strategy, groups = split_strategy(strategy, self.num_stages, name=name)
+    return dataclasses.replace(
+        self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
   def trainer_factory(self, trainer_cls=Trainer):
     """`trainer_cls`, or the model-parallel trainer bound to this config.
@@ -100,7 +127,9 @@ class ModelParallelConfig:
           num_microbatches=self.num_microbatches,
           stage_boundaries=tuple(self.stage_boundaries) or None,
           stage_balance=self.stage_balance, recompute=self.recompute,
-          devices=devices)
+          devices=devices, **({"replica_devices": [
+              list(g) for g in self.replica_devices]}
+                              if self.replica_devices else {}))
     return functools.partial(
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,

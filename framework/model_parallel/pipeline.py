@@ -101,13 +101,30 @@ class PipelineTrainer(StagedTrainer):
     recompute: keep only each stage's inputs per micro-batch and recompute
       its forward pass in backward (see `StagedTrainer`).
     devices: S device names; default `/GPU:0..` or `/CPU:0..`.
+    replica_devices: data x pipeline: R lists of S devices (e.g. from
+      `replicas.split_strategy`); copy r of the pipeline runs on list r
+      (copy 0, the model, on list 0; `devices` must then be unset). See
+      `StagedTrainer`'s `copies`.
     **kwargs: `Trainer` arguments.
   """
 
   def __init__(self, model, optimizer, strategy, *, num_stages=2,
                num_microbatches=1, stage_boundaries=None, devices=None,
-               stage_balance="flops", **kwargs):
+               stage_balance="flops", replica_devices=None, **kwargs):
     check_choice("stage_balance", stage_balance, BALANCES)
+    if replica_devices:
+      if devices:
+        raise ValueError("set devices or replica_devices, not both")
+      devices = replica_devices[0]
+      if not isinstance(model, keras.Sequential):
+        # The copies would need a clone of the graph split the same way.
+        raise ConfigError(
+            "data x pipeline (model_parallel=pipeline with strategy="
+            "mirrored) supports keras.Sequential models only so far; use "
+            "strategy=default for this model")
+      if num_stages * len(replica_devices) != sum(map(len, replica_devices)):
+        raise ConfigError(f"replica_devices={replica_devices} must be lists "
+                          f"of num_stages={num_stages} devices")
     sequential = isinstance(model, keras.Sequential)
     if sequential:
       groups = split_layers(model_layers(model), num_stages, stage_boundaries,
@@ -132,5 +149,19 @@ class PipelineTrainer(StagedTrainer):
     stages = [Stage(f"stage_{i}", device, group)
               for i, (device, group) in enumerate(zip(devices,
                                                       placed_groups))]
+    copies = []
+    # The copies' optimizers hold their slots; the learning rate (a
+    # schedule, perhaps) is always copy 0's.
+    copy_config = dict(optimizer.get_config(), learning_rate=0.0)
+    for r, copy_devices in enumerate((replica_devices or [])[1:], 1):
+      # The same layers and weights again, on copy r's devices.
+      with strategy.scope():
+        copy, copy_groups = place_sequential(model, groups, copy_devices)
+        copy_optimizer = type(optimizer).from_config(copy_config)
+      copies.append(([Stage(f"copy_{r}_stage_{i}", device, group)
+                      for i, (device, group) in enumerate(
+                          zip(copy_devices, copy_groups))],
+                     copy, copy_optimizer))
     super().__init__(placed, optimizer, strategy, stages=stages,
-                     num_microbatches=num_microbatches, **kwargs)
+                     num_microbatches=num_microbatches, copies=copies,
+                     **kwargs)

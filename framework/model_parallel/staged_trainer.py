@@ -24,13 +24,20 @@ one Keras model whose variables happen to live on several devices.
 
 
 from absl import logging
+import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
                                              memory_by_device, memory_metrics)
+from framework.model_parallel.replicas import all_reduce_copies
 from framework.core.trainer import Trainer
+
+
+def _tf_variable(variable):
+  """The tf.Variable behind a Keras variable (a tf.Variable as it is)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def update_scope(device):
@@ -52,21 +59,36 @@ class StagedTrainer(Trainer):
     recompute: keep only each stage's inputs per micro-batch and run its
       forward pass again in the backward pass (GPipe's re-materialisation:
       less activation memory, one more forward pass per step).
+    copies: data x pipeline: R-1 more copies of the pipeline, each a
+      `(stages, model, optimizer)` on its own devices (same layers and
+      initial weights as `stages`; `optimizer` of the same config, not yet
+      built). Copy r trains on the r-th consecutive share of the global
+      batch; each stage's gradients are summed across the R copies and
+      every copy applies the same update. Only `model` and `optimizer` are
+      checkpointed; the copies are set from them before each `train` call.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
   def __init__(self, model, optimizer, strategy, *, stages,
-               num_microbatches=1, recompute=False, **kwargs):
+               num_microbatches=1, recompute=False, copies=(), **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
           f"model parallelism needs a strategy with one replica (default or "
           f"one_device); this one has {strategy.num_replicas_in_sync}")
     batch = kwargs.get("global_batch_size")
+    copies = list(copies)
+    replicas = len(copies) + 1
     if batch and batch % num_microbatches:
       raise ConfigError(
           f"num_microbatches={num_microbatches} does not divide "
           f"global_batch_size={batch}; use a divisor of {batch}")
+    if batch and batch % (num_microbatches * replicas):
+      raise ConfigError(
+          f"num_microbatches={num_microbatches} does not divide each "
+          f"pipeline copy's share of global_batch_size={batch} ({replicas} "
+          f"copies); use a global batch that is a multiple of "
+          f"{num_microbatches * replicas}")
     if model.losses:
       # Regularisation terms would need their own per-stage tapes.
       raise ConfigError(
@@ -83,6 +105,7 @@ class StagedTrainer(Trainer):
       raise ValueError("the stages must use each trainable variable of the "
                        "model exactly once")
     super().__init__(model, optimizer, strategy, **kwargs)
+    self._set_up_copies(copies)
     self.memory = memory_by_device(model, optimizer)
     add_activations(self.memory, self.stages, self.global_batch_size,
                     self.recompute)
@@ -106,17 +129,52 @@ class StagedTrainer(Trainer):
 
     The micro-batched, device-pinned forward and backward passes; the
     gradient is that of the mean loss over `global_batch_size` examples.
+    With copies (data x pipeline): copy 0's, already summed over copies.
     """
-    last = len(self.stages) - 1
-    with tf.device(self.stages[0].device):
+    if self.copies:
+      grads, loss, accuracy = self._copies_gradients(features, labels)
+      return grads[0], loss, accuracy
+    grads, loss, accuracy = self._pipeline_gradients(self.stages, features,
+                                                     labels)
+    return [g for stage_grads in grads for g in stage_grads], loss, accuracy
+
+  def _copies_gradients(self, features, labels):
+    """(R lists of gradients, loss, accuracy): every copy's gradients.
+
+    Copy r runs the pipeline on the r-th consecutive share of the batch;
+    its micro-batch losses are still divided by the GLOBAL batch size, so
+    the sum over copies of a stage's gradients is the full-batch gradient.
+    """
+    all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
+    per_copy, losses, accuracies = [], [], []
+    for stages, x, y in zip(all_stages, tf.split(features, len(all_stages)),
+                            tf.split(labels, len(all_stages))):
+      grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
+      per_copy.append(grads)
+      losses.append(loss)
+      accuracies.append(accuracy)
+    # Stage i's gradients, all-reduced across the R copies of stage i.
+    reduced = [[] for _ in all_stages]
+    for i in range(len(self.stages)):
+      summed = all_reduce_copies([grads[i] for grads in per_copy],
+                                 [stages[i].device for stages in all_stages])
+      for r, stage_grads in enumerate(summed):
+        reduced[r].extend(stage_grads)
+    with tf.device(self.stages[-1].device):
+      return reduced, tf.add_n(losses), tf.add_n(accuracies)
+
+  def _pipeline_gradients(self, stages, features, labels):
+    """(a gradient list per stage, loss, accuracy): one pipeline's pass."""
+    last = len(stages) - 1
+    with tf.device(stages[0].device):
       micro_features = tf.split(features, self.num_microbatches)
-    with tf.device(self.stages[last].device):
+    with tf.device(stages[last].device):
       micro_labels = tf.split(labels, self.num_microbatches)
 
     # A device runs its forward passes one micro-batch at a time, in order
     # (as a GPU stream would; logical CPU devices would otherwise run them
     # all at once on the shared cores).
-    previous = [[] for _ in self.stages]
+    previous = [[] for _ in stages]
 
     # Forward, all micro-batches: each stage keeps its tapes for backward
     # (with recompute: only its inputs).
@@ -125,7 +183,7 @@ class StagedTrainer(Trainer):
       # Divide by the GLOBAL batch size, so the M shares sum to the mean.
       head = lambda logits, y=y: self.average(self.loss_fn(y, logits))
       micro_records = []
-      for i, stage in enumerate(self.stages):
+      for i, stage in enumerate(stages):
         x, record = stage.forward(x, training=True, after=previous[i],
                                   head=head if i == last else None,
                                   recompute=self.recompute)
@@ -133,15 +191,15 @@ class StagedTrainer(Trainer):
         micro_records.append(record)
       records.append(micro_records)
       losses.append(micro_records[last].target)
-      with tf.device(self.stages[last].device):
+      with tf.device(stages[last].device):
         accuracies.append(self.average(self.correct(y, x)))
 
     # Backward, last micro-batch first; gradients summed on each device.
-    grads = [None] * len(self.stages)
+    grads = [None] * len(stages)
     for micro_records in reversed(records):
       output_grad = None
-      for i in reversed(range(len(self.stages))):
-        stage = self.stages[i]
+      for i in reversed(range(len(stages))):
+        stage = stages[i]
         # No `after` here: control inputs in the backward pass change
         # Grappler's rewrites of the gradient ops (results then differ from
         # the unsplit model in the last bits); data dependencies already
@@ -149,11 +207,12 @@ class StagedTrainer(Trainer):
         output_grad, stage_grads = stage.backward(
             micro_records[i], output_grad, input_grad=i > 0)
         grads[i] = self._accumulate(stage, grads[i], stage_grads)
-    grads = [g for stage_grads in grads for g in stage_grads]
     return grads, tf.add_n(losses), tf.add_n(accuracies)
 
   def train_step(self, batch):
     features, labels = batch
+    if self.copies:
+      return self._copies_train_step(features, labels)
     grads, loss, accuracy = self.gradients(features, labels)
     # One update with the full-batch gradient, as the unsplit model does.
     grads, grad_norm = self.clip_by_global_norm(grads)
@@ -168,8 +227,85 @@ class StagedTrainer(Trainer):
     would run there and copy its results back.
     """
     device = variable_device(var)
+    optimizer = self._copy_optimizers.get(id(_tf_variable(var)))
     with tf.device(device), tf.name_scope(update_scope(device) + "/"):
-      return super().update_variable(grad, var, learning_rate)
+      if optimizer is None:
+        return super().update_variable(grad, var, learning_rate)
+      # A copy's variable: its own slots, the same step and learning rate.
+      main, self.optimizer = self.optimizer, optimizer
+      try:
+        return super().update_variable(grad, var, learning_rate)
+      finally:
+        self.optimizer = main
+
+  # --- Data x pipeline: R copies of the pipeline. --------------------------
+
+  def _set_up_copies(self, copies):
+    """Builds the copies' optimizers, which share copy 0's step counter."""
+    self.copies = copies
+    self._copy_optimizers = {}
+    self._sync_copies_fn = None
+    for stages, model, optimizer in copies:
+      variables = [v for s in stages for v in s.trainable_variables]
+      if len(variables) != len(self.variables) or any(
+          a.shape != b.shape for a, b in zip(variables, self.variables)):
+        raise ValueError("a pipeline copy must have the stages' variables")
+      # One step counter: Adam's bias correction and any learning-rate
+      # schedule see the same step in every copy.
+      object.__setattr__(optimizer, "_iterations", self.optimizer.iterations)
+      with self.strategy.scope():
+        optimizer.build(model.trainable_variables)
+      for v in variables:
+        self._copy_optimizers[id(_tf_variable(v))] = optimizer
+
+  def _copies_train_step(self, features, labels):
+    per_copy, loss, accuracy = self._copies_gradients(features, labels)
+    # Every copy holds the same summed gradient: one norm, one clip.
+    grads, grad_norm = self.clip_by_global_norm(per_copy[0])
+    all_grads, variables = list(grads), list(self.variables)
+    for (stages, _, _), copy_grads in zip(self.copies, per_copy[1:]):
+      if self.clip_norm is not None:
+        copy_grads, _ = tf.clip_by_global_norm(copy_grads, self.clip_norm,
+                                               use_norm=grad_norm)
+      all_grads.extend(copy_grads)
+      variables.extend(v for s in stages for v in s.trainable_variables)
+    # One optimizer step: each copy's variables updated on their device.
+    self.apply_gradients(all_grads, variables)
+    return {"loss": loss, "accuracy": accuracy,
+            "grad_norm": self.replica_share(grad_norm)}
+
+  def _copy_pairs(self):
+    """(copy 0's variable, copy r's variable): weights, optimizer slots."""
+    # The slots. The step counter is shared and the learning rate copy 0's
+    # (a copy's own are unused).
+    own = lambda opt: [v for v in opt.variables
+                       if v.name not in ("iteration", "learning_rate")]
+    pairs = []
+    for _, model, optimizer in self.copies:
+      pairs += zip(self.model.weights, model.weights)
+      pairs += zip(own(self.optimizer), own(optimizer))
+    for a, b in pairs:
+      if a.shape != b.shape:
+        raise ValueError(f"pipeline copy mismatch: {a.path} {a.shape}, "
+                         f"{b.path} {b.shape}")
+    return pairs
+
+  def sync_copies(self):
+    """Sets every copy's weights and optimizer slots to copy 0's.
+
+    Copy 0 is what checkpoints save and restore (and what the weights file
+    holds); the copies follow it after a restore. Equal copies stay equal:
+    they apply the same update every step.
+    """
+    if self._sync_copies_fn is None:
+      pairs = self._copy_pairs()
+
+      def sync():
+        for source, target in pairs:
+          target.assign(source)
+
+      self._sync_copies_fn = tf.function(sync)
+    self._sync_copies_fn()
 
   def _accumulate(self, stage, totals, grads):
     """totals + grads, each sum on its variable's device."""
@@ -188,6 +324,8 @@ class StagedTrainer(Trainer):
 
   def train(self, iterator, num_steps):
     """As `Trainer.train`, plus each device's memory as extra scalars."""
+    if self.copies:
+      self.sync_copies()
     metrics = dict(super().train(iterator, num_steps))
     metrics.update(memory_metrics(self.memory))
     return metrics

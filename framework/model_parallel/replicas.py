@@ -1,0 +1,102 @@
+"""Data x pipeline: R copies of an S-stage pipeline on R*S devices.
+
+    --strategy=mirrored --cpu_devices=4 --num_stages=2:
+      devices   /CPU:0 /CPU:1 | /CPU:2 /CPU:3
+      copy r=0  stage 0 stage 1                 (the model: checkpointed)
+      copy r=1                   stage 0 stage 1 (kept equal to copy 0)
+
+The data-parallel strategy only says which devices there are: its R*S
+devices are cut into R groups of S consecutive devices, copy r of the
+pipeline runs on group r with the r-th consecutive share of the global
+batch, and the run itself uses one replica (the default strategy). Each
+stage's gradients are summed across its R copies by a tf.distribute
+cross-device reduction (`all_reduce_copies`) and every copy applies the
+same update.
+"""
+
+import tensorflow as tf
+# PerReplica is the input type of tf.distribute's cross-device ops.
+from tensorflow.python.distribute import values as values_lib  # pylint: disable=g-direct-tensorflow-import
+
+from framework.errors import ConfigError
+from framework.model_parallel.devices import short_device
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def replica_groups(devices, num_stages, *, strategy="mirrored"):
+  """`devices` (R*S of them) cut into R lists of S consecutive devices.
+
+  Raises:
+    ConfigError: the device count is not a multiple of `num_stages`.
+  """
+  devices = [short_device(d) for d in devices]
+  if len(devices) % num_stages:
+    raise ConfigError(
+        f"strategy={strategy} has {len(devices)} devices, not a multiple of "
+        f"num_stages={num_stages}: data x pipeline needs R * num_stages "
+        f"devices (e.g. --cpu_devices={2 * num_stages} for 2 copies)")
+  return [devices[r:r + num_stages]
+          for r in range(0, len(devices), num_stages)]
+
+
+def split_strategy(strategy, num_stages, *, name="mirrored"):
+  """(one-replica strategy, R device groups) for a pipeline under `strategy`.
+
+  A one-replica strategy is returned as it is, with no groups (None): the
+  plain pipeline. A local multi-replica strategy (mirrored) gives its
+  devices to `replica_groups`; the run then uses the default strategy.
+
+  Raises:
+    ConfigError: a cluster strategy, or a bad device count.
+  """
+  if strategy.num_replicas_in_sync == 1:
+    return strategy, None
+  if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    raise ConfigError(
+        f"model_parallel=pipeline with strategy={name} is not supported; "
+        "use strategy=mirrored (R copies of the pipeline on R * num_stages "
+        "local devices) or strategy=default")
+  groups = replica_groups(strategy.extended.worker_devices, num_stages,
+                          strategy=name)
+  return tf.distribute.get_strategy(), groups
+
+
+def _pack(tensors):
+  return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+
+
+def _unpack(vector, like):
+  sizes = [t.shape.num_elements() for t in like]  # variables' shapes
+  return [tf.reshape(part, tf.shape(t))
+          for part, t in zip(tf.split(vector, sizes), like)]
+
+
+def all_reduce_copies(per_copy, devices):
+  """The sum over copies of one stage's gradients, on every copy's device.
+
+  Args:
+    per_copy: R lists of gradients (copy r's on `devices[r]`), same shapes.
+    devices: the R devices of this stage's copies.
+  Returns:
+    R lists: the summed gradients, list r on `devices[r]` (equal values).
+  """
+  if len(per_copy) == 1:
+    return [list(per_copy[0])]
+  # One reduction per stage: each copy packs its gradients into a vector.
+  vectors = []
+  for grads, device in zip(per_copy, devices):
+    with tf.device(device), tf.name_scope("pack_gradients/"):
+      vectors.append(_pack(grads))
+  # MirroredStrategy's own CPU reduction: a sum on the first copy's device,
+  # sent to the others. (TensorFlow's collective ops were tried first:
+  # CollectiveReduceV2 between logical CPU devices of one process hangs in
+  # TF 2.21.)
+  summed = tf.distribute.ReductionToOneDevice().reduce(
+      SUM, values_lib.PerReplica(tuple(vectors)),
+      destinations=values_lib.PerReplica(tuple(vectors)))
+  results = []
+  for vector, device, grads in zip(summed.values, devices, per_copy):
+    with tf.device(device), tf.name_scope("unpack_gradients/"):
+      results.append(_unpack(vector, grads))
+  return results

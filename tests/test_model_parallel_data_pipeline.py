@@ -1,0 +1,119 @@
+"""Data x pipeline: R = 2 copies of a 2-stage pipeline on 4 CPU devices.
+
+In-process tests have 2 logical CPU devices (conftest), so the 4-device runs
+happen in subprocesses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from framework.errors import ConfigError
+from framework.model_parallel import replicas
+from tests import helpers
+
+STEPS = 4
+
+# Trains the unsplit MLP on one device and the 2 x 2 data x pipeline on the
+# same global batches, one step at a time; prints what the test checks.
+_COMPARE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+import framework
+framework.configure_cpu_devices(4)
+import keras
+from framework import model_parallel as mp
+from tests.model_parallel_reference import STRATEGY, build, data
+
+BATCH, STEPS = 16, int(sys.argv[1])
+x, y = data(BATCH * STEPS, (12,), 5)
+reference = framework.Trainer(build("mlp", (12,), 5, hidden_units=(16, 16)),
+                              keras.optimizers.Adam(1e-2), STRATEGY,
+                              global_batch_size=BATCH)
+pipeline = mp.PipelineTrainer(
+    build("mlp", (12,), 5, hidden_units=(16, 16)),
+    keras.optimizers.Adam(1e-2), STRATEGY, global_batch_size=BATCH,
+    num_stages=2, num_microbatches=2,
+    replica_devices=[["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]])
+batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+ref_it, mp_it = iter(batches), iter(batches)
+(copy_stages, copy_model, _), = pipeline.copies
+out = {"weights": [], "loss": [], "copies": [], "devices": []}
+for step in range(STEPS):
+  ref_loss = float(reference.train(ref_it, 1)["loss"])
+  mp_loss = float(pipeline.train(mp_it, 1)["loss"])
+  out["loss"].append(abs(ref_loss - mp_loss))
+  out["weights"].append(max(
+      float(np.max(np.abs(a.numpy() - b.numpy())))
+      for a, b in zip(pipeline.model.weights, reference.model.weights)))
+  # Read before the next train() call re-syncs the copies.
+  out["copies"].append(max(
+      float(np.max(np.abs(a.numpy() - b.numpy())))
+      for a, b in zip(pipeline.model.weights, copy_model.weights)))
+out["devices"] = [[mp.variable_device(v) for v in s.trainable_variables]
+                  for s in pipeline.stages + copy_stages]
+out["moved"] = float(np.max(np.abs(
+    pipeline.model.weights[0].numpy() -
+    build("mlp", (12,), 5, hidden_units=(16, 16)).weights[0].numpy())))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _compare(steps=STEPS):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=helpers.ROOT)
+  proc = subprocess.run([sys.executable, "-c", _COMPARE, str(steps)],
+                        cwd=helpers.ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  return json.loads(line[-1][len("RESULT "):])
+
+
+def test_two_by_two_equals_single_device_training():
+  result = _compare()
+  assert result["moved"] > 1e-3  # the weights did train
+  # Copy 0 (the model) equals the unsplit model after every step ...
+  assert max(result["weights"]) < 1e-5, result["weights"]
+  assert max(result["loss"]) < 1e-5, result["loss"]
+  # ... and copy 1 applied the same all-reduced update: identical weights.
+  assert result["copies"] == [0.0] * STEPS, result["copies"]
+  # Stage i of copy r lives on device r * 2 + i.
+  assert result["devices"] == [["/CPU:0"] * 2, ["/CPU:1"] * 4,
+                               ["/CPU:2"] * 2, ["/CPU:3"] * 4]
+
+
+def test_replica_groups_cut_consecutive_devices():
+  assert replicas.replica_groups(
+      [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(6)],
+      3) == [["/CPU:0", "/CPU:1", "/CPU:2"], ["/CPU:3", "/CPU:4", "/CPU:5"]]
+  with pytest.raises(ConfigError, match=r"3 devices.*num_stages=2"):
+    replicas.replica_groups(["/CPU:0", "/CPU:1", "/CPU:2"], 2)
+
+
+_FLAGS = ["--model=mlp", "--hidden_units=16", "--dataset=synthetic",
+          "--strategy=mirrored", "--model_parallel=pipeline",
+          "--num_stages=2", "--num_microbatches=2", "--global_batch_size=16",
+          "--train_steps=4", "--steps_per_loop=2", "--eval_every=4"]
+
+
+def test_train_py_data_x_pipeline_end_to_end(tmp_path):
+  model_dir = tmp_path / "run"
+  proc = helpers.run_script("train.py", *_FLAGS, "--cpu_devices=4",
+                            f"--model_dir={model_dir}", timeout=600)
+  names = set(os.listdir(model_dir))
+  assert {"model.weights.h5", "model_info.json", "checkpoint"} <= names, names
+  assert "2 copies of a 2-stage pipeline" in proc.stderr
+
+
+def test_train_py_device_count_not_a_multiple_is_one_line(tmp_path):
+  model_dir = tmp_path / "bad"
+  before = helpers.snapshot(model_dir)
+  proc = helpers.run_script("train.py", *_FLAGS, "--cpu_devices=3",
+                            f"--model_dir={model_dir}", check=False)
+  helpers.assert_one_line_error(
+      proc, "train.py", "strategy=mirrored has 3 devices, not a multiple of "
+      "num_stages=2", unchanged=before)
