@@ -2,7 +2,7 @@
 
     python scripts/benchmarks/time_to_accuracy.py \
         --data_dir=../shared/data/cifar10/cifar-10-batches-py \
-        --work_dir=/tmp/time_to_accuracy --ablate=builtin
+        --work_dir=/tmp/time_to_accuracy --overwrite --ablate=builtin
 
 Runs `scripts/train.py --flagfile=<--recipe> --seed=S --model_dir=<work_dir>/
 seed_S [--extra ...]` for each of `--seeds`, one after the other, each in a
