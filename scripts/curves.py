@@ -39,15 +39,16 @@ def per_epoch(points, steps_per_epoch):
   return {epoch: float(np.mean(v)) for epoch, v in sorted(epochs.items())}
 
 
-def draw(curves, path, title, width=900, height=560):
-  """A line plot of {name: {epoch: value}} as a PNG (PIL only)."""
+def draw(curves, path, title, width=900, height=560, x_label="epoch"):
+  """A line plot of {name: {x: value}} as a PNG (PIL only); x: epochs, or
+  any other number >= 0 (e.g. seconds) named by `x_label`."""
   image = Image.new("RGB", (width, height), "white")
   pen = ImageDraw.Draw(image)
   font = ImageFont.load_default()
   left, right, top, bottom = 70, width - 30, 40, height - 60
   all_x = [x for c in curves.values() for x in c] or [1]
   all_y = [y for c in curves.values() for y in c.values()] or [0, 1]
-  x_max = max(all_x)
+  x_max = int(np.ceil(max(all_x)))
   y_min = np.floor(min(all_y) * 10) / 10
   y_max = min(1.0, np.ceil(max(all_y) * 10) / 10)
   if y_max <= y_min:
@@ -64,7 +65,7 @@ def draw(curves, path, title, width=900, height=560):
     pen.line([(px, bottom), (px, bottom + 5)], fill="black")
     pen.text((px - 4, bottom + 10), str(x), fill="black", font=font)
   pen.rectangle([left, top, right, bottom], outline="black")
-  pen.text((width // 2 - 20, height - 25), "epoch", fill="black", font=font)
+  pen.text((width // 2 - 20, height - 25), x_label, fill="black", font=font)
   pen.text((left, 12), title, fill="black", font=font)
   for row, (name, curve) in enumerate(curves.items()):
     color = COLORS.get(name, PALETTE[row % len(PALETTE)])

@@ -137,7 +137,8 @@ flags.DEFINE_float("label_smoothing", 0.0, "Label smoothing of the "
 flags.DEFINE_float("ema_decay", None, "Keep an exponential moving average "
                    "of the weights with this decay (e.g. 0.99); evaluation "
                    "and model.weights.h5 / the SavedModel use it "
-                   "(model.raw.weights.h5: the raw weights).")
+                   "(model.raw.weights.h5: the raw weights); 0 unsets it, "
+                   "e.g. to override a flag file's.")
 flags.DEFINE_bool("ema_warmup", False, "EMA decay min(ema_decay, "
                   "(1+n)/(10+n)) at update n: forgets the initial weights "
                   "quickly in short runs.")
@@ -298,7 +299,8 @@ def config_from_flags():
       hparams=hparams, check_distribution=FLAGS.check_distribution,
       model_parallel=model_parallel, restore=FLAGS.restore,
       allow_config_change=FLAGS.allow_config_change,
-      label_smoothing=FLAGS.label_smoothing, ema_decay=FLAGS.ema_decay,
+      label_smoothing=FLAGS.label_smoothing,
+      ema_decay=FLAGS.ema_decay or None,
       ema_warmup=FLAGS.ema_warmup, eval_tta=FLAGS.eval_tta)
 
 

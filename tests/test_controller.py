@@ -1,8 +1,10 @@
 """The Controller built directly, as a user would: any Keras optimizer, any
 metric names, a plain tf.data.Dataset, under MirroredStrategy (2 CPUs)."""
 
+import dataclasses
 import glob
 import os
+import time
 
 import keras
 import numpy as np
@@ -138,3 +140,23 @@ def test_partial_batch_is_a_data_error(tmp_path):
   with pytest.raises(framework.DataError,
                      match="batch of 4 examples.*global_batch_size=8"):
     controller.run()
+
+
+def test_each_evaluation_records_its_seconds_since_the_start(tmp_path):
+  controller = make_controller(tmp_path, 12)
+  controller.config = dataclasses.replace(controller.config, eval_every=4)
+  controller.evaluate()  # before run(): no start time, nothing recorded
+  acc = event_accumulator.EventAccumulator(str(tmp_path / "eval"))
+  acc.Reload()
+  assert "mae" in acc.Tags()["tensors"]
+  assert "elapsed_seconds" not in acc.Tags()["tensors"]
+  # The origin is `start_time` (experiment.run sets its own start there).
+  before = time.time()
+  controller.start_time = before - 1000
+  controller.run()
+  after = time.time()
+  elapsed = scalars(str(tmp_path / "eval"), "elapsed_seconds")
+  assert sorted(elapsed) == [4, 8, 12]
+  values = [elapsed[s] for s in (4, 8, 12)]
+  assert values == sorted(values)
+  assert 1000 <= values[0] and values[-1] <= after - before + 1000
