@@ -80,6 +80,29 @@ def test_global_shuffle_gives_the_arrays_batches_exactly(data, files, start):
     np.testing.assert_array_equal(a[1], f[1])
 
 
+def test_global_shuffle_breaks_key_ties_as_the_arrays_do(tmp_path):
+  # 30,000 float32 keys hold ~50 equal pairs; the converter deals examples
+  # to shards out of index order, so ties must still fall as in the arrays.
+  n = 30000
+  big = framework.ArrayDataset(
+      "big", np.arange(n, dtype=np.int64).view(np.uint8).reshape(n, 2, 1, 4),
+      np.zeros(n, np.int32), np.zeros((1, 2, 1, 4), np.uint8),
+      np.zeros(1, np.int32), ("a",))
+  tfrecords.write_split(str(tmp_path), "train",
+                        lambda i: (big.train_x[i], big.train_y[i]), n,
+                        num_shards=3, class_names=("a",), name="big")
+  tfrecords.write_split(str(tmp_path), "test",
+                        lambda i: (big.test_x[i], big.test_y[i]), 1,
+                        num_shards=1, class_names=("a",), name="big")
+  for seed in (0, 1):
+    keys = tf.random.stateless_uniform([n], seed=[seed, 0]).numpy()
+    assert len(np.unique(keys)) < n  # the case this test is about
+    [(a, _)] = _batches(inputs.train_dataset(big, n, seed=seed), 1)
+    [(f, _)] = _batches(inputs.train_dataset(file_input.load_tfrecord(
+        str(tmp_path), shuffle="global"), n, seed=seed), 1)
+    np.testing.assert_array_equal(a, f)
+
+
 def test_global_shuffle_needs_an_example_index(files):
   dataset = file_input.load_tfrecord(files)
   split = file_input.ShardedSplit(dataset.train.counts, dataset.train.read,
