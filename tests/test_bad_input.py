@@ -77,6 +77,12 @@ def test_model_of_the_wrong_task(model_dir, args, fragments):
   train_fails(model_dir, *TINY, *args, fragments=fragments)
 
 
+def test_global_file_shuffle_of_an_in_memory_dataset(model_dir):
+  train_fails(model_dir, *TINY, "--file_shuffle=global",
+              fragments=["file_shuffle=global", "streamed from files",
+                         "dataset=synthetic"])
+
+
 def test_model_of_the_wrong_task_before_the_distribution_check(model_dir):
   train_fails(model_dir, *TINY, "--model=unet", "--unet_depth=1",
               "--unet_width=4", "--check_distribution",
