@@ -152,11 +152,32 @@ def quiet_startup(*, import_tensorflow=True):
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
   def after_flags():
+    apply_onednn_flag()
     if import_tensorflow:
       import_tensorflow_quietly()
     quiet_tensorflow_logs()
 
   app.call_after_init(after_flags)
+
+
+def apply_onednn_flag():
+  """--onednn=on|off (in apps that define it) as TF_ENABLE_ONEDNN_OPTS,
+  which TensorFlow reads once, when it loads: before that."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if "onednn" not in flags.FLAGS or flags.FLAGS.onednn == "default":
+    return
+  if "tensorflow" in sys.modules:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning("--onednn=%s has no effect: TensorFlow was loaded "
+                    "before the flags were parsed", flags.FLAGS.onednn)
+  os.environ["TF_ENABLE_ONEDNN_OPTS"] = (
+      "1" if flags.FLAGS.onednn == "on" else "0")
+
+
+def onednn_enabled():
+  """Whether TensorFlow runs its oneDNN CPU kernels in this process."""
+  from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
+  return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def main_running(run):

@@ -1,4 +1,4 @@
-"""The crop_flip augmentation: per-example, deterministic, a real crop/flip."""
+"""crop_flip and flip: per-example, deterministic, a real crop/flip."""
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +29,24 @@ def test_crop_flip_is_a_shifted_or_mirrored_window():
   # The same seeds give the same images (restarts, replica counts).
   again, _ = augment.crop_flip(tf.constant(images), tf.range(64),
                                tf.constant(seeds), padding=2)
+  np.testing.assert_array_equal(again.numpy(), out)
+
+
+def test_flip_mirrors_about_half_and_keeps_the_rest():
+  rng = np.random.default_rng(1)
+  images = rng.uniform(size=(200, 6, 6, 3)).astype(np.float32)
+  seeds = np.stack([np.full(200, 9), np.arange(200)], 1).astype(np.int64)
+  out, labels = augment.get_augmentation("flip")(
+      tf.constant(images), tf.range(200), tf.constant(seeds))
+  out = out.numpy()
+  np.testing.assert_array_equal(labels.numpy(), np.arange(200))
+  mirrored = [np.array_equal(o, i[:, ::-1]) for o, i in zip(out, images)]
+  kept = [np.array_equal(o, i) for o, i in zip(out, images)]
+  # Each image is itself or its mirror (never both: random pixels).
+  assert all(m != k for m, k in zip(mirrored, kept))
+  assert 70 < sum(mirrored) < 130
+  again, _ = augment.flip(tf.constant(images), tf.range(200),
+                          tf.constant(seeds))
   np.testing.assert_array_equal(again.numpy(), out)
 
 

@@ -30,10 +30,15 @@ def _recipe(tmp_path, lines=TINY):
 
 def _row(stdout, label):
   match = re.search(rf"^{label}\s+(yes|no)\s+(\S+)(?: s)?\s+(\S+)(?: s)?\s+"
-                    rf"([\d.]+) s\s+([\d.]+) % \(([\d.]+)\)\s+([\d.]+)$",
-                    stdout, re.M)
+                    rf"([\d.]+) s\s+([\d.]+) % \(([\d.]+)\)\s+([\d.]+)"
+                    rf"\s+(\S+)$", stdout, re.M)
   assert match, f"no row {label!r} in:\n{stdout}"
-  return match.groups()
+  return match.groups()[:-1]
+
+
+def _peak_column(stdout, label):
+  line = re.search(rf"^{label}\s+(yes|no)\s.*$", stdout, re.M).group(0)
+  return line.split()[-1]
 
 
 @pytest.mark.slow
@@ -50,6 +55,10 @@ def test_two_seeds_reach_the_target_with_an_ablation(tmp_path):
   for seed, figures in runs.items():
     reached, time_to_target, _, wall, best, best_epoch, epochs = _row(
         out, f"seed {seed}")
+    # The machine's matmul rate, measured before the run, is reported.
+    assert figures["matmul_peak_gflops"] > 0
+    assert float(_peak_column(out, f"seed {seed}")) == pytest.approx(
+        figures["matmul_peak_gflops"], abs=0.5)
     assert reached == "yes" and figures["reached"]
     # Stopped at the first evaluation reaching 50 % (32 steps per epoch).
     evaluations = figures["evaluations"]
@@ -115,7 +124,8 @@ def test_an_unreachable_target_reports_the_best_accuracy(tmp_path):
                     f"--work_dir={tmp_path / 'work'}",
                     f"--results_dir={results}",
                     "--extra=--stop_at_accuracy=0.99",
-                    "--extra=--learning_rate=1e-9", timeout=600)
+                    "--extra=--learning_rate=1e-9", "--nomeasure_peak",
+                    timeout=600)
   out = proc.stdout
   assert "time to 99.00 % test accuracy" in out
   reached, time_to_target, launch, _, best, _, epochs = _row(out, "seed 3")

@@ -49,10 +49,21 @@ class OpTable:
     wall_ms: the window's wall time (op times overlap when ops run in
       parallel, so their sum can exceed it).
     trace_path: the `.xplane.pb` file read.
+    names: (op name without its type, milliseconds) of every op, for
+      `share`.
   """
   rows: tuple
   wall_ms: float
   trace_path: str
+  names: tuple = ()
+
+  def share(self, predicate):
+    """The fraction of all op time spent in ops whose name (scopes
+    included, e.g. `gradient_tape/cifar_cnn_1/conv2d/Conv2DBackpropInput`)
+    satisfies `predicate`."""
+    total = sum(ms for _, ms in self.names)
+    return sum(ms for name, ms in self.names if predicate(name)) / (
+        total or 1.0)
 
   @property
   def total_ms(self):
@@ -100,7 +111,7 @@ def op_table(trace_path):
   the profiler itself; keep windows to a few steps when counts matter.
   """
   space = load_xspace(trace_path)
-  totals, counts = {}, {}
+  totals, counts, by_name = {}, {}, {}
   first, last = None, None
   for plane in space.planes:
     if not plane.name.startswith("/host:CPU"):
@@ -122,6 +133,8 @@ def op_table(trace_path):
         ms = event.duration_ps / 1e9
         totals[op_type] = totals.get(op_type, 0.0) + ms
         counts[op_type] = counts.get(op_type, 0) + 1
+        name = meta.name.rsplit(":", 1)[0]
+        by_name[name] = by_name.get(name, 0.0) + ms
         start = base + event.offset_ps
         first = start if first is None else min(first, start)
         end = start + event.duration_ps
@@ -129,7 +142,8 @@ def op_table(trace_path):
   rows = tuple(sorted(((k, totals[k], counts[k]) for k in totals),
                       key=lambda row: -row[1]))
   wall = (last - first) / 1e9 if rows else 0.0
-  return OpTable(rows=rows, wall_ms=wall, trace_path=trace_path)
+  return OpTable(rows=rows, wall_ms=wall, trace_path=trace_path,
+                 names=tuple(sorted(by_name.items())))
 
 
 def profile_op_table(fn):

@@ -27,6 +27,12 @@ flags.DEFINE_integer("loops_per_round", 3, "Timed loops per round.")
 flags.DEFINE_integer("rounds", 5, "Alternating rounds after warm-up.")
 flags.DEFINE_string("data_dir", None, "CIFAR-10 directory (default: "
                     "synthetic CIFAR-shaped data; same cost per batch).")
+flags.DEFINE_enum("recipe", "reference", ["reference", "fast"], "The "
+                  "training step measured: reference (Adam, plain "
+                  "cross-entropy, no augmentation) or fast (the step of "
+                  "scripts/configs/cifar10_fast.cfg: Nesterov SGD on a "
+                  "one-cycle schedule, label smoothing 0.1, EMA 0.99 with "
+                  "warm-up, flip augmentation in the input).")
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 flags.DEFINE_string("result_file", None, "Internal: measure in this process "
                     "(the first of --strategies) and write the result here.")
@@ -34,7 +40,8 @@ flags.DEFINE_string("result_file", None, "Internal: measure in this process "
 _QUICK = (("global_batch_size", 128), ("steps_per_loop", 5),
           ("loops_per_round", 2), ("rounds", 3))
 # Forwarded to every measurement process.
-_SHARED = ("global_batch_size", "steps_per_loop", "loops_per_round", "rounds")
+_SHARED = ("global_batch_size", "steps_per_loop", "loops_per_round", "rounds",
+           "recipe")
 
 
 def apply_quick():
@@ -103,7 +110,7 @@ class Setup:
       with strategy.scope():
         self.model = models.build_model("cifar_cnn", dataset.input_shape,
                                         dataset.num_classes)
-        self.optimizer = keras.optimizers.Adam(1e-3)
+        self.optimizer = _optimizer()
     finally:
       precision_lib.set_precision("float32")
     self.loss_scale = (precision_lib.LossScale(strategy)
@@ -111,13 +118,43 @@ class Setup:
     self.grad_accum_steps = grad_accum_steps
 
 
+# scripts/configs/cifar10_fast.cfg's step (its schedule's length does not
+# change a step's cost).
+_FAST = dict(learning_rate=0.1, momentum=0.9, label_smoothing=0.1,
+             ema_decay=0.99, total_steps=1455, augment="flip")
+
+
+def _optimizer():
+  import keras  # pylint: disable=g-import-not-at-top
+  if FLAGS.recipe == "reference":
+    return keras.optimizers.Adam(1e-3)
+  from framework.core import optimizers  # pylint: disable=g-import-not-at-top
+  return optimizers.make_optimizer(optimizers.OptimizerConfig(
+      name="momentum", learning_rate=_FAST["learning_rate"],
+      momentum=_FAST["momentum"], nesterov=True, schedule="onecycle",
+      total_steps=_FAST["total_steps"]))
+
+
+def augmentation():
+  """The recipe's training augmentation (None: none)."""
+  from framework.data import augment  # pylint: disable=g-import-not-at-top
+  return augment.get_augmentation(
+      _FAST["augment"] if FLAGS.recipe == "fast" else "none")
+
+
 def make_trainer(setup, strategy, global_batch_size, fused_updates=True):
   import framework  # pylint: disable=g-import-not-at-top
+  from framework.core import losses  # pylint: disable=g-import-not-at-top
+  extra = {}
+  if FLAGS.recipe == "fast":
+    extra = dict(loss_fn=losses.smoothed_sparse_categorical_loss(
+        _FAST["label_smoothing"]), ema_decay=_FAST["ema_decay"],
+                 ema_warmup=True)
   return framework.Trainer(setup.model, setup.optimizer, strategy,
                            global_batch_size=global_batch_size,
                            grad_accum_steps=setup.grad_accum_steps,
                            loss_scale=setup.loss_scale,
-                           fused_updates=fused_updates)
+                           fused_updates=fused_updates, **extra)
 
 
 def time_trainer(trainer, iterator, loops, steps_per_loop):

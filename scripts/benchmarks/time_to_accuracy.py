@@ -73,6 +73,9 @@ flags.DEFINE_string("results_dir", os.path.join(
     ROOT, "docs", "results", "time_to_accuracy"), "The curves (PNG) and "
     "figures (JSON).")
 flags.DEFINE_float("goal_seconds", 300, "The goal: median time to target.")
+flags.DEFINE_bool("measure_peak", True, "Before each run, measure the "
+                  "machine's float32 matmul GFLOP/s (about 10 s) and report "
+                  "it with the run.")
 flags.DEFINE_float("milestone_seconds", 600, "The first milestone.")
 
 PROG = "time_to_accuracy.py"
@@ -84,6 +87,7 @@ ABLATIONS = {
     "no_augment": ("--augment=none",),
     "no_nesterov": ("--nonesterov",),
     "float32": ("--mixed_precision=float32",),
+    "no_onednn": ("--onednn=default",),
 }
 # Set by this script for every run.
 _OWN_FLAGS = ("flagfile", "seed", "model_dir")
@@ -177,17 +181,23 @@ class Run:
         *([f"--data_dir={FLAGS.data_dir}"] if FLAGS.data_dir else []),
         *FLAGS.extra, *extra]
     self.figures = None
+    self.peak_gflops = None
 
   def train(self):
     """Runs the process (its output to `self.log`); ConfigError on failure."""
     print(f"[{self.name} seed {self.seed}] {shlex.join(self.command[1:])}",
           flush=True)
+    if FLAGS.measure_peak:
+      self.peak_gflops = matmul_peak_gflops()
+      print(f"[{self.name} seed {self.seed}] float32 matmul peak before the "
+            f"run: {self.peak_gflops:.1f} GFLOP/s", flush=True)
     launch, start = time.time(), time.monotonic()
     with open(self.log, "w") as log:
       proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
       for line in proc.stdout:
         log.write(line)
+        log.flush()  # to follow a run with tail -f
         if re.search(r"eval  step|target accuracy|: error: ", line):
           print(f"[{self.name} seed {self.seed}] {line.rstrip()}", flush=True)
       proc.wait()
@@ -198,6 +208,19 @@ class Run:
                                                                "line"]
       raise _error(f"{self.name} seed {self.seed}: train.py exited "
                    f"{proc.returncode} ({errors[-1]}); log: {self.log}")
+
+
+def matmul_peak_gflops():
+  """This machine's float32 matmul rate now, in a process of its own: the
+  same machine runs at different speeds on different days (shared hosts),
+  so each run's seconds are reported with it."""
+  code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+          "from framework.perf import flops; "
+          "print(flops.matmul_peak_flops(trials=3) / 1e9)")
+  proc = subprocess.run([sys.executable, "-c", code, ROOT],
+                        capture_output=True, text=True, check=True,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  return float(proc.stdout.split()[-1])
 
 
 def main_run():

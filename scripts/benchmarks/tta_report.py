@@ -64,6 +64,7 @@ def read_run(run, target):
       best_epoch=best and best["epoch"], final_step=last and last["step"],
       epochs_run=last and last["epoch"], steps_per_epoch=steps_per_epoch,
       global_batch_size=batch, model_dir=run.model_dir, log=run.log,
+      matmul_peak_gflops=getattr(run, "peak_gflops", None),
       evaluations=evaluations)
 
 
@@ -73,6 +74,10 @@ def _seconds(value):
 
 def _percent(value):
   return f"{100 * value:.2f} %" if value is not None else "-"
+
+
+def _gflops(value):
+  return f"{value:.0f}" if value is not None else "-"
 
 
 def _epochs(value):
@@ -91,7 +96,7 @@ def _median_time(figures):
 def _table(figures):
   print(f"\n{'run':<22}{'reached':>8}{'time_to_target':>16}"
         f"{'launch':>10}{'wall':>10}{'best accuracy (epoch)':>24}"
-        f"{'epochs':>8}")
+        f"{'epochs':>8}{'peak GFLOP/s':>14}")
   for f in figures:
     label = (f"seed {f['seed']}" if f["name"] == "recipe"
              else f"{f['name']} seed {f['seed']}")
@@ -100,7 +105,8 @@ def _table(figures):
           f"{_seconds(f['time_to_target_seconds']):>16}"
           f"{_seconds(f['launch_to_target_seconds']):>10}"
           f"{_seconds(f['wall_seconds']):>10}{best:>24}"
-          f"{_epochs(f['epochs_run']):>8}")
+          f"{_epochs(f['epochs_run']):>8}"
+          f"{_gflops(f.get('matmul_peak_gflops')):>14}")
 
 
 def _draw_curves(figures, results_dir, prefix, target):

@@ -1,0 +1,48 @@
+"""scripts/benchmarks/eval_ablation.py: EMA and TTA at a finished run's step."""
+
+import re
+
+import pytest
+
+from tests.helpers import assert_one_line_error, run_script, snapshot
+
+RUN = ["--model=mlp", "--hidden_units=16", "--dataset=synthetic",
+       "--strategy=default", "--global_batch_size=64", "--train_steps=24",
+       "--optimizer=adam", "--learning_rate=0.003", "--steps_per_loop=8",
+       "--eval_every=24", "--checkpoint_every=0", "--noexport_saved_model",
+       "--ema_decay=0.8", "--eval_tta=flip", "--seed=2"]
+
+
+def _table(stdout):
+  rows = dict(re.findall(r"^(ema|raw)\s+([\d.]+%\s+[\d.]+%)$", stdout, re.M))
+  return {name: [float(v) / 100 for v in re.findall(r"([\d.]+)%", text)]
+          for name, text in rows.items()}
+
+
+@pytest.mark.slow
+def test_the_ema_flip_figure_is_the_runs_own_final_evaluation(tmp_path):
+  model_dir = tmp_path / "run"
+  proc = run_script("train.py", *RUN, f"--model_dir={model_dir}")
+  [final] = re.findall(r"final eval: .*'accuracy': ([0-9.e+-]+)",
+                       proc.stdout + proc.stderr)
+  out = run_script("benchmarks/eval_ablation.py",
+                   f"--model_dir={model_dir}").stdout
+  table = _table(out)
+  assert set(table) == {"ema", "raw"}, out
+  # EMA weights with flip TTA are what the run evaluated: same accuracy.
+  assert table["ema"][1] == pytest.approx(float(final), abs=1e-6)
+  # The raw weights are different weights (24 steps of Adam, decay 0.8).
+  assert table["raw"] != table["ema"]
+  assert all(0 <= a <= 1 for row in table.values() for a in row)
+
+
+def test_a_run_without_ema_is_one_line(tmp_path):
+  model_dir = tmp_path / "plain"
+  run_script("train.py", *[a for a in RUN if not a.startswith("--ema")],
+             "--train_steps=8", "--eval_every=8",
+             f"--model_dir={model_dir}")
+  before = snapshot(model_dir)
+  proc = run_script("benchmarks/eval_ablation.py",
+                    f"--model_dir={model_dir}", check=False)
+  assert_one_line_error(proc, "eval_ablation.py", "model.raw.weights.h5",
+                        unchanged=before)
