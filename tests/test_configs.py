@@ -232,7 +232,7 @@ BAD_CONFIGS = {
     "mixed_precision": (dict(mixed_precision="fp8"),
                         "mixed_precision='fp8' is not valid"),
     "augment": (dict(augment="mixup"),
-                "augment='mixup' is not valid; choose one of: none, "
+                "augment='mixup' is not valid; choose one of: none, flip, "
                 "crop_flip"),
 }
 

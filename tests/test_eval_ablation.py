@@ -6,11 +6,12 @@ import pytest
 
 from tests.helpers import assert_one_line_error, run_script, snapshot
 
+# Learns to about 80 % in 32 steps (tests/test_time_to_accuracy.py's recipe).
 RUN = ["--model=mlp", "--hidden_units=16", "--dataset=synthetic",
-       "--strategy=default", "--global_batch_size=64", "--train_steps=24",
-       "--optimizer=adam", "--learning_rate=0.003", "--steps_per_loop=8",
-       "--eval_every=24", "--checkpoint_every=0", "--noexport_saved_model",
-       "--ema_decay=0.8", "--eval_tta=flip", "--seed=2"]
+       "--strategy=default", "--global_batch_size=64", "--train_steps=32",
+       "--optimizer=adam", "--learning_rate=0.001", "--steps_per_loop=8",
+       "--eval_every=32", "--checkpoint_every=0", "--noexport_saved_model",
+       "--ema_decay=0.5", "--eval_tta=flip"]
 
 
 def _table(stdout):
@@ -29,11 +30,13 @@ def test_the_ema_flip_figure_is_the_runs_own_final_evaluation(tmp_path):
                    f"--model_dir={model_dir}").stdout
   table = _table(out)
   assert set(table) == {"ema", "raw"}, out
-  # EMA weights with flip TTA are what the run evaluated: same accuracy.
-  assert table["ema"][1] == pytest.approx(float(final), abs=1e-6)
-  # The raw weights are different weights (24 steps of Adam, decay 0.8).
+  # EMA weights with flip TTA are what the run evaluated: same accuracy
+  # (printed to 0.01 %).
+  assert table["ema"][1] == pytest.approx(float(final), abs=5e-5)  # 0.01 %
+  # Trained weights (chance is 10 %), and the raw weights are other
+  # weights than their average.
+  assert max(table["ema"] + table["raw"]) > 0.5
   assert table["raw"] != table["ema"]
-  assert all(0 <= a <= 1 for row in table.values() for a in row)
 
 
 def test_a_run_without_ema_is_one_line(tmp_path):

@@ -28,7 +28,7 @@ flags.DEFINE_string("data_dir", None, "A directory from make_tfrecords.py.")
 flags.DEFINE_integer("global_batch_size", 128, "Examples per step.")
 flags.DEFINE_integer("input_steps", 300, "Batches timed, input only.")
 flags.DEFINE_integer("train_steps", 60, "Steps timed, training.")
-flags.DEFINE_enum("augment", "crop_flip", ["none", "crop_flip"],
+flags.DEFINE_enum("augment", "crop_flip", ["none", "flip", "crop_flip"],
                   "Training augmentation (as in the reference recipe).")
 flags.mark_flag_as_required("data_dir")
 
