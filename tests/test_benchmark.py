@@ -155,3 +155,26 @@ def test_large_dataset_reports_memory_and_resume_and_deletes_data(tmp_path):
   [root] = re.findall(r"^deleted (\S+)$", out, re.M)
   assert os.path.dirname(root) == str(tmp_path)
   assert not os.listdir(tmp_path)
+
+
+def test_breakdown_fast_recipe_is_the_recipe_files_step():
+  # In-process: the step --recipe=fast measures is built from
+  # scripts/configs/cifar10_fast.cfg, not from a copy of its values.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  import framework  # pylint: disable=g-import-not-at-top
+  from framework.data import augment  # pylint: disable=g-import-not-at-top
+  from scripts.benchmarks import common  # pylint: disable=g-import-not-at-top
+  recipe = common._fast_recipe()  # pylint: disable=protected-access
+  assert recipe["optimizer"] == "momentum" and "nesterov" in recipe
+  with flagsaver.flagsaver(recipe="fast", global_batch_size=512):
+    flags.FLAGS.mark_as_parsed()
+    strategy = framework.make_strategy("default")
+    setup = common.Setup(strategy, framework.synthetic(num_train=64,
+                                                       num_test=8))
+    trainer = common.make_trainer(setup, strategy, 512)
+    assert setup.optimizer.nesterov
+    assert float(setup.optimizer.momentum) == float(recipe["momentum"])
+    assert trainer.ema is not None
+    assert common.augmentation() is augment.get_augmentation(
+        recipe["augment"])

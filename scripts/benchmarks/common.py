@@ -30,9 +30,8 @@ flags.DEFINE_string("data_dir", None, "CIFAR-10 directory (default: "
 flags.DEFINE_enum("recipe", "reference", ["reference", "fast"], "The "
                   "training step measured: reference (Adam, plain "
                   "cross-entropy, no augmentation) or fast (the step of "
-                  "scripts/configs/cifar10_fast.cfg: Nesterov SGD on a "
-                  "one-cycle schedule, label smoothing 0.1, EMA 0.99 with "
-                  "warm-up, flip augmentation in the input).")
+                  "scripts/configs/cifar10_fast.cfg, read from it: its "
+                  "optimizer, label smoothing, EMA and augmentation).")
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 flags.DEFINE_string("result_file", None, "Internal: measure in this process "
                     "(the first of --strategies) and write the result here.")
@@ -118,10 +117,21 @@ class Setup:
     self.grad_accum_steps = grad_accum_steps
 
 
-# scripts/configs/cifar10_fast.cfg's step (its schedule's length does not
-# change a step's cost).
-_FAST = dict(learning_rate=0.1, momentum=0.9, label_smoothing=0.1,
-             ema_decay=0.99, total_steps=1455, augment="flip")
+FAST_RECIPE = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "cifar10_fast.cfg")
+
+
+def _fast_recipe():
+  """{flag: value} of scripts/configs/cifar10_fast.cfg, read from the file
+  so that the measured step stays the recipe's."""
+  values = {}
+  with open(FAST_RECIPE) as f:
+    for line in f:
+      line = line.strip()
+      if line.startswith("--"):
+        name, _, value = line[2:].partition("=")
+        values[name] = value or "true"
+  return values
 
 
 def _optimizer():
@@ -129,17 +139,23 @@ def _optimizer():
   if FLAGS.recipe == "reference":
     return keras.optimizers.Adam(1e-3)
   from framework.core import optimizers  # pylint: disable=g-import-not-at-top
-  return optimizers.make_optimizer(optimizers.OptimizerConfig(
-      name="momentum", learning_rate=_FAST["learning_rate"],
-      momentum=_FAST["momentum"], nesterov=True, schedule="onecycle",
-      total_steps=_FAST["total_steps"]))
+  recipe = _fast_recipe()
+  # The schedule's length (a guess of 15 epochs of 97 steps) does not change
+  # a step's cost.
+  config = optimizers.OptimizerConfig(
+      name=recipe["optimizer"], learning_rate=float(recipe["learning_rate"]),
+      momentum=float(recipe["momentum"]), nesterov="nesterov" in recipe,
+      schedule=recipe["lr_schedule"], total_steps=1455,
+      lr_scaling=recipe["lr_scaling"],
+      base_batch_size=int(recipe["lr_base_batch_size"]))
+  return optimizers.make_optimizer(config.scaled(FLAGS.global_batch_size))
 
 
 def augmentation():
   """The recipe's training augmentation (None: none)."""
   from framework.data import augment  # pylint: disable=g-import-not-at-top
   return augment.get_augmentation(
-      _FAST["augment"] if FLAGS.recipe == "fast" else "none")
+      _fast_recipe()["augment"] if FLAGS.recipe == "fast" else "none")
 
 
 def make_trainer(setup, strategy, global_batch_size, fused_updates=True):
@@ -147,9 +163,11 @@ def make_trainer(setup, strategy, global_batch_size, fused_updates=True):
   from framework.core import losses  # pylint: disable=g-import-not-at-top
   extra = {}
   if FLAGS.recipe == "fast":
+    recipe = _fast_recipe()
     extra = dict(loss_fn=losses.smoothed_sparse_categorical_loss(
-        _FAST["label_smoothing"]), ema_decay=_FAST["ema_decay"],
-                 ema_warmup=True)
+        float(recipe["label_smoothing"])),
+                 ema_decay=float(recipe["ema_decay"]),
+                 ema_warmup="ema_warmup" in recipe)
   return framework.Trainer(setup.model, setup.optimizer, strategy,
                            global_batch_size=global_batch_size,
                            grad_accum_steps=setup.grad_accum_steps,

@@ -54,6 +54,7 @@ def run():
   # pylint: disable=g-import-not-at-top
   import numpy as np
   from framework.app import export
+  from framework.app.experiment import RAW_WEIGHTS_FILE, WEIGHTS_FILE
   from framework.data import datasets
   from framework.errors import ConfigError
   # pylint: enable=g-import-not-at-top
@@ -61,10 +62,10 @@ def run():
   if info is None:
     raise ConfigError(f"model_dir={FLAGS.model_dir} has no model_info.json")
   weights = {name: os.path.join(FLAGS.model_dir, file) for name, file in (
-      ("ema", "model.weights.h5"), ("raw", "model.raw.weights.h5"))}
+      ("ema", WEIGHTS_FILE), ("raw", RAW_WEIGHTS_FILE))}
   if not os.path.exists(weights["raw"]):
     raise ConfigError(f"model_dir={FLAGS.model_dir} has no "
-                      "model.raw.weights.h5: the run kept no EMA")
+                      f"{RAW_WEIGHTS_FILE}: the run kept no EMA")
   # As evaluate.py: the run's data, seed (synthetic data) and options.
   dataset = datasets.load_dataset(
       info["dataset"], FLAGS.data_dir or info.get("data_dir"),
