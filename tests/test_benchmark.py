@@ -99,6 +99,11 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
       "conv2d"] * 4 + ["dense"] * 2
   assert sum(row["flops"] for row in layers) == 143_259_648 * 16
   assert breakdown["layer_kernels_mfu"] > 0
+  # Most op time is the model's own ops (found by its name scope); the
+  # rest is named.
+  assert 0.5 < breakdown["model_op_share"] < 1
+  assert breakdown["other_ops"] and all(
+      "cifar_cnn" not in name for name, _ in breakdown["other_ops"])
   op_names = [row[0] for row in breakdown["op_time"]["rows"]]
   assert any("Conv2D" in name for name in op_names), op_names
   for line in ("Keras fit (A) vs distloop Trainer (B", "where a step's time goes",
