@@ -83,6 +83,10 @@ flags.DEFINE_bool("recompute", False, "Model parallel: keep only each "
                   "stage's inputs per micro-batch and recompute its forward "
                   "pass in the backward pass (less activation memory, one "
                   "more forward pass per step).")
+flags.DEFINE_bool("serial_stages", False, "Model parallel: each stage "
+                  "device runs its ops one at a time, in program order, as a "
+                  "GPU stream does (logical CPU devices otherwise run "
+                  "several of a stage's ops at once on the shared cores).")
 flags.DEFINE_enum("model_parallel_devices", "local", ["local", "cluster"],
                   "local: this process's GPUs or --cpu_devices; cluster: "
                   "stage/shard i on TF_CONFIG's worker i, the chief runs the "
@@ -280,7 +284,7 @@ def config_from_flags():
                              for v in FLAGS.stage_boundaries),
       num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer,
       devices=FLAGS.model_parallel_devices, recompute=FLAGS.recompute,
-      stage_balance=FLAGS.stage_balance)
+      serial_stages=FLAGS.serial_stages, stage_balance=FLAGS.stage_balance)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,

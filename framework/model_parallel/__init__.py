@@ -9,10 +9,11 @@ from framework.model_parallel.boundaries import balanced_boundaries
 from framework.model_parallel.pipeline import PipelineTrainer, place_sequential, split_layers
 from framework.model_parallel.staged_trainer import StagedTrainer, update_scope
 from framework.model_parallel.stages import ParallelStage, Stage
+from framework.model_parallel.streams import DeviceStreams
 from framework.model_parallel.tensor_parallel import ColumnParallelDense, RowParallelDense, TensorParallelModel, TensorParallelTrainer, split_dense_pair
 
 __all__ = [
-    "MODES", "PLACEMENTS", "ModelParallelConfig", "GraphStage", "check_cluster",
+    "MODES", "PLACEMENTS", "DeviceStreams", "ModelParallelConfig", "GraphStage", "check_cluster",
     "cluster_devices", "connect_cluster", "graph_nodes", "graph_stages",
     "place_variables", "split_graph", "start_cluster", "ColumnParallelDense", "ParallelStage", "PipelineTrainer",
     "RowParallelDense", "Stage", "StagedTrainer", "TensorParallelModel",

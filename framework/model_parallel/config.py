@@ -34,6 +34,8 @@ class ModelParallelConfig:
       `devices.connect_cluster` first).
     recompute: keep only each stage's inputs per micro-batch and recompute
       its forward pass in the backward pass (GPipe's re-materialisation).
+    serial_stages: each stage device runs its ops one at a time, in program
+      order, as a GPU stream does (`streams.DeviceStreams`).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
     replica_devices: data x pipeline: R tuples of `num_stages` devices, one
@@ -47,12 +49,17 @@ class ModelParallelConfig:
   split_layer: int = None
   devices: str = "local"
   recompute: bool = False
+  serial_stages: bool = False
   stage_balance: str = "flops"
   replica_devices: tuple = ()
 
   def __post_init__(self):
     check_choice("model_parallel", self.mode, MODES)
     check_choice("stage_balance", self.stage_balance, BALANCES)
+    if self.serial_stages and self.mode == "none":
+      raise ConfigError("serial_stages orders the ops of each stage of a "
+                        "split model; set --model_parallel=pipeline or "
+                        "tensor")
     if self.recompute and self.mode == "none":
       raise ConfigError("recompute re-runs the stages of a split model in "
                         "the backward pass; set --model_parallel=pipeline "
@@ -127,10 +134,10 @@ class ModelParallelConfig:
           num_microbatches=self.num_microbatches,
           stage_boundaries=tuple(self.stage_boundaries) or None,
           stage_balance=self.stage_balance, recompute=self.recompute,
-          devices=devices, **({"replica_devices": [
+          serial_stages=self.serial_stages, devices=devices, **({"replica_devices": [
               list(g) for g in self.replica_devices]}
                               if self.replica_devices else {}))
     return functools.partial(
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,
-        devices=devices)
+        serial_stages=self.serial_stages, devices=devices)

@@ -100,6 +100,8 @@ class PipelineTrainer(StagedTrainer):
       FLOPs, see `costs`) or `params` (parameter count).
     recompute: keep only each stage's inputs per micro-batch and recompute
       its forward pass in backward (see `StagedTrainer`).
+    serial_stages: each stage device runs its ops one at a time, in program
+      order, as a GPU stream does (see `StagedTrainer`).
     devices: S device names; default `/GPU:0..` or `/CPU:0..`.
     replica_devices: data x pipeline: R lists of S devices (e.g. from
       `replicas.split_strategy`); copy r of the pipeline runs on list r

@@ -32,12 +32,19 @@ from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
                                              memory_by_device, memory_metrics)
 from framework.model_parallel.replicas import all_reduce_copies
+from framework.model_parallel.streams import DeviceStreams
 from framework.core.trainer import Trainer
 
 
 def _tf_variable(variable):
   """The tf.Variable behind a Keras variable (a tf.Variable as it is)."""
   return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _stream_key(stage):
+  """A one-device stage's device; None for one spread over several."""
+  leaves = stage.leaves
+  return stage.device if len(leaves) == 1 and leaves[0] is stage else None
 
 
 def update_scope(device):
@@ -59,6 +66,9 @@ class StagedTrainer(Trainer):
     recompute: keep only each stage's inputs per micro-batch and run its
       forward pass again in the backward pass (GPipe's re-materialisation:
       less activation memory, one more forward pass per step).
+    serial_stages: each stage device runs its ops one at a time, in program
+      order, as a GPU stream would (`streams.DeviceStreams`); by default
+      TensorFlow may run several ops of one logical CPU device at once.
     copies: data x pipeline: R-1 more copies of the pipeline, each a
       `(stages, model, optimizer)` on its own devices (same layers and
       initial weights as `stages`; `optimizer` of the same config, not yet
@@ -70,7 +80,8 @@ class StagedTrainer(Trainer):
   """
 
   def __init__(self, model, optimizer, strategy, *, stages,
-               num_microbatches=1, recompute=False, copies=(), **kwargs):
+               num_microbatches=1, recompute=False, serial_stages=False,
+               copies=(), **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
@@ -98,6 +109,7 @@ class StagedTrainer(Trainer):
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
     self.recompute = bool(recompute)
+    self.streams = DeviceStreams(enabled=serial_stages)
     self.stage_variables = [s.trainable_variables for s in self.stages]
     staged = [id(v) for vs in self.stage_variables for v in vs]
     if (len(staged) != len(set(staged)) or
@@ -184,9 +196,10 @@ class StagedTrainer(Trainer):
       head = lambda logits, y=y: self.average(self.loss_fn(y, logits))
       micro_records = []
       for i, stage in enumerate(stages):
-        x, record = stage.forward(x, training=True, after=previous[i],
-                                  head=head if i == last else None,
-                                  recompute=self.recompute)
+        with self.streams.on(_stream_key(stage)):
+          x, record = stage.forward(x, training=True, after=previous[i],
+                                    head=head if i == last else None,
+                                    recompute=self.recompute)
         previous[i] = tf.nest.flatten(x)
         micro_records.append(record)
       records.append(micro_records)
@@ -204,9 +217,10 @@ class StagedTrainer(Trainer):
         # Grappler's rewrites of the gradient ops (results then differ from
         # the unsplit model in the last bits); data dependencies already
         # order each micro-batch's backward stage by stage.
-        output_grad, stage_grads = stage.backward(
-            micro_records[i], output_grad, input_grad=i > 0)
-        grads[i] = self._accumulate(stage, grads[i], stage_grads)
+        with self.streams.on(_stream_key(stage)):
+          output_grad, stage_grads = stage.backward(
+              micro_records[i], output_grad, input_grad=i > 0)
+          grads[i] = self._accumulate(stage, grads[i], stage_grads)
     return grads, tf.add_n(losses), tf.add_n(accuracies)
 
   def train_step(self, batch):

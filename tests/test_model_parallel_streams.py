@@ -1,0 +1,150 @@
+"""Device streams (`serial_stages`): one op at a time per stage device."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import model_parallel as mp
+from framework.errors import ConfigError
+from framework.model_parallel.streams import DeviceStreams
+from tests.helpers import run_script
+from tests.model_parallel_reference import (DEVICES, STRATEGY, assert_close,
+                                            batches, build, data)
+
+BATCH, MICRO = 16, 4
+
+
+def _pipeline(model, **kwargs):
+  return mp.PipelineTrainer(model, keras.optimizers.Adam(1e-2), STRATEGY,
+                            num_stages=2, num_microbatches=MICRO,
+                            global_batch_size=BATCH, devices=DEVICES,
+                            **kwargs)
+
+
+def _mlp():
+  return build("mlp", (12,), 5, hidden_units=(16, 16, 16))
+
+
+def _skip_model():
+  """A functional model with a skip across the cut."""
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((6,))
+  a = keras.layers.Dense(8, activation="tanh", name="a")(inputs)
+  b = keras.layers.Dense(8, activation="tanh", name="b")(a)
+  c = keras.layers.Dense(8, activation="tanh", name="c")(b)
+  joined = keras.layers.Add(name="join")([c, a])
+  outputs = keras.layers.Dense(4, name="out")(joined)
+  return keras.Model(inputs, outputs, name="skip")
+
+
+def _graph(trainer, x, y):
+  return tf.function(trainer.gradients).get_concrete_function(
+      tf.TensorSpec(x.shape, tf.float32), tf.TensorSpec(y.shape,
+                                                         tf.int32)).graph
+
+
+def _unordered_pairs(graph, device_suffix):
+  """Pairs of ops on the device that may run at the same time."""
+  ancestors = {}
+  for op in graph.get_operations():  # creation order is topological
+    seen = set()
+    for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+      seen.add(parent)
+      seen |= ancestors.get(parent, set())
+    ancestors[op] = seen
+  ops = [op for op in graph.get_operations()
+         if op.device.endswith(device_suffix) and
+         ("stage_" in op.name)]
+  pairs = []
+  for i, a in enumerate(ops):
+    for b in ops[i + 1:]:
+      if a not in ancestors[b] and b not in ancestors[a]:
+        pairs.append((a.name, b.name))
+  return ops, pairs
+
+
+def test_serial_stages_orders_every_op_of_a_stage_device():
+  x, y = data(BATCH, (12,), 5)
+  plain = _pipeline(_mlp())
+  ops, pairs = _unordered_pairs(_graph(plain, x, y), "CPU:1")
+  # Without streams a layer's input and weight gradients (at least) may
+  # run at once.
+  assert pairs, "expected concurrent ops without serial_stages"
+  serial = _pipeline(_mlp(), serial_stages=True)
+  ops, pairs = _unordered_pairs(_graph(serial, x, y), "CPU:1")
+  assert len(ops) > 50, len(ops)
+  assert any(op.type == "MatMul" and op.name.startswith("gradient_tape")
+             for op in ops)
+  assert not pairs, pairs[:5]
+
+
+def test_serial_stages_gives_the_same_gradients_and_training():
+  x, y = data(BATCH, (12,), 5)
+  for make_model in (_mlp, _skip_model):
+    if make_model is _skip_model:
+      x, y = data(BATCH, (6,), 4)
+    plain = _pipeline(make_model())
+    serial = _pipeline(make_model(), serial_stages=True)
+    grads, loss, _ = tf.function(plain.gradients)(x, y)
+    serial_grads, serial_loss, _ = tf.function(serial.gradients)(x, y)
+    assert_close(serial_loss, loss, "loss", atol=1e-6)
+    for i, (a, b) in enumerate(zip(serial_grads, grads)):
+      assert float(tf.reduce_max(tf.abs(b))) > 0, f"gradient {i} is zero"
+      assert_close(a, b, f"gradient {i}", atol=1e-6)
+    # Three steps inside one tf.function loop (the streams live in the
+    # loop body's graph).
+    losses = [float(t.train(batches(x, y), 3)["loss"]) for t in (plain,
+                                                                  serial)]
+    np.testing.assert_allclose(losses[1], losses[0], atol=1e-5)
+
+
+def test_streams_do_nothing_eagerly_or_when_disabled():
+  streams = DeviceStreams()
+  with streams.on("/CPU:0"):
+    value = tf.constant(1.0) + 1.0  # eager: no graph to chain
+  assert float(value) == 2.0
+
+  @tf.function
+  def chained(enabled):
+    s = DeviceStreams(enabled=enabled)
+    with s.on("k"):
+      a = tf.constant(1.0) * 2.0
+    with s.on("k"):
+      b = tf.constant(3.0) * 2.0
+    return a + b
+
+  for enabled in (True, False):
+    graph = chained.get_concrete_function(enabled).graph
+    ops = [op for op in graph.get_operations() if op.type in ("Const", "Mul")]
+    assert len(ops) == 6, [op.name for op in ops]  # 2 x (Const, Const, Mul)
+    # Enabled: each op after the first waits for the one made before it.
+    expected = [[]] + [[before] for before in ops[:-1]] if enabled else (
+        [[]] * len(ops))
+    assert [list(op.control_inputs) for op in ops] == expected
+
+
+def test_config_passes_serial_stages_and_needs_a_split():
+  with pytest.raises(ConfigError, match="serial_stages orders"):
+    mp.ModelParallelConfig(serial_stages=True)
+  for mode in ("pipeline", "tensor"):
+    config = mp.ModelParallelConfig(mode=mode, serial_stages=True)
+    assert config.trainer_factory().keywords["serial_stages"] is True
+
+
+def test_train_py_serial_stages_trains_a_pipeline(tmp_path):
+  common = ["--model=mlp", "--dataset=synthetic", "--cpu_devices=2",
+            "--global_batch_size=32", "--steps_per_loop=2", "--log_every=2",
+            "--train_steps=2", "--noexport_saved_model"]
+  proc = run_script("train.py", *common, f"--model_dir={tmp_path}/a",
+                    "--model_parallel=pipeline", "--num_microbatches=4",
+                    "--serial_stages")
+  assert "train step 2/2" in proc.stderr
+  bad = run_script("train.py", *common, f"--model_dir={tmp_path}/b",
+                   "--serial_stages", check=False)
+  assert bad.returncode == 1 and "Traceback" not in bad.stderr
+  errors = [l for l in bad.stderr.splitlines() if l.startswith("train.py:")]
+  assert len(errors) == 1 and "serial_stages orders" in errors[0], errors
+  assert not os.path.exists(f"{tmp_path}/b") or not os.listdir(f"{tmp_path}/b")
