@@ -29,15 +29,29 @@ import keras
 from framework import model_parallel as mp
 from tests.model_parallel_reference import STRATEGY, build, data
 
-BATCH, STEPS = 16, int(sys.argv[1])
+BATCH, STEPS, KIND = 16, int(sys.argv[1]), sys.argv[2]
+
+
+def skip_model():
+  # Functional: a skip from before the cut to after it.
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((12,))
+  a = keras.layers.Dense(16, activation="tanh", name="a")(inputs)
+  b = keras.layers.Dense(16, activation="tanh", name="b")(a)
+  c = keras.layers.Dense(16, activation="tanh", name="c")(b)
+  joined = keras.layers.Add(name="join")([c, a])
+  return keras.Model(inputs, keras.layers.Dense(5, name="out")(joined))
+
+
+make = {"mlp": lambda: build("mlp", (12,), 5, hidden_units=(16, 16)),
+        "skip": skip_model}[KIND]
 x, y = data(BATCH * STEPS, (12,), 5)
-reference = framework.Trainer(build("mlp", (12,), 5, hidden_units=(16, 16)),
-                              keras.optimizers.Adam(1e-2), STRATEGY,
+reference = framework.Trainer(make(), keras.optimizers.Adam(1e-2), STRATEGY,
                               global_batch_size=BATCH)
 pipeline = mp.PipelineTrainer(
-    build("mlp", (12,), 5, hidden_units=(16, 16)),
-    keras.optimizers.Adam(1e-2), STRATEGY, global_batch_size=BATCH,
+    make(), keras.optimizers.Adam(1e-2), STRATEGY, global_batch_size=BATCH,
     num_stages=2, num_microbatches=2,
+    **({"stage_boundaries": ("c",)} if KIND == "skip" else {}),
     replica_devices=[["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]])
 batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 ref_it, mp_it = iter(batches), iter(batches)
@@ -57,15 +71,15 @@ for step in range(STEPS):
 out["devices"] = [[mp.variable_device(v) for v in s.trainable_variables]
                   for s in pipeline.stages + copy_stages]
 out["moved"] = float(np.max(np.abs(
-    pipeline.model.weights[0].numpy() -
-    build("mlp", (12,), 5, hidden_units=(16, 16)).weights[0].numpy())))
+    pipeline.model.weights[0].numpy() - make().weights[0].numpy())))
+out["names"] = [s.name for s in pipeline.stages + copy_stages]
 print("RESULT " + json.dumps(out))
 """
 
 
-def _compare(steps=STEPS):
+def _compare(kind="mlp", steps=STEPS):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=helpers.ROOT)
-  proc = subprocess.run([sys.executable, "-c", _COMPARE, str(steps)],
+  proc = subprocess.run([sys.executable, "-c", _COMPARE, str(steps), kind],
                         cwd=helpers.ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -73,8 +87,9 @@ def _compare(steps=STEPS):
   return json.loads(line[-1][len("RESULT "):])
 
 
-def test_two_by_two_equals_single_device_training():
-  result = _compare()
+@pytest.mark.parametrize("kind", ["mlp", "skip"])
+def test_two_by_two_equals_single_device_training(kind):
+  result = _compare(kind)
   assert result["moved"] > 1e-3  # the weights did train
   # Copy 0 (the model) equals the unsplit model after every step ...
   assert max(result["weights"]) < 1e-5, result["weights"]
@@ -82,8 +97,14 @@ def test_two_by_two_equals_single_device_training():
   # ... and copy 1 applied the same all-reduced update: identical weights.
   assert result["copies"] == [0.0] * STEPS, result["copies"]
   # Stage i of copy r lives on device r * 2 + i.
-  assert result["devices"] == [["/CPU:0"] * 2, ["/CPU:1"] * 4,
-                               ["/CPU:2"] * 2, ["/CPU:3"] * 4]
+  if kind == "mlp":
+    assert result["devices"] == [["/CPU:0"] * 2, ["/CPU:1"] * 4,
+                                 ["/CPU:2"] * 2, ["/CPU:3"] * 4]
+  else:  # a, b | c, out (the skip from a crosses the cut)
+    assert result["devices"] == [["/CPU:0"] * 4, ["/CPU:1"] * 4,
+                                 ["/CPU:2"] * 4, ["/CPU:3"] * 4]
+  assert result["names"] == ["stage_0", "stage_1", "copy_1_stage_0",
+                             "copy_1_stage_1"]
 
 
 def test_replica_groups_cut_consecutive_devices():
@@ -117,3 +138,18 @@ def test_train_py_device_count_not_a_multiple_is_one_line(tmp_path):
   helpers.assert_one_line_error(
       proc, "train.py", "strategy=mirrored has 3 devices, not a multiple of "
       "num_stages=2", unchanged=before)
+
+
+def test_train_py_unet_data_x_pipeline_end_to_end(tmp_path):
+  # A functional model with skips: 2 copies of a 2-stage graph cut.
+  model_dir = tmp_path / "unet"
+  proc = helpers.run_script(
+      "train.py", "--model=unet", "--dataset=shapes", "--unet_depth=2",
+      "--unet_width=4", "--image_size=16", "--strategy=mirrored",
+      "--cpu_devices=4", "--model_parallel=pipeline", "--num_stages=2",
+      "--num_microbatches=2", "--global_batch_size=8", "--train_steps=2",
+      "--steps_per_loop=2", "--noexport_saved_model",
+      f"--model_dir={model_dir}", timeout=600)
+  assert "2 copies of a 2-stage pipeline" in proc.stderr
+  assert "final eval" in proc.stderr and "mean_iou" in proc.stderr
+  assert (model_dir / "model.weights.h5").exists()

@@ -282,8 +282,11 @@ def split_graph(model, num_stages, boundaries=None, balance="flops"):
   return [nodes[a:b] for a, b in zip(edges, edges[1:])], tuple(boundaries)
 
 
-def graph_stages(model, groups, devices):
-  """`GraphStage`s for the node `groups` on `devices` (variables moved)."""
+def graph_stages(model, groups, devices, name_prefix=""):
+  """`GraphStage`s for the node `groups` on `devices` (variables moved).
+
+  Stage i is named `<name_prefix>stage_<i>` (its ops' name scope).
+  """
   input_key = id(model.inputs[0])
   output_key = id(model.outputs[0])
   # For each cut: the tensors made before it and read after it.
@@ -301,7 +304,8 @@ def graph_stages(model, groups, devices):
       order = [input_key] + [id(t) for g in groups[:i + 1] for n in g
                              for t in n.outputs]
       outgoing = [k for k in order if k in made_before and k in later]
-    stage = GraphStage(f"stage_{i}", device, group, incoming=incoming,
+    stage = GraphStage(f"{name_prefix}stage_{i}", device, group,
+                       incoming=incoming,
                        outgoing=outgoing, last=last)
     place_variables(stage.layers, device)
     stages.append(stage)

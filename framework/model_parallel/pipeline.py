@@ -118,12 +118,6 @@ class PipelineTrainer(StagedTrainer):
       if devices:
         raise ValueError("set devices or replica_devices, not both")
       devices = replica_devices[0]
-      if not isinstance(model, keras.Sequential):
-        # The copies would need a clone of the graph split the same way.
-        raise ConfigError(
-            "data x pipeline (model_parallel=pipeline with strategy="
-            "mirrored) supports keras.Sequential models only so far; use "
-            "strategy=default for this model")
       if num_stages * len(replica_devices) != sum(map(len, replica_devices)):
         raise ConfigError(f"replica_devices={replica_devices} must be lists "
                           f"of num_stages={num_stages} devices")
@@ -138,11 +132,26 @@ class PipelineTrainer(StagedTrainer):
     if len(devices) != num_stages:
       raise ConfigError(f"devices={devices} must name num_stages="
                         f"{num_stages} devices")
+    # The copies' optimizers hold their slots; the learning rate (a
+    # schedule, perhaps) is always copy 0's.
+    copy_config = dict(optimizer.get_config(), learning_rate=0.0)
     if not sequential:
       with strategy.scope():
         stages = graph_stages(model, groups, devices)
+      copies = []
+      for r, copy_devices in enumerate((replica_devices or [])[1:], 1):
+        # A clone of the graph (same layers, names and weights), cut at
+        # the same nodes, its variables on copy r's devices.
+        with strategy.scope():
+          clone = keras.models.clone_model(model)
+          clone.set_weights(model.get_weights())
+          clone_groups, _ = split_graph(clone, num_stages, self.boundaries)
+          copies.append((graph_stages(clone, clone_groups, copy_devices,
+                                      name_prefix=f"copy_{r}_"),
+                         clone, type(optimizer).from_config(copy_config)))
       super().__init__(model, optimizer, strategy, stages=stages,
-                       num_microbatches=num_microbatches, **kwargs)
+                       num_microbatches=num_microbatches, copies=copies,
+                       **kwargs)
       return
     with strategy.scope():
       placed, placed_groups = place_sequential(model, groups, devices)
@@ -152,9 +161,6 @@ class PipelineTrainer(StagedTrainer):
               for i, (device, group) in enumerate(zip(devices,
                                                       placed_groups))]
     copies = []
-    # The copies' optimizers hold their slots; the learning rate (a
-    # schedule, perhaps) is always copy 0's.
-    copy_config = dict(optimizer.get_config(), learning_rate=0.0)
     for r, copy_devices in enumerate((replica_devices or [])[1:], 1):
       # The same layers and weights again, on copy r's devices.
       with strategy.scope():
