@@ -73,6 +73,12 @@ out["devices"] = [[mp.variable_device(v) for v in s.trainable_variables]
 out["moved"] = float(np.max(np.abs(
     pipeline.model.weights[0].numpy() - make().weights[0].numpy())))
 out["names"] = [s.name for s in pipeline.stages + copy_stages]
+graph = tf.function(pipeline.gradients).get_concrete_function(
+    tf.TensorSpec((BATCH, 12), tf.float32),
+    tf.TensorSpec((BATCH,), tf.int32)).graph
+out["collectives"] = sorted(
+    op.device.split("device:")[-1] for op in graph.get_operations()
+    if op.type == "CollectiveReduceV2")
 print("RESULT " + json.dumps(out))
 """
 
@@ -105,6 +111,10 @@ def test_two_by_two_equals_single_device_training(kind):
                                  ["/CPU:2"] * 4, ["/CPU:3"] * 4]
   assert result["names"] == ["stage_0", "stage_1", "copy_1_stage_0",
                              "copy_1_stage_1"]
+  # Each stage's gradients: one TensorFlow collective per copy, on its
+  # device (stage 0 over CPU:0 and CPU:2, stage 1 over CPU:1 and CPU:3).
+  assert result["collectives"] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"], (
+      result["collectives"])
 
 
 def test_replica_groups_cut_consecutive_devices():

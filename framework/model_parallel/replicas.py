@@ -9,13 +9,17 @@ The data-parallel strategy only says which devices there are: its R*S
 devices are cut into R groups of S consecutive devices, copy r of the
 pipeline runs on group r with the r-th consecutive share of the global
 batch, and the run itself uses one replica (the default strategy). Each
-stage's gradients are summed across its R copies by a tf.distribute
-cross-device reduction (`all_reduce_copies`) and every copy applies the
-same update.
+stage's gradients are summed across its R copies by TensorFlow's
+collective all-reduce (`all_reduce_copies`: one CollectiveReduceV2 per copy,
+on its device) and every copy applies the same update.
 """
 
 import tensorflow as tf
-# PerReplica is the input type of tf.distribute's cross-device ops.
+# TensorFlow's collective all-reduce as a cross-device op (what
+# MultiWorkerMirroredStrategy uses; not exported under tf.distribute), its
+# keys, and PerReplica, the input type of tf.distribute's cross-device ops.
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.distribute import values as values_lib  # pylint: disable=g-direct-tensorflow-import
 
 from framework.errors import ConfigError
@@ -72,6 +76,23 @@ def _unpack(vector, like):
           for part, t in zip(tf.split(vector, sizes), like)]
 
 
+# One set of keys per process: each stage's group of devices gets its own
+# group key, each all-reduce its own instance key.
+_COLLECTIVE_KEYS = cross_device_utils.CollectiveKeys()
+_COLLECTIVES = {}
+
+
+def collective_all_reduce(devices):
+  """TensorFlow's collective all-reduce over `devices` (one per group)."""
+  key = tuple(devices)
+  if key not in _COLLECTIVES:
+    _COLLECTIVES[key] = cross_device_ops_lib.CollectiveAllReduce(
+        devices=list(devices), group_size=len(devices),
+        options=tf.distribute.experimental.CommunicationOptions(),
+        collective_keys=_COLLECTIVE_KEYS)
+  return _COLLECTIVES[key]
+
+
 def all_reduce_copies(per_copy, devices):
   """The sum over copies of one stage's gradients, on every copy's device.
 
@@ -88,11 +109,11 @@ def all_reduce_copies(per_copy, devices):
   for grads, device in zip(per_copy, devices):
     with tf.device(device), tf.name_scope("pack_gradients/"):
       vectors.append(_pack(grads))
-  # MirroredStrategy's own CPU reduction: a sum on the first copy's device,
-  # sent to the others. (TensorFlow's collective ops were tried first:
-  # CollectiveReduceV2 between logical CPU devices of one process hangs in
-  # TF 2.21.)
-  summed = tf.distribute.ReductionToOneDevice().reduce(
+  # One CollectiveReduceV2 per copy, on its device, all in one group.
+  # (Raw collective ops without the launcher's ordering tokens hang between
+  # logical CPU devices of one process in TF 2.21; through
+  # CollectiveAllReduce they complete.)
+  summed = collective_all_reduce(devices).reduce(
       SUM, values_lib.PerReplica(tuple(vectors)),
       destinations=values_lib.PerReplica(tuple(vectors)))
   results = []
