@@ -5,10 +5,13 @@ the files; the figures are read from the runs, never asserted as timings."""
 import json
 import re
 import statistics
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
+from tests import helpers
 from tests.helpers import assert_one_line_error, run_script, snapshot
 
 SCRIPT = "benchmarks/time_to_accuracy.py"
@@ -177,3 +180,19 @@ def test_bad_input_is_one_line_and_runs_nothing(tmp_path, args, fragment):
                     check=False, timeout=120)
   assert_one_line_error(proc, "time_to_accuracy.py", fragment,
                         unchanged=before)
+
+
+def test_a_failed_matmul_peak_measurement_is_one_clear_error():
+  # In a process of its own: the benchmark's flags clash with train.py's.
+  code = (
+      "import sys; sys.path.insert(0, '.');"
+      "from scripts.benchmarks import time_to_accuracy as t;"
+      "sys.executable = '/bin/false'\n"
+      "try:\n  t.matmul_peak_gflops()\n"
+      "except Exception as e:\n  print(type(e).__name__ + ': ' + str(e))\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert ("ConfigError: measuring the matmul peak failed (exit 1: no "
+          "output); --nomeasure_peak skips it") in proc.stdout, (
+              proc.stdout + proc.stderr[-2000:])

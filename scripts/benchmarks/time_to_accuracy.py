@@ -218,9 +218,15 @@ def matmul_peak_gflops():
           "from framework.perf import flops; "
           "print(flops.matmul_peak_flops(trials=3) / 1e9)")
   proc = subprocess.run([sys.executable, "-c", code, ROOT],
-                        capture_output=True, text=True, check=True,
+                        capture_output=True, text=True, check=False,
                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-  return float(proc.stdout.split()[-1])
+  try:
+    return float(proc.stdout.split()[-1])
+  except (IndexError, ValueError):
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise _error(f"measuring the matmul peak failed (exit "
+                 f"{proc.returncode}: {last}); --nomeasure_peak skips "
+                 "it") from None
 
 
 def main_run():
