@@ -82,3 +82,16 @@ def assert_close(actual, expected, what, atol=1e-5):
   assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
   error = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
   assert error <= atol, f"{what}: max |difference| {error:.3g} > {atol}"
+
+
+def skip_model(input_dim=6, num_classes=4, units=8, seed=1):
+  """Functional: a -> b -> c -> add(c, a) -> out; cut before `c`, the skip
+  from `a` crosses the cut."""
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((input_dim,))
+  a = keras.layers.Dense(units, activation="tanh", name="a")(inputs)
+  b = keras.layers.Dense(units, activation="tanh", name="b")(a)
+  c = keras.layers.Dense(units, activation="tanh", name="c")(b)
+  joined = keras.layers.Add(name="join")([c, a])
+  outputs = keras.layers.Dense(num_classes, name="out")(joined)
+  return keras.Model(inputs, outputs, name="skip")

@@ -27,24 +27,13 @@ import framework
 framework.configure_cpu_devices(4)
 import keras
 from framework import model_parallel as mp
-from tests.model_parallel_reference import STRATEGY, build, data
+from tests.model_parallel_reference import STRATEGY, build, data, skip_model
 
 BATCH, STEPS, KIND = 16, int(sys.argv[1]), sys.argv[2]
 
 
-def skip_model():
-  # Functional: a skip from before the cut to after it.
-  keras.utils.set_random_seed(1)
-  inputs = keras.Input((12,))
-  a = keras.layers.Dense(16, activation="tanh", name="a")(inputs)
-  b = keras.layers.Dense(16, activation="tanh", name="b")(a)
-  c = keras.layers.Dense(16, activation="tanh", name="c")(b)
-  joined = keras.layers.Add(name="join")([c, a])
-  return keras.Model(inputs, keras.layers.Dense(5, name="out")(joined))
-
-
 make = {"mlp": lambda: build("mlp", (12,), 5, hidden_units=(16, 16)),
-        "skip": skip_model}[KIND]
+        "skip": lambda: skip_model(12, 5, units=16)}[KIND]
 x, y = data(BATCH * STEPS, (12,), 5)
 reference = framework.Trainer(make(), keras.optimizers.Adam(1e-2), STRATEGY,
                               global_batch_size=BATCH)

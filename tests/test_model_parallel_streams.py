@@ -12,7 +12,7 @@ from framework.errors import ConfigError
 from framework.model_parallel.streams import DeviceStreams
 from tests.helpers import run_script
 from tests.model_parallel_reference import (DEVICES, STRATEGY, assert_close,
-                                            batches, build, data)
+                                            batches, build, data, skip_model)
 
 BATCH, MICRO = 16, 4
 
@@ -26,18 +26,6 @@ def _pipeline(model, **kwargs):
 
 def _mlp():
   return build("mlp", (12,), 5, hidden_units=(16, 16, 16))
-
-
-def _skip_model():
-  """A functional model with a skip across the cut."""
-  keras.utils.set_random_seed(1)
-  inputs = keras.Input((6,))
-  a = keras.layers.Dense(8, activation="tanh", name="a")(inputs)
-  b = keras.layers.Dense(8, activation="tanh", name="b")(a)
-  c = keras.layers.Dense(8, activation="tanh", name="c")(b)
-  joined = keras.layers.Add(name="join")([c, a])
-  outputs = keras.layers.Dense(4, name="out")(joined)
-  return keras.Model(inputs, outputs, name="skip")
 
 
 def _graph(trainer, x, y):
@@ -83,8 +71,8 @@ def test_serial_stages_orders_every_op_of_a_stage_device():
 
 def test_serial_stages_gives_the_same_gradients_and_training():
   x, y = data(BATCH, (12,), 5)
-  for make_model in (_mlp, _skip_model):
-    if make_model is _skip_model:
+  for make_model in (_mlp, skip_model):
+    if make_model is skip_model:
       x, y = data(BATCH, (6,), 4)
     plain = _pipeline(make_model())
     serial = _pipeline(make_model(), serial_stages=True)
