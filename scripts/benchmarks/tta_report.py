@@ -54,6 +54,12 @@ def read_run(run, target):
   time_to_target = (min(v for v, _ in recorded.values()) if recorded
                     else float(logged[-1]) if logged else None)
   best = max(evaluations, key=lambda e: e["accuracy"], default=None)
+  # The compute dtype `--mixed_precision=auto` chose: a time means little
+  # without it (bfloat16 on CPUs with AVX512_BF16, else float32).
+  chosen = re.search(r"mixed_precision=auto: (\w+)", log)
+  given = re.findall(r"--mixed_precision=(\w+)", " ".join(run.command))
+  precision = (chosen.group(1) if chosen else given[-1] if given and
+               given[-1] != "auto" else None)
   last = evaluations[-1] if evaluations else None
   return dict(
       name=run.name, seed=run.seed, command=run.command[1:], target=target,
@@ -65,7 +71,7 @@ def read_run(run, target):
       epochs_run=last and last["epoch"], steps_per_epoch=steps_per_epoch,
       global_batch_size=batch, model_dir=run.model_dir, log=run.log,
       matmul_peak_gflops=getattr(run, "peak_gflops", None),
-      evaluations=evaluations)
+      precision=precision, evaluations=evaluations)
 
 
 def _seconds(value):
@@ -96,7 +102,7 @@ def _median_time(figures):
 def _table(figures):
   print(f"\n{'run':<22}{'reached':>8}{'time_to_target':>16}"
         f"{'launch':>10}{'wall':>10}{'best accuracy (epoch)':>24}"
-        f"{'epochs':>8}{'peak GFLOP/s':>14}")
+        f"{'epochs':>8}{'peak GFLOP/s':>14}{'dtype':>10}")
   for f in figures:
     label = (f"seed {f['seed']}" if f["name"] == "recipe"
              else f"{f['name']} seed {f['seed']}")
@@ -106,7 +112,8 @@ def _table(figures):
           f"{_seconds(f['launch_to_target_seconds']):>10}"
           f"{_seconds(f['wall_seconds']):>10}{best:>24}"
           f"{_epochs(f['epochs_run']):>8}"
-          f"{_gflops(f.get('matmul_peak_gflops')):>14}")
+          f"{_gflops(f.get('matmul_peak_gflops')):>14}"
+          f"{f.get('precision') or '-':>10}")
 
 
 def _draw_curves(figures, results_dir, prefix, target):
