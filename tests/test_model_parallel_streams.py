@@ -34,15 +34,33 @@ def _graph(trainer, x, y):
                                                          tf.int32)).graph
 
 
+def _all_ancestors(graph):
+  """{op: every op it waits for (data or control)}."""
+  parents = {op: [t.op for t in op.inputs] + list(op.control_inputs)
+             for op in graph.get_operations()}
+  ancestors = {}
+  # Creation order is not topological once `first` reorders a block: walk
+  # the graph depth first.
+  for root in graph.get_operations():
+    stack = [root]
+    while stack:
+      op = stack[-1]
+      pending = [p for p in parents[op] if p not in ancestors]
+      if pending:
+        stack.extend(pending)
+        continue
+      stack.pop()
+      if op not in ancestors:
+        seen = set(parents[op])
+        for parent in parents[op]:
+          seen |= ancestors[parent]
+        ancestors[op] = seen
+  return ancestors
+
+
 def _unordered_pairs(graph, device_suffix):
   """Pairs of ops on the device that may run at the same time."""
-  ancestors = {}
-  for op in graph.get_operations():  # creation order is topological
-    seen = set()
-    for parent in [t.op for t in op.inputs] + list(op.control_inputs):
-      seen.add(parent)
-      seen |= ancestors.get(parent, set())
-    ancestors[op] = seen
+  ancestors = _all_ancestors(graph)
   ops = [op for op in graph.get_operations()
          if op.device.endswith(device_suffix) and
          ("stage_" in op.name)]
@@ -87,6 +105,47 @@ def test_serial_stages_gives_the_same_gradients_and_training():
     losses = [float(t.train(batches(x, y), 3)["loss"]) for t in (plain,
                                                                   serial)]
     np.testing.assert_allclose(losses[1], losses[0], atol=1e-5)
+
+
+def test_first_chains_the_urgent_ops_ahead_of_the_rest():
+  @tf.function
+  def block_fn(x):
+    streams = DeviceStreams()
+    with streams.on("k") as block:
+      later = tf.reduce_sum(x * 3.0, name="weight_grad")  # made first
+      urgent = tf.identity(x * 2.0, name="input_grad")
+      block.first(urgent)
+    return later, urgent
+
+  graph = block_fn.get_concrete_function(tf.TensorSpec([2])).graph
+  ancestors = _all_ancestors(graph)
+  later = graph.get_operation_by_name("weight_grad")
+  urgent = graph.get_operation_by_name("input_grad")
+  assert later not in ancestors[urgent]
+  assert urgent in ancestors[later]
+
+
+def test_input_grads_first_sends_back_before_the_weight_gradients():
+  x, y = data(BATCH, (12,), 5)
+  counts = {}
+  for first in (True, False):
+    trainer = _pipeline(_mlp(), serial_stages=True, input_grads_first=first)
+    graph = _graph(trainer, x, y)
+    ancestors = _all_ancestors(graph)
+    # Stage 1's weight gradients: (units_in, units_out), not micro-batch rows.
+    weight_grads = {op for op in graph.get_operations()
+                    if op.type == "MatMul" and op.device.endswith("CPU:1")
+                    and op.name.startswith("gradient_tape")
+                    and op.outputs[0].shape[0] != BATCH // MICRO}
+    assert weight_grads
+    stage_0_backward = next(
+        op for op in graph.get_operations()
+        if op.type == "MatMul" and op.device.endswith("CPU:0")
+        and op.name.startswith("gradient_tape"))
+    counts[first] = len(weight_grads & ancestors[stage_0_backward])
+  # Stage 0's first backward matmul waits for none of stage 1's weight
+  # gradients with B before W; in creation order it waits for some.
+  assert counts[True] == 0 and counts[False] > 0, counts
 
 
 def test_streams_do_nothing_eagerly_or_when_disabled():

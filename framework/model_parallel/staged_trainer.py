@@ -69,6 +69,11 @@ class StagedTrainer(Trainer):
     serial_stages: each stage device runs its ops one at a time, in program
       order, as a GPU stream would (`streams.DeviceStreams`); by default
       TensorFlow may run several ops of one logical CPU device at once.
+    input_grads_first: with serial_stages, each stage's backward pass
+      computes the gradient it sends to the stage before it first and its
+      weight gradients after (zero-bubble pipelines' B-before-W order): the
+      stage before starts its backward pass sooner, which shrinks the
+      bubble below GPipe's. Off: each backward pass in creation order.
     copies: data x pipeline: R-1 more copies of the pipeline, each a
       `(stages, model, optimizer)` on its own devices (same layers and
       initial weights as `stages`; `optimizer` of the same config, not yet
@@ -81,7 +86,7 @@ class StagedTrainer(Trainer):
 
   def __init__(self, model, optimizer, strategy, *, stages,
                num_microbatches=1, recompute=False, serial_stages=False,
-               copies=(), **kwargs):
+               input_grads_first=True, copies=(), **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
@@ -110,6 +115,7 @@ class StagedTrainer(Trainer):
     self.num_microbatches = num_microbatches
     self.recompute = bool(recompute)
     self.streams = DeviceStreams(enabled=serial_stages)
+    self.input_grads_first = bool(input_grads_first)
     self.stage_variables = [s.trainable_variables for s in self.stages]
     staged = [id(v) for vs in self.stage_variables for v in vs]
     if (len(staged) != len(set(staged)) or
@@ -217,10 +223,13 @@ class StagedTrainer(Trainer):
         # Grappler's rewrites of the gradient ops (results then differ from
         # the unsplit model in the last bits); data dependencies already
         # order each micro-batch's backward stage by stage.
-        with self.streams.on(_stream_key(stage)):
+        with self.streams.on(_stream_key(stage)) as block:
           output_grad, stage_grads = stage.backward(
               micro_records[i], output_grad, input_grad=i > 0)
           grads[i] = self._accumulate(stage, grads[i], stage_grads)
+          if self.input_grads_first:
+            # The stage before waits for this; the weight gradients do not.
+            block.first(output_grad)
     return grads, tf.add_n(losses), tf.add_n(accuracies)
 
   def train_step(self, batch):

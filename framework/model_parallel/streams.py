@@ -11,7 +11,10 @@ created inside `streams.on(key)` gets a control input from the op created
 before it on the same key, so the ops of one key form a single chain in
 program order. Program (creation) order is a topological order of the
 whole graph, so chains drawn along it never make a cycle; the ops of
-different keys stay free to overlap, as two streams do.
+different keys stay free to overlap, as two streams do. Within a block,
+`first` can move the ops some outputs need ahead of the rest (any order of
+a block's ops that keeps its data dependencies, and comes after every
+earlier block, is still acyclic: see `_urgent_first`).
 
 The cost: a control input on the first op of a fusable pattern can stop
 Grappler from fusing it (say MatMul + BiasAdd), so results may differ from
@@ -22,6 +25,36 @@ slower. Off by default; `PipelineTrainer(serial_stages=True)` turns it on.
 import contextlib
 
 import tensorflow as tf
+
+
+class _Block:
+  """The ops of one `DeviceStreams.on` block; `first` marks urgent outputs."""
+
+  def __init__(self):
+    self.urgent = []
+
+  def first(self, *tensors):
+    """Runs the ops these tensors need before the block's other ops."""
+    self.urgent.extend(t for t in tf.nest.flatten(tensors) if t is not None)
+
+
+def _urgent_first(ops, urgent):
+  """`ops` (in creation order) with the ancestors of `urgent` moved first.
+
+  Still a topological order: the ancestors of a set are closed under
+  taking inputs, and each part keeps creation order.
+  """
+  block = set(ops)
+  needed, todo = set(), [t.op for t in urgent if t.op in block]
+  while todo:
+    op = todo.pop()
+    if op in needed:
+      continue
+    needed.add(op)
+    todo.extend(i.op for i in op.inputs if i.op in block)
+    todo.extend(c for c in op.control_inputs if c in block)
+  return ([op for op in ops if op in needed] +
+          [op for op in ops if op not in needed])
 
 
 class DeviceStreams:
@@ -35,16 +68,26 @@ class DeviceStreams:
   def on(self, key):
     """Ops created in this block run after every earlier op of `key`.
 
+    Yields a block whose `first(tensors)` puts the ops those tensors need
+    ahead of the block's other ops: a stage sends its input gradient to the
+    stage before it as soon as it is computed, and computes its weight
+    gradients after (the B-before-W order of zero-bubble pipelines), so
+    the stage before it waits for less. Without `first`, creation order.
+
     `key` None (e.g. a stage spread over several devices) chains nothing.
     """
     graph = tf.compat.v1.get_default_graph()
+    block = _Block()
     if not (self.enabled and key is not None and graph.building_function):
-      yield
+      yield block
       return
     start = len(graph.get_operations())
-    yield
+    yield block
+    ops = graph.get_operations()[start:]
+    if block.urgent:
+      ops = _urgent_first(ops, block.urgent)
     last = self._last.get((graph, key))
-    for op in graph.get_operations()[start:]:
+    for op in ops:
       if last is not None:
         # No public API adds a control input to an op that already exists
         # (the gradient ops are made inside tape.gradient).

@@ -25,11 +25,13 @@ the same MLP and global batch:
      examples/s of each, from their logs, and the ratio.
 
 Threads: by default (--intra_op_threads=1) each op runs on one thread, so
-each logical CPU device behaves like one core running one op at a time and
-S stages can use S cores at once, as S accelerators would; the unsplit model
-then uses one core, so the throughput ratio is a speed-up, ideally
-S(1 - bubble). --intra_op_threads=0 keeps TensorFlow's default (every op may
-use every core: the stages then slow each other down whenever they overlap).
+each logical CPU device behaves like one core running one op at a time
+(with --serial_stages, exactly one) and S stages can use S cores at once,
+as S accelerators would. The unsplit model still runs two ops at once on
+TensorFlow's inter-op threads (a layer's input and weight gradients), so
+the throughput ratio is not an S-fold speed-up measure.
+--intra_op_threads=0 keeps TensorFlow's default (every op may use every
+core: the stages then slow each other down whenever they overlap).
 
 The idle fraction is read from a profiler trace of single steps: each op
 named under `stage_i/` (forward, loss, backward, gradient accumulation,
@@ -68,7 +70,9 @@ flags.DEFINE_list("num_microbatches", ["4", "8"], "Micro-batch counts M to "
 # 1.64x its formula, before any overhead.
 flags.DEFINE_list("hidden_units", ["16"] + ["1024"] * 5, "MLP hidden layers "
                   "(the model being split).")
-flags.DEFINE_integer("global_batch_size", 256, "Examples per step.")
+flags.DEFINE_integer("global_batch_size", 1024, "Examples per step "
+                     "(M=8: micro-batches of 128 rows; at 256 the 32-row "
+                     "matmuls take about as long as dispatching them).")
 flags.DEFINE_enum("stage_balance", "flops", ["flops", "time", "params"],
                   "How the cut is chosen: counted FLOPs (the framework's "
                   "default), each layer's forward + backward time measured "
@@ -76,6 +80,11 @@ flags.DEFINE_enum("stage_balance", "flops", ["flops", "time", "params"],
 flags.DEFINE_bool("serial_stages", True, "Each stage device runs one op at "
                   "a time, in program order, as a GPU stream does "
                   "(PipelineTrainer(serial_stages=True)); see the docstring.")
+flags.DEFINE_bool("input_grads_first", True, "With --serial_stages, each "
+                  "stage computes the input gradient it sends back before "
+                  "its weight gradients (StagedTrainer(input_grads_first)): "
+                  "B before W, as zero-bubble pipelines do; false: GPipe's "
+                  "plain backward order.")
 flags.DEFINE_integer("intra_op_threads", 1, "Threads per op (0: "
                      "TensorFlow's default, all cores); see the docstring.")
 flags.DEFINE_integer("inter_op_threads", 0, "Ops run at once (0: "
@@ -333,7 +342,8 @@ def main(argv):
                            global_batch_size=FLAGS.global_batch_size,
                            num_stages=s, num_microbatches=m,
                            stage_boundaries=boundaries, recompute=recompute,
-                           serial_stages=FLAGS.serial_stages)
+                           serial_stages=FLAGS.serial_stages,
+                           input_grads_first=FLAGS.input_grads_first)
 
   probe = model()
   flops = layer_costs(probe.layers, "flops")
