@@ -34,12 +34,17 @@ def _recipe(tmp_path, lines=TINY):
 def _row(stdout, label):
   match = re.search(rf"^{label}\s+(yes|no)\s+(\S+)(?: s)?\s+(\S+)(?: s)?\s+"
                     rf"([\d.]+) s\s+([\d.]+) % \(([\d.]+)\)\s+([\d.]+)"
-                    rf"\s+(\S+)$", stdout, re.M)
+                    rf"\s+(\S+)\s+(\S+)$", stdout, re.M)
   assert match, f"no row {label!r} in:\n{stdout}"
-  return match.groups()[:-1]
+  return match.groups()[:-2]
 
 
 def _peak_column(stdout, label):
+  line = re.search(rf"^{label}\s+(yes|no)\s.*$", stdout, re.M).group(0)
+  return line.split()[-2]
+
+
+def _dtype_column(stdout, label):
   line = re.search(rf"^{label}\s+(yes|no)\s.*$", stdout, re.M).group(0)
   return line.split()[-1]
 
@@ -62,6 +67,9 @@ def test_two_seeds_reach_the_target_with_an_ablation(tmp_path):
     assert figures["matmul_peak_gflops"] > 0
     assert float(_peak_column(out, f"seed {seed}")) == pytest.approx(
         figures["matmul_peak_gflops"], abs=0.5)
+    # And the compute dtype (the tiny recipe sets none: train.py's float32).
+    assert figures["precision"] == "float32" == _dtype_column(
+        out, f"seed {seed}")
     assert reached == "yes" and figures["reached"]
     # Stopped at the first evaluation reaching 50 % (32 steps per epoch).
     evaluations = figures["evaluations"]
@@ -196,3 +204,13 @@ def test_a_failed_matmul_peak_measurement_is_one_clear_error():
   assert ("ConfigError: measuring the matmul peak failed (exit 1: no "
           "output); --nomeasure_peak skips it") in proc.stdout, (
               proc.stdout + proc.stderr[-2000:])
+
+
+def test_the_reported_dtype_follows_the_command_then_the_flag_file(tmp_path):
+  from scripts.benchmarks import tta_report  # pylint: disable=g-import-not-at-top
+  recipe = _recipe(tmp_path, TINY + ["--mixed_precision=bfloat16"])
+  given = tta_report._given_precision  # pylint: disable=protected-access
+  assert given(["train.py", f"--flagfile={recipe}"]) == "bfloat16"
+  assert given(["train.py", f"--flagfile={recipe}",
+                "--mixed_precision=float32"]) == "float32"
+  assert given(["train.py", f"--flagfile={_recipe(tmp_path)}"]) == "float32"

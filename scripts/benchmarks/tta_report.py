@@ -57,9 +57,7 @@ def read_run(run, target):
   # The compute dtype `--mixed_precision=auto` chose: a time means little
   # without it (bfloat16 on CPUs with AVX512_BF16, else float32).
   chosen = re.search(r"mixed_precision=auto: (\w+)", log)
-  given = re.findall(r"--mixed_precision=(\w+)", " ".join(run.command))
-  precision = (chosen.group(1) if chosen else given[-1] if given and
-               given[-1] != "auto" else None)
+  precision = chosen.group(1) if chosen else _given_precision(run.command)
   last = evaluations[-1] if evaluations else None
   return dict(
       name=run.name, seed=run.seed, command=run.command[1:], target=target,
@@ -72,6 +70,22 @@ def read_run(run, target):
       global_batch_size=batch, model_dir=run.model_dir, log=run.log,
       matmul_peak_gflops=getattr(run, "peak_gflops", None),
       precision=precision, evaluations=evaluations)
+
+
+def _given_precision(command):
+  """--mixed_precision as the command (or its flag file) sets it; train.py's
+  default, float32, if neither does."""
+  text = []
+  for arg in command:
+    if arg.startswith("--flagfile="):
+      try:
+        with open(arg.split("=", 1)[1]) as f:
+          text.append(f.read())
+      except OSError:
+        pass
+    text.append(arg)  # later flags override the flag file's
+  given = re.findall(r"--mixed_precision=(\w+)", "\n".join(text))
+  return given[-1] if given else "float32"
 
 
 def _seconds(value):
