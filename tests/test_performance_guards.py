@@ -58,3 +58,23 @@ def test_graph_flops_match_the_analytic_count():
   # TF's profiler also counts element-wise ops (and over-counts the gradient
   # of a 'valid' convolution).
   assert counted["all"] > counted["matmul"]
+
+
+def test_layer_kernel_times_under_mixed_bfloat16():
+  from framework.perf import flops  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10, activation="relu")])
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  # The layers compute in bfloat16: their inputs and output gradients must
+  # too (a float32 output gradient met a bfloat16 ReluGrad before).
+  rows = flops.layer_kernel_times(model, batch_size=2, calls=1)
+  assert [r["layer"] for r in rows] == [l.name for l in model.layers
+                                        if l.trainable_weights]
+  assert all(r["ms"] > 0 and r["flops"] > 0 for r in rows)

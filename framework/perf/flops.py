@@ -162,10 +162,11 @@ def layer_kernel_times(model, batch_size, calls=10):
     # Same rule as the analytic count: the first trainable layer needs no
     # input gradient.
     input_gradient, trainable_before = trainable_before, True
-    x = tf.constant(rng.standard_normal(
-        (batch_size, *layer.input.shape[1:])).astype(np.float32))
-    dy = tf.constant(rng.standard_normal(
-        (batch_size, *layer.output.shape[1:])).astype(np.float32))
+    # In the layer's compute dtype (bfloat16 under mixed precision), as the
+    # model's own activations and output gradients are.
+    x, dy = (tf.constant(rng.standard_normal(
+        (batch_size, *shape[1:])).astype(np.float32), dtype=layer.compute_dtype)
+             for shape in (layer.input.shape, layer.output.shape))
 
     @tf.function
     def step(x, dy, layer=layer, input_gradient=input_gradient):

@@ -38,7 +38,8 @@ def measure():
   from framework.perf import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = common.load()
   batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
-  setup = common.Setup(strategy, dataset)
+  precision = common.recipe_precision()
+  setup = common.Setup(strategy, dataset, precision=precision)
   trainer = common.make_trainer(setup, strategy, batch)
   model, variables = setup.model, setup.model.trainable_variables
   augment = common.augmentation()
@@ -110,7 +111,7 @@ def measure():
   # `kernel_mfu`, and a loop whose all-reduce, clip, update and metrics cost
   # nothing would be `loop_ceiling` times as fast as this Trainer step.
   return {"strategy": common.strategy_spec()[0], "global_batch_size": batch,
-          "recipe": FLAGS.recipe,
+          "recipe": FLAGS.recipe, "precision": precision,
           "ms_per_step": ms, "matmul_peak_flops": peak,
           "kernel_mfu": per_example * batch / (ms["+ backward"] / 1000) / peak,
           "trainer_mfu": (per_example * batch
@@ -138,7 +139,8 @@ def report(breakdown):
   """Prints the stages, the layers' kernels and the op types of a step."""
   print(f"\nwhere a step's time goes ({breakdown['strategy']}, batch "
         f"{breakdown['global_batch_size']}, recipe "
-        f"{breakdown.get('recipe', 'reference')}), ms per step")
+        f"{breakdown.get('recipe', 'reference')}, "
+        f"{breakdown.get('precision', 'float32')}), ms per step")
   full = breakdown["ms_per_step"]["full Trainer step"]
   for name, ms in breakdown["ms_per_step"].items():
     print(f"  {name:<20}{ms:>9.1f}{100 * ms / full:>7.1f}%")

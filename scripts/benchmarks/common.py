@@ -134,6 +134,16 @@ def _fast_recipe():
   return values
 
 
+def recipe_precision():
+  """The compute dtype of the step measured: the fast recipe's
+  --mixed_precision (auto: what it resolves to here), else float32."""
+  if FLAGS.recipe == "reference":
+    return "float32"
+  from framework.core import precision as precision_lib  # pylint: disable=g-import-not-at-top
+  return precision_lib.resolve_precision(
+      _fast_recipe().get("mixed_precision", "float32"))
+
+
 def _optimizer():
   import keras  # pylint: disable=g-import-not-at-top
   if FLAGS.recipe == "reference":
