@@ -138,6 +138,11 @@ def _describe(value):
   return json.dumps(value, sort_keys=True)
 
 
+# Errors of the runtime's transport to other tasks, not of the file system.
+_TRANSPORT_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                     tf.errors.CancelledError, tf.errors.DeadlineExceededError)
+
+
 class CheckpointManager:
   """Saves and restores `checkpoint` in `model_dir` (chief) or a temp dir.
 
@@ -302,6 +307,10 @@ class CheckpointManager:
     """Saves at `step`; every worker must call this (it is a collective)."""
     try:
       path = self.manager.save(checkpoint_number=step)
+    except _TRANSPORT_ERRORS:
+      # A variable on another task (a model-parallel stage) could not be
+      # read: the task died, not the disk. The caller reports the cluster.
+      raise
     except tf.errors.OpError as e:
       raise ModelDirError(
           f"cannot write checkpoint ckpt-{step} in {self.directory} "
