@@ -87,6 +87,11 @@ flags.DEFINE_bool("serial_stages", False, "Model parallel: each stage "
                   "device runs its ops one at a time, in program order, as a "
                   "GPU stream does (logical CPU devices otherwise run "
                   "several of a stage's ops at once on the shared cores).")
+flags.DEFINE_bool("input_grads_first", True, "Model parallel, with "
+                  "--serial_stages: each stage computes the input gradient "
+                  "it sends back before its weight gradients (B before W, "
+                  "as zero-bubble pipelines do: a smaller bubble); false: "
+                  "the backward pass in creation order.")
 flags.DEFINE_enum("model_parallel_devices", "local", ["local", "cluster"],
                   "local: this process's GPUs or --cpu_devices; cluster: "
                   "stage/shard i on TF_CONFIG's worker i, the chief runs the "
@@ -284,7 +289,9 @@ def config_from_flags():
                              for v in FLAGS.stage_boundaries),
       num_shards=FLAGS.num_shards, split_layer=FLAGS.split_layer,
       devices=FLAGS.model_parallel_devices, recompute=FLAGS.recompute,
-      serial_stages=FLAGS.serial_stages, stage_balance=FLAGS.stage_balance)
+      serial_stages=FLAGS.serial_stages,
+      input_grads_first=FLAGS.input_grads_first,
+      stage_balance=FLAGS.stage_balance)
   hparams = {name: FLAGS[name].value for name in TRAIN_FLAGS}
   return ExperimentConfig(
       model=FLAGS.model, dataset=FLAGS.dataset, data_dir=FLAGS.data_dir,

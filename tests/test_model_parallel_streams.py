@@ -1,6 +1,7 @@
 """Device streams (`serial_stages`): one op at a time per stage device."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -179,6 +180,10 @@ def test_config_passes_serial_stages_and_needs_a_split():
   for mode in ("pipeline", "tensor"):
     config = mp.ModelParallelConfig(mode=mode, serial_stages=True)
     assert config.trainer_factory().keywords["serial_stages"] is True
+    assert config.trainer_factory().keywords["input_grads_first"] is True
+    config = mp.ModelParallelConfig(mode=mode, serial_stages=True,
+                                    input_grads_first=False)
+    assert config.trainer_factory().keywords["input_grads_first"] is False
 
 
 def test_train_py_serial_stages_trains_a_pipeline(tmp_path):
@@ -189,6 +194,12 @@ def test_train_py_serial_stages_trains_a_pipeline(tmp_path):
                     "--model_parallel=pipeline", "--num_microbatches=4",
                     "--serial_stages")
   assert "train step 2/2" in proc.stderr
+  # GPipe's plain backward order: the same training, other control edges.
+  plain = run_script("train.py", *common, f"--model_dir={tmp_path}/c",
+                     "--model_parallel=pipeline", "--num_microbatches=4",
+                     "--serial_stages", "--noinput_grads_first")
+  loss = lambda text: re.search(r"train step 2/2: loss=(\S+)", text).group(1)
+  assert loss(plain.stderr) == loss(proc.stderr)
   bad = run_script("train.py", *common, f"--model_dir={tmp_path}/b",
                    "--serial_stages", check=False)
   assert bad.returncode == 1 and "Traceback" not in bad.stderr

@@ -36,6 +36,8 @@ class ModelParallelConfig:
       its forward pass in the backward pass (GPipe's re-materialisation).
     serial_stages: each stage device runs its ops one at a time, in program
       order, as a GPU stream does (`streams.DeviceStreams`).
+    input_grads_first: with serial_stages, each stage computes the input
+      gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
     replica_devices: data x pipeline: R tuples of `num_stages` devices, one
@@ -50,6 +52,7 @@ class ModelParallelConfig:
   devices: str = "local"
   recompute: bool = False
   serial_stages: bool = False
+  input_grads_first: bool = True
   stage_balance: str = "flops"
   replica_devices: tuple = ()
 
@@ -134,10 +137,12 @@ class ModelParallelConfig:
           num_microbatches=self.num_microbatches,
           stage_boundaries=tuple(self.stage_boundaries) or None,
           stage_balance=self.stage_balance, recompute=self.recompute,
-          serial_stages=self.serial_stages, devices=devices, **({"replica_devices": [
-              list(g) for g in self.replica_devices]}
-                              if self.replica_devices else {}))
+          serial_stages=self.serial_stages,
+          input_grads_first=self.input_grads_first, devices=devices,
+          **({"replica_devices": [list(g) for g in self.replica_devices]}
+             if self.replica_devices else {}))
     return functools.partial(
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,
-        serial_stages=self.serial_stages, devices=devices)
+        serial_stages=self.serial_stages,
+        input_grads_first=self.input_grads_first, devices=devices)
