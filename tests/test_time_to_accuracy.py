@@ -208,9 +208,13 @@ def test_a_failed_matmul_peak_measurement_is_one_clear_error():
 
 def test_the_reported_dtype_follows_the_command_then_the_flag_file(tmp_path):
   from scripts.benchmarks import tta_report  # pylint: disable=g-import-not-at-top
-  recipe = _recipe(tmp_path, TINY + ["--mixed_precision=bfloat16"])
-  given = tta_report._given_precision  # pylint: disable=protected-access
-  assert given(["train.py", f"--flagfile={recipe}"]) == "bfloat16"
-  assert given(["train.py", f"--flagfile={recipe}",
-                "--mixed_precision=float32"]) == "float32"
-  assert given(["train.py", f"--flagfile={_recipe(tmp_path)}"]) == "float32"
+  recipe = _recipe(tmp_path, ["# --mixed_precision=float16 (a comment)",
+                              *TINY, "--mixed_precision=bfloat16"])
+  value = lambda *args: tta_report.flag_value(["train.py", *args],
+                                              "mixed_precision")
+  assert value(f"--flagfile={recipe}") == "bfloat16"
+  assert value(f"--flagfile={recipe}", "--mixed_precision=float32") == (
+      "float32")
+  assert value("--mixed_precision=float32", f"--flagfile={recipe}") == (
+      "bfloat16")
+  assert value(f"--flagfile={_recipe(tmp_path)}") is None

@@ -156,14 +156,10 @@ def parse_ablations(values):
 
 def recipe_target(recipe, extra):
   """The last --stop_at_accuracy of the recipe file and `extra`, or None."""
-  target = None
-  with open(recipe) as f:
-    lines = [line.strip() for line in f]
-  for flag in [l for l in lines if l.startswith("--")] + list(extra):
-    match = re.fullmatch(r"--stop_at_accuracy=(\S+)", flag)
-    if match:
-      target = float(match.group(1))
-  return target
+  from scripts.benchmarks import tta_report  # pylint: disable=g-import-not-at-top
+  target = tta_report.flag_value([f"--flagfile={recipe}", *extra],
+                                 "stop_at_accuracy")
+  return None if target is None else float(target)
 
 
 class Run:

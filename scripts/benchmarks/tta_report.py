@@ -57,7 +57,9 @@ def read_run(run, target):
   # The compute dtype `--mixed_precision=auto` chose: a time means little
   # without it (bfloat16 on CPUs with AVX512_BF16, else float32).
   chosen = re.search(r"mixed_precision=auto: (\w+)", log)
-  precision = chosen.group(1) if chosen else _given_precision(run.command)
+  # Else as given; train.py's default is float32.
+  precision = (chosen.group(1) if chosen else
+               flag_value(run.command, "mixed_precision") or "float32")
   last = evaluations[-1] if evaluations else None
   return dict(
       name=run.name, seed=run.seed, command=run.command[1:], target=target,
@@ -72,20 +74,21 @@ def read_run(run, target):
       precision=precision, evaluations=evaluations)
 
 
-def _given_precision(command):
-  """--mixed_precision as the command (or its flag file) sets it; train.py's
-  default, float32, if neither does."""
-  text = []
-  for arg in command:
+def flag_value(args, name):
+  """The value train.py takes for `--name=...` from `args` (the last one;
+  each `--flagfile=F` read in its place), or None if none sets it."""
+  value = None
+  for arg in args:
     if arg.startswith("--flagfile="):
-      try:
-        with open(arg.split("=", 1)[1]) as f:
-          text.append(f.read())
-      except OSError:
-        pass
-    text.append(arg)  # later flags override the flag file's
-  given = re.findall(r"--mixed_precision=(\w+)", "\n".join(text))
-  return given[-1] if given else "float32"
+      with open(arg.split("=", 1)[1]) as f:
+        in_file = flag_value([l.strip() for l in f
+                              if l.strip().startswith("--")], name)
+      value = value if in_file is None else in_file
+      continue
+    match = re.fullmatch(rf"--{name}=(\S+)", arg)
+    if match:
+      value = match.group(1)
+  return value
 
 
 def _seconds(value):
