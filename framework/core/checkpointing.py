@@ -23,7 +23,7 @@ from google.protobuf import text_format
 import tensorflow as tf
 
 from framework.core import atomic
-from framework.distribute import strategies
+from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ModelDirError, check_choice,
                               check_positive)
 
@@ -136,11 +136,6 @@ def latest_intact(directory, restore_policy="latest_intact"):
 
 def _describe(value):
   return json.dumps(value, sort_keys=True)
-
-
-# Errors of the runtime's transport to other tasks, not of the file system.
-_TRANSPORT_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                     tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 
 
 class CheckpointManager:
@@ -307,7 +302,7 @@ class CheckpointManager:
     """Saves at `step`; every worker must call this (it is a collective)."""
     try:
       path = self.manager.save(checkpoint_number=step)
-    except _TRANSPORT_ERRORS:
+    except cluster.TRANSPORT_ERRORS:
       # A variable on another task (a model-parallel stage) could not be
       # read: the task died, not the disk. The caller reports the cluster.
       raise

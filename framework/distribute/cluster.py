@@ -173,10 +173,11 @@ class StartupWatchdog:
     self.started()
 
 
+# Errors of the runtime's transport to another task: never the file system.
+TRANSPORT_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                    tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 # Errors that mean a peer task died, restarted or cannot be reached.
-PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-               tf.errors.CancelledError, tf.errors.DeadlineExceededError,
-               tf.errors.FailedPreconditionError)
+PEER_ERRORS = TRANSPORT_ERRORS + (tf.errors.FailedPreconditionError,)
 
 
 def peer_failure(error, config=None):
