@@ -84,7 +84,13 @@ def damage(prefix):
 
 
 def _listed_checkpoints(directory):
-  """The checkpoints the state file lists, oldest first (None: no state)."""
+  """The checkpoints the state file lists, oldest first (None: no state).
+
+  `get_checkpoint_state` joins relative entries onto the directory it is
+  given, so an absolute directory makes every entry absolute, whatever form
+  the state file stores.
+  """
+  directory = _absolute(directory)
   try:
     state = tf.train.get_checkpoint_state(directory)
   except Exception as e:  # pylint: disable=broad-except  (a parse error)
@@ -97,6 +103,11 @@ def _listed_checkpoints(directory):
     paths.append(state.model_checkpoint_path)
   return [p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
           for p in paths]
+
+
+def _absolute(path):
+  """`path` made absolute, unless it is a URL (gs://, hdfs://, ...)."""
+  return path if "://" in path else os.path.abspath(path)
 
 
 def latest_intact(directory, restore_policy="latest_intact"):
@@ -159,6 +170,9 @@ class CheckpointManager:
                allow_config_change=False):
     check_positive("keep_checkpoints", max_to_keep)
     self.checkpoint = checkpoint
+    # Resolved once: TensorFlow's state file and this class join paths onto
+    # the directory, and a relative one would be joined twice.
+    model_dir = _absolute(model_dir)
     self.model_dir = model_dir
     self.is_chief = strategies.is_chief(strategy)
     self.configure(restore_policy=restore_policy, run_config=run_config,

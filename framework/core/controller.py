@@ -191,6 +191,10 @@ class Controller:
                on_loop_end=()):
     self.trainer = trainer
     self.config = config
+    # Absolute once, here: checkpoints, summaries and the profiler join paths
+    # onto it, and TensorFlow joins a relative one twice.
+    if "://" not in model_dir:
+      model_dir = os.path.abspath(model_dir)
     self.model_dir = model_dir
     self.train_input = train_input
     self.eval_input = eval_input
