@@ -34,7 +34,7 @@ Per input pipeline (one per worker under `distribute_datasets_from_function`):
 
 So the batches are a pure function of (seed, step, files, number of input
 pipelines, global batch size): the replica count within a worker does not
-change them, the worker count does (see BUILD.md, "Data at scale").
+change them, the worker count does (see docs/guide/data.md).
 """
 
 import dataclasses

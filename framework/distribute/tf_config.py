@@ -86,7 +86,7 @@ def require_tf_config(name, needs_ps):
   config = parse_tf_config()
   if config is None:
     raise ConfigError(
-        f"strategy={name} needs TF_CONFIG describing the cluster (see BUILD.md "
+        f"strategy={name} needs TF_CONFIG describing the cluster (see docs/guide/distributed.md "
         "or scripts/launch.py); it is not set")
   has_ps = "ps" in config["cluster"]
   if needs_ps and not has_ps:

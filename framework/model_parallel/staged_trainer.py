@@ -16,7 +16,7 @@ Because each micro-batch loss is divided by the full batch size B, the
 accumulated gradient is exactly the gradient of the full-batch mean loss, as
 in the unsplit model. The ops of different stages have no data dependence
 except the activations they pass on, so stage i works on micro-batch m+1
-while stage i+1 works on micro-batch m (the GPipe schedule; see BUILD.md).
+while stage i+1 works on micro-batch m (the GPipe schedule; see docs/guide/model_parallel.md).
 
 Checkpoints, summaries and the Controller are unchanged: the model is still
 one Keras model whose variables happen to live on several devices.

@@ -9,7 +9,7 @@ both on the run's whole test set, with and without flip TTA, at the step
 the run ended (for a `--stop_at_accuracy` run: the target evaluation), and
 prints the four test accuracies. It is the ablation of EMA and TTA at a
 fixed step, without training again; the time they save is read off the
-curves (BUILD.md, "Time to accuracy").
+curves (docs/results/time_to_accuracy.md).
 """
 
 import os
