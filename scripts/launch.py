@@ -9,6 +9,12 @@ Each task gets free loopback ports and its own TF_CONFIG; its output lines are
 prefixed with `role:index`. The launcher exits with the first non-zero task
 status (128 + N for a task killed by signal N) after stopping the other tasks
 (SIGTERM, then SIGKILL after --grace_period), and 0 when the job finished.
+
+With --max_restarts=N (torchrun's meaning) a task's failure stops the other
+tasks and starts the whole job again, on fresh ports, at most N times; the
+training scripts resume from the last checkpoint in their --model_dir. After
+the N-th restart fails too, the launcher prints one error line and exits with
+that task's status.
 """
 
 import os
@@ -34,6 +40,10 @@ flags.DEFINE_bool("chief", None, "Add a chief task (default: only with "
 flags.DEFINE_string("host", "127.0.0.1", "Address every task listens on.")
 flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
                    "when stopping tasks.", lower_bound=0.0)
+flags.DEFINE_integer("max_restarts", 0, "After a task fails, stop the others "
+                     "and start the whole job again (it resumes from its "
+                     "last checkpoint), at most this many times.",
+                     lower_bound=0)
 
 
 def main(argv):
@@ -41,10 +51,14 @@ def main(argv):
   with cli.one_line_errors():
     serving = launcher.model_parallel_on_cluster(command)
     chief = FLAGS.chief if FLAGS.chief is not None else (serving or None)
-    cluster = launcher.local_cluster(FLAGS.workers, FLAGS.ps,
-                                     chief=chief, host=FLAGS.host)
-    job = launcher.Launcher(command, cluster, grace_period=FLAGS.grace_period,
-                            serving_workers=serving)
+    def new_cluster():
+      return launcher.local_cluster(FLAGS.workers, FLAGS.ps, chief=chief,
+                                    host=FLAGS.host)
+    job = launcher.Launcher(command, new_cluster(),
+                            grace_period=FLAGS.grace_period,
+                            serving_workers=serving,
+                            max_restarts=FLAGS.max_restarts,
+                            new_cluster=new_cluster)
 
   def on_signal(signum, frame):
     del frame
@@ -57,6 +71,11 @@ def main(argv):
   signal.signal(signal.SIGINT, on_signal)
   with cli.one_line_errors():
     status = job.run()
+  if status and FLAGS.max_restarts:
+    role, index = job.failed_task
+    print(f"launch.py: error: {role}:{index} exited with status {status} "
+          f"after {job.restarts} restart(s) (--max_restarts="
+          f"{FLAGS.max_restarts}); giving up", file=sys.stderr)
   sys.exit(status)
 
 

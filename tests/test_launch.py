@@ -6,6 +6,7 @@ test_multi_worker.py and test_parameter_server.py launch train.py.
 """
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -124,3 +125,54 @@ def test_slurm_tasks_become_a_tf_config(monkeypatch):
   config = cluster.tf_config_from_slurm(ps_tasks=1)
   assert sorted(config["cluster"]) == ["chief", "ps", "worker"]
   assert len(config["cluster"]["worker"]) == 2
+
+
+# Worker 1 kills itself (SIGKILL, as `kill -9`) in its first KILLS attempts,
+# counted in the file ATTEMPTS; worker 0 waits for worker 1 to succeed.
+RESTART_TASK = r"""
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+attempts, done = os.environ["ATTEMPTS"], os.environ["ATTEMPTS"] + ".done"
+if task["index"] == 1:
+  with open(attempts, "a") as f:
+    f.write("attempt\n")
+  if len(open(attempts).read().split()) <= int(os.environ["KILLS"]):
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+  open(done, "w").close()
+  sys.exit(0)
+deadline = time.time() + 60
+while not os.path.exists(done) and time.time() < deadline:
+  time.sleep(0.05)
+sys.exit(0 if os.path.exists(done) else 5)
+"""
+
+
+@pytest.mark.parametrize("kills", [2, 3])
+def test_max_restarts_starts_the_whole_job_again_then_gives_up(kills,
+                                                               tmp_path):
+  proc = subprocess.run(
+      cu.LAUNCH + ["--workers=2", "--max_restarts=2", "--grace_period=1",
+                   "--", sys.executable, "-c", RESTART_TASK],
+      cwd=cu.ROOT, env=dict(cu.ENV, ATTEMPTS=str(tmp_path / "attempts"),
+                            KILLS=str(kills)),
+      capture_output=True, text=True, timeout=120)
+  output = proc.stdout + proc.stderr
+  restarts = re.findall(r"^\[launch\] restart (\d) of 2 after worker:1 "
+                        r"exited with status 137: ", proc.stdout, re.M)
+  assert restarts == ["1", "2"], output
+  pids = cu.launched_pids(proc.stdout)
+  assert len(set(pids)) == 6, output  # 3 attempts x 2 tasks
+  assert cu.pids_alive(pids) == []
+  # Each attempt gets fresh ports: a killed task's port may still be held.
+  ports = re.findall(r"^\[launch\] worker:\d pid=\d+ address=(\S+)$",
+                     proc.stdout, re.M)
+  assert len(ports) == 6 and len(set(ports)) >= 3, ports
+  if kills == 2:
+    assert proc.returncode == 0, output
+    assert cu.error_lines(proc.stderr) == []
+  else:
+    assert proc.returncode == 137, output
+    assert cu.error_lines(proc.stderr) == [
+        "launch.py: error: worker:1 exited with status 137 after 2 "
+        "restart(s) (--max_restarts=2); giving up"], output

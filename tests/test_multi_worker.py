@@ -140,6 +140,57 @@ def test_preempted_then_killed_then_relaunched_equals_uninterrupted(
   assert cu.max_weight_difference(reference[0], model_dir) <= 1e-6
 
 
+def _wait_for_line_count(path, pattern, count, job, timeout=600):
+  """The `count`-th match of `pattern` in the file at `path` (the launcher's
+  output) once it is there."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    matches = re.findall(pattern, open(path).read(), re.M)
+    if len(matches) >= count:
+      return matches[count - 1]
+    if job.poll() is not None:
+      raise AssertionError(f"launcher exited with {job.returncode}:\n"
+                           + open(path).read()[-4000:])
+    time.sleep(0.02)
+  raise AssertionError(f"no {count} x {pattern!r} in {timeout}s")
+
+
+@pytest.mark.slow
+def test_max_restarts_survives_two_kill_9s_with_identical_weights(
+    reference, tmp_path):
+  model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")
+  with open(log, "wb") as out:
+    job = subprocess.Popen(
+        cu.LAUNCH + ["--workers=2", "--max_restarts=2", "--grace_period=5",
+                     "--"] + cu.TRAIN + MWMS + [f"--train_steps={STEPS}",
+                                                f"--model_dir={model_dir}"],
+        cwd=cu.ROOT, env=cu.ENV, stdout=out, stderr=subprocess.STDOUT)
+  killed_after = []
+  try:
+    for attempt in (1, 2):
+      pid = _wait_for_line_count(log, r"^\[launch\] worker:1 pid=(\d+)",
+                                 attempt, job)
+      # A checkpoint written by this attempt, then kill -9 of worker 1.
+      before = cu.checkpoint_step(model_dir)
+      killed_after.append(cu.wait_for_checkpoint(model_dir, before + 1, [job]))
+      os.kill(int(pid), signal.SIGKILL)
+      _wait_for_line_count(log, r"^\[launch\] restart (\d) of 2 ", attempt,
+                           job)
+    code = cu.wait_exit(job, timeout=900)
+  finally:
+    cu.stop_all([job])
+  output = open(log).read()
+  assert code == 0, output[-4000:]
+  assert killed_after[0] < killed_after[1] < STEPS, killed_after
+  # Each restart resumed from the checkpoint before its kill (or a later one
+  # saved as the job stopped), not from scratch.
+  restored = [int(s) for s in re.findall(
+      r"^\[worker:0\].*Restored checkpoint .*/ckpt-(\d+)", output, re.M)]
+  assert len(restored) == 2 and all(
+      k <= r < STEPS for k, r in zip(killed_after, restored)), restored
+  assert cu.max_weight_difference(reference[0], model_dir) <= 1e-6
+
+
 @pytest.mark.slow
 def test_sigterm_under_a_single_process_strategy_saves_a_checkpoint(tmp_path):
   model_dir = str(tmp_path / "single")

@@ -8,6 +8,10 @@ prefixed with `role:index`. The first task to fail decides the exit status and
 the others are stopped (SIGTERM, then SIGKILL after `grace_period`). Servers
 that never finish by themselves (`ps` tasks, and `worker` tasks when there is
 a `ps`) are stopped once every other task has exited successfully.
+
+With `max_restarts=N` (torchrun's meaning) a failed job is not the end: every
+task is stopped and the whole job starts again, up to N times; distloop's
+training scripts resume from the last checkpoint of their --model_dir.
 """
 
 import ctypes
@@ -226,13 +230,26 @@ class Launcher:
     output: where prefixed lines go (default: sys.stdout).
     serving_workers: the `worker` tasks only serve (model parallelism over
       the cluster): the job ends when the chief does.
+    max_restarts: after a task fails, stop every task and start the whole
+      job again, at most this many times (0: the first failure ends it).
+    new_cluster: called before each restart for fresh addresses (e.g.
+      `lambda: local_cluster(2)`); default: the same `cluster` again.
   """
 
   def __init__(self, command, cluster, *, grace_period=10.0, env=None,
-               output=None, serving_workers=False):
+               output=None, serving_workers=False, max_restarts=0,
+               new_cluster=None):
     check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")
+    if (isinstance(max_restarts, bool) or not isinstance(max_restarts, int)
+        or max_restarts < 0):
+      raise ConfigError(f"max_restarts={max_restarts!r} must be an integer "
+                        ">= 0")
+    self.max_restarts = max_restarts
+    self.new_cluster = new_cluster
+    self.restarts = 0  # how many times the job was started again
+    self.failed_task = None  # (role, index) of the last failure, if any
     self.command = list(command)
     self.cluster = cluster
     self.grace_period = grace_period
@@ -286,6 +303,7 @@ class Launcher:
       for (role, index), process in self.processes.items():
         code = process.poll()
         if code:
+          self.failed_task = (role, index)
           self._print(f"[launch] {role}:{index} exited with status "
                       f"{exit_status(code)}; stopping the other tasks\n")
           self.stop()
@@ -314,12 +332,25 @@ class Launcher:
       reader.join(timeout=5)
 
   def run(self):
-    """start() then wait(); always stops every task."""
-    try:
-      self.start()
-      return self.wait()
-    finally:
-      self.stop()
+    """start() then wait(), again after a failure while restarts are left;
+    returns the exit status of the last attempt. Always stops every task."""
+    while True:
+      try:
+        self.start()
+        status = self.wait()
+      finally:
+        self.stop()
+      if status == 0 or self.restarts >= self.max_restarts:
+        return status
+      self.restarts += 1
+      role, index = self.failed_task
+      self._print(f"[launch] restart {self.restarts} of {self.max_restarts}"
+                  f" after {role}:{index} exited with status {status}: "
+                  "starting every task again\n")
+      if self.new_cluster is not None:
+        self.cluster = self.new_cluster()
+      self.processes = {}
+      self._readers = []
 
 
 def _signal_group(process, sig):
