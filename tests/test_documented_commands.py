@@ -71,8 +71,15 @@ def documented_commands():
       stripped = line.strip()
       if stripped.startswith("```"):
         in_block, tag = (not in_block), stripped[3:].strip()
+        start = number
         continue
       if not in_block or tag not in SHELL_TAGS:
+        continue
+      if stripped.startswith("#SBATCH"):
+        # A Slurm batch script: skipped whole (SKIPPED["sbatch"]).
+        found = [c for c in found if c[2] != start]
+        found.append((f"{doc}:{number}", ["sbatch"], start))
+        tag = "slurm"
         continue
       logical += line.rstrip()
       if logical.endswith("\\"):
@@ -84,8 +91,8 @@ def documented_commands():
       text = re.sub(r"\s+#.*$", "", text)  # A trailing comment.
       text = text.rstrip("&").strip()
       for part in text.split("&&"):
-        found.append((f"{doc}:{number}", shlex.split(part.strip())))
-  return found
+        found.append((f"{doc}:{number}", shlex.split(part.strip()), start))
+  return [(where, words) for where, words, _ in found]
 
 
 def classify(words):
