@@ -23,6 +23,7 @@ import importlib.util
 
 _EXPORTS = {
     "framework.core.checkpointing": ["CheckpointManager"],
+    "framework.core.communication": ["AllReduceConfig"],
     "framework.core.controller": ["Controller", "LoopConfig"],
     "framework.data.datasets": ["ArrayDataset", "load_cifar10", "load_dataset",
                            "synthetic", "write_cifar10"],

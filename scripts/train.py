@@ -165,6 +165,16 @@ flags.DEFINE_integer("warmup_steps", 0, "Linear warm-up steps.")
 flags.DEFINE_list("lr_step_boundaries", [], "Steps where --lr_schedule=step "
                   "multiplies the rate by --lr_step_decay.")
 flags.DEFINE_float("lr_step_decay", 0.1, "Factor at each step boundary.")
+flags.DEFINE_integer("all_reduce_bytes_per_pack", 0, "Pack the gradients "
+                     "into all-reduces of about this many bytes each (0: one "
+                     "all-reduce for all); collective strategies "
+                     "(multi_worker_mirrored) only.", lower_bound=0)
+flags.DEFINE_enum("all_reduce_implementation", "auto",
+                  ["auto", "ring", "nccl"], "Collective all-reduce "
+                  "implementation (nccl: GPUs only).")
+flags.DEFINE_enum("all_reduce_dtype", "float32", ["float32", "bfloat16"],
+                  "dtype of the gradients on the wire: bfloat16 halves the "
+                  "bytes; the update is applied in float32.")
 flags.DEFINE_float("clip_norm", None, "Clip the all-reduced gradient to this "
                    "global norm.")
 flags.DEFINE_enum("nan_policy", "stop", ["stop", "skip"], "On a NaN/Inf "
@@ -266,6 +276,7 @@ def config_from_flags():
   """The ExperimentConfig described by the command line."""
   from framework import ExperimentConfig, LoopConfig, OptimizerConfig  # pylint: disable=g-import-not-at-top
   from framework.model_parallel import ModelParallelConfig  # pylint: disable=g-import-not-at-top
+  from framework.core.communication import AllReduceConfig  # pylint: disable=g-import-not-at-top
   optimizer = OptimizerConfig(
       name=FLAGS.optimizer, learning_rate=FLAGS.learning_rate,
       momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
@@ -319,7 +330,11 @@ def config_from_flags():
       allow_config_change=FLAGS.allow_config_change,
       label_smoothing=FLAGS.label_smoothing,
       ema_decay=FLAGS.ema_decay or None,
-      ema_warmup=FLAGS.ema_warmup, eval_tta=FLAGS.eval_tta)
+      ema_warmup=FLAGS.ema_warmup, eval_tta=FLAGS.eval_tta,
+      all_reduce=AllReduceConfig(
+          bytes_per_pack=FLAGS.all_reduce_bytes_per_pack,
+          implementation=FLAGS.all_reduce_implementation,
+          dtype=FLAGS.all_reduce_dtype))
 
 
 def _run_config(config, trainer_cls):

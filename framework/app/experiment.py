@@ -18,6 +18,7 @@ import tensorflow as tf
 import models
 from models import registry
 from framework.core import losses, optimizers, tta
+from framework.core.communication import AllReduceConfig
 from framework.app import export
 from framework.app import check_run
 from framework.core import checkpointing, precision, ps_training
@@ -84,6 +85,8 @@ class ExperimentConfig:
   ema_decay: float = None
   ema_warmup: bool = False
   eval_tta: str = "none"
+  # The gradient all-reduce's packing, implementation and wire dtype.
+  all_reduce: AllReduceConfig = AllReduceConfig()
 
   def __post_init__(self):
     if not self.model_dir:
@@ -204,6 +207,8 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     extra.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
   if config.eval_tta != "none":
     extra["eval_tta"] = config.eval_tta
+  if not config.all_reduce.is_default:
+    extra["all_reduce"] = config.all_reduce
   loss_scale = None
   if precision.needs_loss_scale(config.mixed_precision):
     loss_scale = precision.LossScale(strategy)

@@ -31,6 +31,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from framework.core import communication
 from framework.core import tta
 from framework.core.ema import WeightAverage
 from framework.errors import ConfigError, check_choice, check_positive
@@ -76,13 +77,15 @@ class Trainer:
     ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
     eval_tta: test-time augmentation in evaluation (`framework.core.tta`):
       `none` or `flip` (mean logits of each image and its mirror).
+    all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
+      implementation, wire dtype of the gradient all-reduce); None: defaults.
   """
 
   def __init__(self, model, optimizer, strategy, *, global_batch_size,
                loss_fn=sparse_categorical_loss, clip_norm=None,
                nan_policy="stop", grad_accum_steps=1, loss_scale=None,
                fused_updates=True, max_skipped_steps=10, ema_decay=None,
-               ema_warmup=False, eval_tta="none"):
+               ema_warmup=False, eval_tta="none", all_reduce=None):
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
@@ -111,6 +114,7 @@ class Trainer:
     self.fused_updates = fused_updates
     self.max_skipped_steps = max_skipped_steps
     self.eval_tta = tta.check_tta(eval_tta)
+    self.communication = all_reduce  # an AllReduceConfig, or None
     self.ema = None
     if ema_decay is not None:
       self.ema = WeightAverage(model.trainable_variables, strategy, ema_decay,
@@ -266,7 +270,7 @@ class Trainer:
     context = tf.distribute.get_replica_context()
     if context is None or self.num_replicas == 1:
       return values
-    return context.all_reduce(SUM, values)
+    return communication.all_reduce_sum(context, values, self.communication)
 
   def clip_by_global_norm(self, grads):
     """(grads clipped to `clip_norm`, their global norm before clipping)."""
