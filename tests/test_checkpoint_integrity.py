@@ -117,6 +117,7 @@ def test_missing_newest_index_falls_back_and_keeps_older(run_dir):
     assert 'model_checkpoint_path: "ckpt-40"' in f.read()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_damaged_data_file_is_one_line(run_dir, how):
   DAMAGE[how](run_dir / DATA)

@@ -39,6 +39,7 @@ def test_the_ema_flip_figure_is_the_runs_own_final_evaluation(tmp_path):
   assert table["raw"] != table["ema"]
 
 
+@pytest.mark.slow
 def test_a_run_without_ema_is_one_line(tmp_path):
   model_dir = tmp_path / "plain"
   run_script("train.py", *[a for a in RUN if not a.startswith("--ema")],

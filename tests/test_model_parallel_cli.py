@@ -5,6 +5,7 @@ import os
 
 import h5py
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.helpers import run_script
@@ -40,6 +41,7 @@ def _scalar_tags(logdir):
   return tags
 
 
+@pytest.mark.slow
 def test_pipeline_trains_resumes_exactly_and_writes_tensorboard(tmp_path):
   flags = ["--model_parallel=pipeline", "--num_stages=2",
            "--num_microbatches=4"]
@@ -69,6 +71,7 @@ def test_pipeline_trains_resumes_exactly_and_writes_tensorboard(tmp_path):
   assert os.listdir(os.path.join(resumed, "eval"))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_trains_and_resumes(tmp_path):
   flags = ["--model_parallel=tensor", "--hidden_units=10"]
   model_dir = str(tmp_path / "tensor")

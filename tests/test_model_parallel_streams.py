@@ -186,6 +186,7 @@ def test_config_passes_serial_stages_and_needs_a_split():
     assert config.trainer_factory().keywords["input_grads_first"] is False
 
 
+@pytest.mark.slow
 def test_train_py_serial_stages_trains_a_pipeline(tmp_path):
   common = ["--model=mlp", "--dataset=synthetic", "--cpu_devices=2",
             "--global_batch_size=32", "--steps_per_loop=2", "--log_every=2",

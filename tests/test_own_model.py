@@ -68,6 +68,7 @@ def test_import_path_trains_and_is_recorded(user_run):
                                      "saved_model.pb"))
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_rebuild_it_in_a_fresh_process(user_run,
                                                             tmp_path):
   # cwd is the repository and PYTHONPATH does not name the user's

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 
@@ -17,6 +19,7 @@ def _train(cwd, *args):
       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_relative_model_dir_resumes_instead_of_starting_over(tmp_path):
   first = _train(tmp_path, "--train_steps=40")
   assert first.returncode == 0, first.stderr[-3000:]

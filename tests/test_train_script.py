@@ -57,6 +57,7 @@ def straight_run(tmp_path_factory):
   return model_dir
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_weights(straight_run, tmp_path):
   flags = ["--strategy=mirrored", "--cpu_devices=2", "--steps_per_loop=4",
            "--checkpoint_every=10"]
@@ -98,6 +99,7 @@ def test_summaries_are_reduced_over_replicas(tmp_path):
     assert losses["mirrored"][step] == pytest.approx(loss, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_flagfile_and_epochs(tmp_path):
   flagfile = tmp_path / "run.cfg"
   flagfile.write_text("\n".join(COMMON + ["--strategy=central_storage",
@@ -297,6 +299,7 @@ def test_max_skipped_steps_must_be_positive(tmp_path):
   assert_one_line_error(proc, "--max_skipped_steps")
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_draws_the_same_masks(tmp_path):
   # The dropout random state is checkpointed with the weights.
   flags = ["--model=cifar_cnn", "--dataset=synthetic", "--global_batch_size=16",
