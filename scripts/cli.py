@@ -192,3 +192,21 @@ def main_running(run):
       run()
 
   return main
+
+
+def run_entry_point(main, module_name):
+  """Runs an app from its console script (`distloop-train`, ...).
+
+  absl's --helpshort lists the key flags of the module named like
+  sys.argv[0]; run as `python scripts/train.py` that is the app itself, but
+  a console script is a wrapper that defines none, so every flag not of
+  absl's own (whichever module of the app defined it) is declared a key
+  flag of the wrapper too.
+  """
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  del module_name  # The flags are found by their defining modules.
+  for module, flag_list in flags.FLAGS.flags_by_module_dict().items():
+    if module.split(".")[0] != "absl":
+      for flag in flag_list:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+  app.run(main)

@@ -25,7 +25,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from scripts import cli  # pylint: disable=g-import-not-at-top
+try:  # Installed: the package distloop_cli.
+  from . import cli  # pylint: disable=g-import-not-at-top
+except ImportError:  # python scripts/<app>.py
+  from scripts import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
@@ -81,7 +84,7 @@ def main(argv):
 
 def entry():
   """Console entry point `distloop-launch`."""
-  app.run(main)
+  cli.run_entry_point(main, __name__)
 
 
 if __name__ == "__main__":

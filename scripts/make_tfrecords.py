@@ -22,7 +22,10 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from scripts import cli  # pylint: disable=g-import-not-at-top
+try:  # Installed: the package distloop_cli.
+  from . import cli  # pylint: disable=g-import-not-at-top
+except ImportError:  # python scripts/<app>.py
+  from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 from absl import logging
@@ -174,6 +177,12 @@ def convert():
 
 
 main = cli.main_running(convert)
+
+
+def entry():
+  """Console entry point `distloop-make-tfrecords`."""
+  cli.run_entry_point(main, __name__)
+
 
 if __name__ == "__main__":
   app.run(main)

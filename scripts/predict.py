@@ -16,7 +16,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from scripts import cli  # pylint: disable=g-import-not-at-top
+try:  # Installed: the package distloop_cli.
+  from . import cli  # pylint: disable=g-import-not-at-top
+except ImportError:  # python scripts/<app>.py
+  from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 
@@ -110,7 +113,7 @@ main = cli.main_running(run)
 
 def entry():
   """Console entry point `distloop-predict`."""
-  app.run(main)
+  cli.run_entry_point(main, __name__)
 
 
 if __name__ == "__main__":

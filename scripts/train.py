@@ -15,7 +15,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
-from scripts import cli  # pylint: disable=g-import-not-at-top
+try:  # Installed: the package distloop_cli.
+  from . import cli  # pylint: disable=g-import-not-at-top
+except ImportError:  # python scripts/<app>.py
+  from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 from absl import logging
@@ -465,7 +468,7 @@ main = cli.main_running(_check_and_run)
 
 def entry():
   """Console entry point `distloop-train`."""
-  app.run(main)
+  cli.run_entry_point(main, __name__)
 
 
 if __name__ == "__main__":
