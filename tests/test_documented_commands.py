@@ -335,3 +335,16 @@ def test_readme_flow_from_other_folders(tmp_path):
   assert "accuracy" in log
   log = _run(third, "scripts/predict.py", moved(predict_args), to_root3)
   assert "predicted:" in log
+
+
+def test_user_docs_carry_no_issue_numbers_or_dates():
+  # Dates and clock times of measurements belong on docs/results/ pages.
+  pages = DOCS + sorted(os.path.relpath(p, ROOT) for p in glob.glob(
+      os.path.join(ROOT, "docs", "reference", "*.md")))
+  found = []
+  for page in pages:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):
+        if re.search(r"issue [0-9]|UTC|\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b", line):
+          found.append(f"{page}:{number}: {line.strip()}")
+  assert not found, "\n".join(found)
