@@ -31,10 +31,24 @@ def one_line_errors():
   except DistloopError as e:
     print(f"{script}: error: {e}", file=sys.stderr)
     sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except
+    # A damaged shard or record stops a tf.data pipeline wherever it is
+    # consumed (training, evaluation, prediction): its message says so.
+    from framework.data import integrity  # pylint: disable=g-import-not-at-top
+    error = integrity.data_error(e) if _is_op_error(e) else None
+    if error is None:
+      raise
+    print(f"{script}: error: {error}", file=sys.stderr)
+    sys.exit(1)
   except KeyboardInterrupt:
     print(f"{script}: interrupted (Ctrl-C) outside the training loop; nothing "
           "was saved", file=sys.stderr)
     sys.exit(130)
+
+
+def _is_op_error(error):
+  tf = sys.modules.get("tensorflow")
+  return tf is not None and isinstance(error, tf.errors.OpError)
 
 
 def import_tensorflow_quietly():

@@ -8,16 +8,24 @@
     python scripts/make_tfrecords.py --dataset=synthetic --synthetic_train=200000 \
         --synthetic_shape=64,64,3 --output_dir=/tmp/big
 
+    python scripts/make_tfrecords.py --verify=/tmp/cifar10_tfrecords
+
 Output: `train-*-of-*.tfrecord`, `test-*-of-*.tfrecord`, `train.json` and
-`test.json` (see framework/data/tfrecords.py). Everything is written to a staging
-folder beside --output_dir and moved in at the end, so bad input (reported in
-one line) leaves --output_dir as it was.
+`test.json` (see framework/data/tfrecords.py) in a generation folder of
+--output_dir, published by `dataset.json` (framework/data/tfrecord_set.py):
+everything is written to a staging folder and made current by one rename,
+so a reader sees the previous set or the new one, and bad input, a full disk
+or a killed converter leave --output_dir's current set as it was. Staging
+folders of converters that died on this host are removed on the next run.
+--verify checks every shard's sha256 against its sidecar.
 """
 
+import errno
+import hashlib
 import os
 import shutil
+import signal
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +62,11 @@ flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: image "
 flags.DEFINE_integer("synthetic_classes", 10, "synthetic: classes.")
 flags.DEFINE_integer("seed", 0, "synthetic and shapes: generator seed; all: "
                      "the order examples are dealt to shards.")
-flags.mark_flags_as_required(["dataset", "output_dir"])
+flags.DEFINE_string("verify", None, "Instead of converting: check every "
+                    "shard of this TFRecord folder against the sha256 its "
+                    "sidecar lists.")
+# Test hook: SIGKILL this process before its k-th file operation.
+KILL_AT_ENV = "DISTLOOP_MAKE_TFRECORDS_KILL_AT"
 for _name in ("num_shards", "image_size", "synthetic_train", "synthetic_test",
               "synthetic_classes"):
   flags.register_validator(_name, lambda v: v is None or v > 0,
@@ -151,14 +163,89 @@ def _sources():
   return _image_folder()
 
 
+class _FileOps:
+  """Counts the converter's file operations; with KILL_AT_ENV=k set, the
+  process SIGKILLs itself before the k-th (a test of the publish)."""
+
+  def __init__(self):
+    self.count = 0
+    self.kill_at = int(os.environ.get(KILL_AT_ENV) or 0)
+
+  def __call__(self, what):
+    self.count += 1
+    logging.debug("file operation %d: %s", self.count, what)
+    if self.count == self.kill_at:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _check_output_dir(output_dir):
+  """ConfigError, before anything is converted, unless `output_dir` is or
+  can be a writable folder."""
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+    raise ConfigError(f"output_dir={FLAGS.output_dir!r} is a file, not a "
+                      "folder")
+  existing = output_dir
+  while not os.path.isdir(existing):
+    parent = os.path.dirname(existing)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+      raise ConfigError(f"output_dir={FLAGS.output_dir!r} is under "
+                        f"{parent}, which is a file")
+    existing = parent
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"output_dir={FLAGS.output_dir!r} cannot be written "
+                      f"({existing} is not writable)")
+
+
+def _write_error(error, output_dir):
+  """The DataError line of a failed write (a full disk: ENOSPC, or
+  TensorFlow's ResourceExhaustedError)."""
+  from framework.errors import DataError  # pylint: disable=g-import-not-at-top
+  code = getattr(error, "errno", None)
+  reason = os.strerror(code) if code else str(error).strip().splitlines()[0]
+  if "resource" in type(error).__name__.lower() or code == errno.ENOSPC:
+    reason = f"no space left: {reason}"
+  return DataError(f"cannot write {output_dir} ({reason}); its current "
+                   "set is unchanged")
+
+
+def verify():
+  from framework.data import tfrecord_set, tfrecords  # pylint: disable=g-import-not-at-top
+  from framework.errors import DataError  # pylint: disable=g-import-not-at-top
+  data_dir = os.path.abspath(FLAGS.verify)
+  if not os.path.isdir(data_dir):
+    raise DataError(f"verify={FLAGS.verify!r} is not a folder")
+  for split in tfrecords.SPLITS:
+    sidecar = tfrecords.verify(data_dir, split)
+    logging.info("%s: %d shards, %d examples: sha256 as listed", split,
+                 len(sidecar["shards"]), sidecar["num_examples"])
+  print(f"verified {tfrecord_set.resolve(data_dir)}: every shard matches "
+        "its sidecar")
+
+
 def convert():
-  from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
-  sources, class_names = _sources()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework.data import tfrecord_set, tfrecords  # pylint: disable=g-import-not-at-top
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if FLAGS.verify:
+    return verify()
+  if not FLAGS.dataset or not FLAGS.output_dir:
+    raise ConfigError("--dataset and --output_dir are required (or "
+                      "--verify=DIR to check a converted folder)")
   output_dir = os.path.abspath(FLAGS.output_dir)
-  parent = os.path.dirname(output_dir)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".make_tfrecords-", dir=parent)
+  _check_output_dir(output_dir)
+  for path in tfrecord_set.remove_stale_staging(
+      output_dir, os.path.dirname(output_dir)):
+    logging.info("removed %s (left by a converter that died)", path)
+  sources, class_names = _sources()
+  file_op = _FileOps()
+  created = not os.path.isdir(output_dir)
+  staging = None
   try:
+    os.makedirs(output_dir, exist_ok=True)
+    file_op("create staging folder")
+    staging = tfrecord_set.make_staging(output_dir)
+    generations = []
     for split in tfrecords.SPLITS:
       get_example, count = sources[split]
       logging.info("writing %s: %d examples in %d shards", split, count,
@@ -166,13 +253,20 @@ def convert():
       sidecar = tfrecords.write_split(
           staging, split, get_example, count, num_shards=FLAGS.num_shards,
           class_names=class_names, name=FLAGS.dataset, shuffle_seed=FLAGS.seed,
-          progress=_Progress(split))
-    os.makedirs(output_dir, exist_ok=True)
-    for name in sorted(os.listdir(staging)):
-      os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+          progress=_Progress(split), file_op=file_op)
+      generations.append(sidecar["generation"])
+    generation = hashlib.sha256("/".join(generations).encode()).hexdigest()
+    folder = tfrecord_set.publish(staging, output_dir, generation[:16],
+                                  file_op)
+    staging = None
+  except (OSError, tf.errors.OpError) as e:
+    raise _write_error(e, output_dir) from None
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
-  logging.info("wrote %s: image shape %s, %d classes", output_dir,
+    if staging is not None:
+      shutil.rmtree(staging, ignore_errors=True)
+    if created and os.path.isdir(output_dir) and not os.listdir(output_dir):
+      os.rmdir(output_dir)
+  logging.info("wrote %s: image shape %s, %d classes", folder,
                sidecar["image_shape"], len(class_names))
 
 

@@ -251,8 +251,12 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
+  run_config = export.run_config(config)
+  if getattr(dataset, "generation", None):
+    # Resuming on re-converted data (another content) is a config change.
+    run_config["data_generation"] = dataset.generation
   controller.checkpoints.configure(
-      restore_policy=config.restore, run_config=export.run_config(config),
+      restore_policy=config.restore, run_config=run_config,
       allow_config_change=config.allow_config_change)
   return trainer, controller
 

@@ -25,6 +25,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core.checkpointing import CheckpointManager
@@ -382,7 +383,8 @@ class Controller:
       return {k: float(v) for k, v in
               self.trainer.train(iterator, num_steps).items()}
     except tf.errors.InvalidArgumentError as e:
-      error = _partial_batch_error(
+      # A damaged shard or record (framework/data/integrity.py) first.
+      error = integrity.data_error(e) or _partial_batch_error(
           e, getattr(self.trainer, "global_batch_size", None))
       if error is None:
         raise

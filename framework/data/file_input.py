@@ -206,7 +206,7 @@ class FileDataset:
 
   def __init__(self, name, train, test, *, class_names, image_shape,
                label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP,
-               shuffle="shards"):
+               shuffle="shards", generation=None):
     check_positive("shards_per_group", shards_per_group)
     if shuffle not in SHUFFLES:
       raise ConfigError(f"file_shuffle={shuffle!r} is not one of "
@@ -222,6 +222,9 @@ class FileDataset:
     self.input_shape = tuple(image_shape)
     self.label_shape = tuple(label_shape)
     self.shards_per_group = shards_per_group
+    # The content's digest (`train/test` generations of a TFRecord set);
+    # a run records it, so that resuming on re-converted data is an error.
+    self.generation = generation
 
   @property
   def num_classes(self):
@@ -398,43 +401,53 @@ class FileDataset:
         self.eval_dataset_fn(global_batch_size))
 
 
-def tfrecord_split(data_dir, sidecar):
-  """A `ShardedSplit` over the shards a sidecar names."""
+def tfrecord_split(data_dir, sidecar, split="split"):
+  """A `ShardedSplit` over the shards a sidecar names (in `data_dir`, the
+  folder holding the sidecar), checked as they stream: a shard that ends
+  early, runs long or holds other records, and a record that does not match
+  the sidecar, fail the pipeline with a message naming them (turned into a
+  DataError by `framework.data.integrity.data_error`)."""
   import os  # pylint: disable=g-import-not-at-top
   from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
-  paths = [os.path.join(data_dir, s) for s in sidecar["shards"]]
-
-  def read(ids):
-    return tf.data.TFRecordDataset(tf.gather(tf.constant(paths), ids))
 
   def index(records):
     return tf.io.parse_example(
         records, {"index": tf.io.FixedLenFeature([], tf.int64)})["index"]
 
   return ShardedSplit(
-      tuple(sidecar["examples_per_shard"]), read,
-      tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"]),
+      tuple(sidecar["examples_per_shard"]),
+      tfrecords.shard_reader(data_dir, sidecar),
+      tfrecords.parse_fn(sidecar["image_shape"], sidecar["label_shape"],
+                         len(sidecar["class_names"]),
+                         os.path.join(data_dir, f"{split}.json")),
       index)
 
 
 def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP,
                   shuffle="shards"):
-  """The `FileDataset` of a directory written by scripts/make_tfrecords.py."""
-  from framework.data import tfrecords  # pylint: disable=g-import-not-at-top
+  """The `FileDataset` of a directory written by scripts/make_tfrecords.py
+  (its current generation, resolved once: see framework/data/tfrecord_set.py).
+  """
+  from framework.data import tfrecord_set, tfrecords  # pylint: disable=g-import-not-at-top
   if not data_dir:
     raise ConfigError("dataset=tfrecord needs data_dir (a directory written "
                       "by scripts/make_tfrecords.py)")
-  train = tfrecords.read_sidecar(data_dir, "train")
-  test = tfrecords.read_sidecar(data_dir, "test")
+  folder = tfrecord_set.resolve(data_dir)
+  train = tfrecords.read_sidecar(folder, "train")
+  test = tfrecords.read_sidecar(folder, "test")
   for key in ("image_shape", "label_shape", "class_names"):
     if train[key] != test[key]:
       raise DataError(f"data_dir={data_dir!r}: train and test {key} differ "
                       f"({train[key]} vs {test[key]})")
+  generation = None
+  if "generation" in train and "generation" in test:
+    generation = f"{train['generation']}/{test['generation']}"
   return FileDataset(
-      train.get("name", "tfrecord"), tfrecord_split(data_dir, train),
-      tfrecord_split(data_dir, test), class_names=train["class_names"],
+      train.get("name", "tfrecord"), tfrecord_split(folder, train, "train"),
+      tfrecord_split(folder, test, "test"), class_names=train["class_names"],
       image_shape=train["image_shape"], label_shape=train["label_shape"],
-      shards_per_group=shards_per_group, shuffle=shuffle)
+      shards_per_group=shards_per_group, shuffle=shuffle,
+      generation=generation)
 
 
 def _register():

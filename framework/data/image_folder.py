@@ -116,12 +116,31 @@ def _split(files, shape, files_per_shard):
         lambda s: tf.data.Dataset.range(starts[s], starts[s] + sizes[s]))
 
   def decode(position):
-    image = tf.io.decode_image(tf.io.read_file(paths[position]), channels=3,
-                               expand_animations=False)
+    contents = tf.io.read_file(paths[position])
+    with tf.control_dependencies([_check_complete(contents,
+                                                  paths[position])]):
+      image = tf.io.decode_image(contents, channels=3,
+                                 expand_animations=False)
     return index[position], tf.ensure_shape(image, shape), labels[position]
 
   return file_input.ShardedSplit(tuple(counts), read, decode,
                                 lambda positions: tf.gather(index, positions))
+
+
+def _check_complete(contents, path):
+  """Fails, naming `path`, on a JPEG cut short: no end-of-image marker in
+  its last KiB (the decoder's own error would not name the file)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework.data import integrity  # pylint: disable=g-import-not-at-top
+  size = tf.strings.length(contents)
+  is_jpeg = tf.equal(tf.strings.substr(contents, 0, 3), b"\xff\xd8\xff")
+  tail_start = tf.maximum(size - 1024, 0)
+  tail = tf.strings.substr(contents, tail_start, size - tail_start)
+  has_end = tf.size(tf.strings.split(tail, sep=b"\xff\xd9")) > 1
+  return integrity.check(
+      tf.logical_or(tf.logical_not(is_jpeg), has_end),
+      "cannot read image ", path, ": it is truncated (no JPEG end marker; re-save "
+      "or remove it)")
 
 
 def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
