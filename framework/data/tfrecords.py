@@ -249,10 +249,11 @@ def parse_fn(image_shape, label_shape, num_classes=None, where="sidecar"):
         tf.not_equal(tf.strings.length(example["image"]), 0),
         tf.not_equal(tf.strings.length(example[label_key]), 0)
         if per_pixel else tf.greater_equal(example["label"], 0))
-    with tf.control_dependencies([check(
+    complete = check(
         tf.logical_and(present, index >= 0), where, ": example ", index,
         f" has no image, index or {label_key} (label_shape is "
-        f"{list(label_shape)})")]):
+        f"{list(label_shape)})")
+    with tf.control_dependencies([complete]):
       image = tf.io.decode_png(example["image"])
     shape = tf.shape(image, out_type=tf.int64)
     with tf.control_dependencies([check(
@@ -262,8 +263,9 @@ def parse_fn(image_shape, label_shape, num_classes=None, where="sidecar"):
             tf.strings.as_string(shape), separator=","))]):
       image = tf.ensure_shape(tf.identity(image), image_shape)
     if per_pixel:
-      label = tf.cast(tf.io.decode_png(example["mask"], channels=1)[..., 0],
-                      tf.int32)
+      with tf.control_dependencies([complete]):
+        label = tf.cast(tf.io.decode_png(example["mask"], channels=1)[..., 0],
+                        tf.int32)
       ok = tf.reduce_all(tf.equal(tf.shape(label, out_type=tf.int64),
                                   tf.constant(label_shape, tf.int64)))
       with tf.control_dependencies([check(
