@@ -130,7 +130,7 @@ def _run(intact, case_dir, outcomes, name):
     outcome = "exact read"
   else:
     pytest.fail(f"{name}: the examples read differ from the intact set")
-  outcomes[(name.split("=")[0].split(":")[0], outcome)] += 1
+  outcomes[(name.split("=")[0], outcome)] += 1
   return outcome
 
 

@@ -139,8 +139,8 @@ def _check_complete(contents, path):
   has_end = tf.size(tf.strings.split(tail, sep=b"\xff\xd9")) > 1
   return integrity.check(
       tf.logical_or(tf.logical_not(is_jpeg), has_end),
-      "cannot read image ", path, ": it is truncated (no JPEG end marker; re-save "
-      "or remove it)")
+      "cannot read image ", path, ": it is truncated (no JPEG end marker; "
+      "re-save or remove it)")
 
 
 def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
