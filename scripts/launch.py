@@ -15,8 +15,17 @@ tasks and starts the whole job again, on fresh ports, at most N times; the
 training scripts resume from the last checkpoint in their --model_dir. After
 the N-th restart fails too, the launcher prints one error line and exits with
 that task's status.
+
+With --netns (root, Linux) each task runs on its own "host": a network
+namespace with its own address (10.77.0.N), all joined by a bridge;
+--netns_rate=10gbit shapes every link to that bandwidth (tc tbf). A local
+rehearsal of a multi-host job, links included:
+
+    sudo python scripts/launch.py --workers=2 --netns --netns_rate=1gbit -- \
+        python scripts/train.py --strategy=multi_worker_mirrored ...
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -32,6 +41,8 @@ except ImportError:  # python scripts/<app>.py
 from absl import flags
 
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
+from framework.distribute import netns  # pylint: disable=g-import-not-at-top
+from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)
@@ -43,6 +54,11 @@ flags.DEFINE_bool("chief", None, "Add a chief task (default: only with "
 flags.DEFINE_string("host", "127.0.0.1", "Address every task listens on.")
 flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
                    "when stopping tasks.", lower_bound=0.0)
+flags.DEFINE_bool("netns", False, "Run each task in its own network "
+                  "namespace with its own address, joined by a bridge (a "
+                  "local multi-host rehearsal; needs root, ip and tc).")
+flags.DEFINE_string("netns_rate", "", "With --netns: each link's bandwidth, "
+                    "e.g. 10gbit or 500mbit (tc tbf); empty: unshaped.")
 flags.DEFINE_integer("max_restarts", 0, "After a task fails, stop the others "
                      "and start the whole job again (it resumes from its "
                      "last checkpoint), at most this many times.",
@@ -54,14 +70,37 @@ def main(argv):
   with cli.one_line_errors():
     serving = launcher.model_parallel_on_cluster(command)
     chief = FLAGS.chief if FLAGS.chief is not None else (serving or None)
+    network, prefix = None, None
+    if FLAGS.netns:
+      tasks = FLAGS.workers + FLAGS.ps + int(bool(
+          chief if chief is not None else FLAGS.ps > 0))
+      network = netns.HostNetwork(tasks, rate=FLAGS.netns_rate or None,
+                                  name=f"dl{os.getpid() % 100000}")
+      hosts = {}
+
+      def prefix(role, index):
+        return network.prefix(hosts[(role, index)])
+    elif FLAGS.netns_rate:
+      raise ConfigError(f"netns_rate={FLAGS.netns_rate!r} needs --netns")
+    attempts = []
+
     def new_cluster():
-      return launcher.local_cluster(FLAGS.workers, FLAGS.ps, chief=chief,
-                                    host=FLAGS.host)
+      attempts.append(None)
+      if network is None:
+        return launcher.local_cluster(FLAGS.workers, FLAGS.ps, chief=chief,
+                                      host=FLAGS.host)
+      # A fresh port at each attempt: a killed task's may still be held.
+      cluster = launcher.cluster_on_hosts(
+          network.addresses, FLAGS.workers, FLAGS.ps, chief=chief,
+          port=2222 + len(attempts))
+      for i, task in enumerate(launcher.tasks_of(cluster)):
+        hosts[task] = i
+      return cluster
     job = launcher.Launcher(command, new_cluster(),
                             grace_period=FLAGS.grace_period,
                             serving_workers=serving,
                             max_restarts=FLAGS.max_restarts,
-                            new_cluster=new_cluster)
+                            new_cluster=new_cluster, task_prefix=prefix)
 
   def on_signal(signum, frame):
     del frame
@@ -72,7 +111,7 @@ def main(argv):
 
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
-  with cli.one_line_errors():
+  with cli.one_line_errors(), (network or contextlib.nullcontext()):
     status = job.run()
   if status and FLAGS.max_restarts:
     role, index = job.failed_task

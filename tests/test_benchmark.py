@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
-              "multi_worker", "model_parallel", "large_dataset")
+              "multi_worker", "model_parallel", "large_dataset", "network")
 
 
 def run(script, *args, timeout=120):

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from framework.distribute import launcher
+from framework.distribute import netns
 from tests import cluster_utils as cu
 
 # Prints its task, then: worker 1 fails with status 3 after a moment; every
@@ -176,3 +177,37 @@ def test_max_restarts_starts_the_whole_job_again_then_gives_up(kills,
     assert cu.error_lines(proc.stderr) == [
         "launch.py: error: worker:1 exited with status 137 after 2 "
         "restart(s) (--max_restarts=2); giving up"], output
+
+
+# Binds its own address from TF_CONFIG, which exists only on its own host,
+# and fails to bind the other task's.
+NETNS_TASK = r"""
+import json, os, socket
+config = json.loads(os.environ["TF_CONFIG"])
+mine = config["cluster"]["worker"][config["task"]["index"]]
+other = config["cluster"]["worker"][1 - config["task"]["index"]]
+socket.socket().bind((mine.split(":")[0], 0))
+try:
+  socket.socket().bind((other.split(":")[0], 0))
+  print("bound the other host's address", flush=True)
+except OSError:
+  print("own host", mine, flush=True)
+"""
+
+
+@pytest.mark.skipif(netns.missing() is not None,
+                    reason=f"no network namespaces: {netns.missing()}")
+def test_netns_puts_each_task_on_its_own_host():
+  job = subprocess.Popen(
+      cu.LAUNCH + ["--workers=2", "--netns", "--netns_rate=1gbit", "--",
+                   sys.executable, "-c", NETNS_TASK],
+      cwd=cu.ROOT, env=cu.ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
+  stdout, stderr = job.communicate(timeout=120)
+  assert job.returncode == 0, stdout + stderr
+  lines = sorted(re.findall(r"^\[worker:\d\] own host (\S+)$", stdout, re.M))
+  assert lines == ["10.77.0.1:2223", "10.77.0.2:2223"], stdout
+  # The namespaces went with the job.
+  left = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                        text=True, check=True).stdout
+  assert f"dl{job.pid % 100000}-" not in left, left

@@ -80,6 +80,19 @@ def _bindable(host, port):
       return False
 
 
+def cluster_on_hosts(hosts, workers, ps=0, *, chief=None, port=2222):
+  """Like `local_cluster`, with one address of `hosts` per task (in
+  `tasks_of` order) and the same `port` on each."""
+  chief = ps > 0 if chief is None else chief
+  counts = {"chief": int(chief), "worker": workers, "ps": ps}
+  if sum(counts.values()) > len(hosts):
+    raise ConfigError(f"{sum(counts.values())} tasks need as many hosts; "
+                      f"got {len(hosts)}")
+  addresses = iter(f"{h}:{port}" for h in hosts)
+  return {role: [next(addresses) for _ in range(n)]
+          for role, n in counts.items() if n}
+
+
 def local_cluster(workers, ps=0, *, chief=None, host="127.0.0.1"):
   """A cluster dict {role: ['host:port', ...]} on free loopback ports.
 
@@ -234,11 +247,13 @@ class Launcher:
       job again, at most this many times (0: the first failure ends it).
     new_cluster: called before each restart for fresh addresses (e.g.
       `lambda: local_cluster(2)`); default: the same `cluster` again.
+    task_prefix: `f(role, index)` -> argv put before `command` for that task
+      (e.g. `ip netns exec HOST`, see `framework.distribute.netns`).
   """
 
   def __init__(self, command, cluster, *, grace_period=10.0, env=None,
                output=None, serving_workers=False, max_restarts=0,
-               new_cluster=None):
+               new_cluster=None, task_prefix=None):
     check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")
@@ -248,6 +263,7 @@ class Launcher:
                         ">= 0")
     self.max_restarts = max_restarts
     self.new_cluster = new_cluster
+    self.task_prefix = task_prefix
     self.restarts = 0  # how many times the job was started again
     self.failed_task = None  # (role, index) of the last failure, if any
     self.command = list(command)
@@ -275,9 +291,10 @@ class Launcher:
     for role, index in tasks_of(self.cluster):
       env = dict(os.environ, **self.env,
                  TF_CONFIG=tf_config(self.cluster, role, index))
+      prefix = list(self.task_prefix(role, index)) if self.task_prefix else []
       try:
         process = subprocess.Popen(
-            self.command, env=env, stdin=subprocess.DEVNULL,
+            prefix + self.command, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent)
       except OSError as e:  # e.g. not executable; run() stops the others

@@ -1,0 +1,208 @@
+"""Training over links of a given bandwidth: each task on its own "host".
+
+    sudo python scripts/benchmarks/network.py [--rates=unshaped,25gbit,10gbit,1gbit]
+        [--modes=mwms,ps,split] [--knobs] [--model=cifar_cnn] [--train_steps=40]
+
+Every task runs in its own network namespace with its own address, joined to
+the others by veth pairs through a bridge (`framework.distribute.netns`,
+the same as `launch.py --netns`); with a rate, each link is shaped in both
+directions by `tc` (tbf; no added delay). Modes:
+  mwms:  2 MultiWorkerMirrored workers, one core each (taskset);
+  ps:    parameter server: chief + 2 workers + 1 ps;
+  split: the 5 + 5 tensor split of the MLP's 10 hidden units over 2 worker
+         hosts (`--model_parallel_devices=cluster`, chief runs the loop).
+`--knobs` adds, at each of --knob_rates (10gbit), MWMS with --all_reduce_dtype=bfloat16 and with
+--all_reduce_bytes_per_pack=1048576. A compute-only baseline (one process,
+one core, one worker's half of the batch, no network) comes first.
+
+For each run it prints examples/s and the bytes on the wire per step (the
+sum of every host interface's tx counter), both between the chief's log
+lines at steps --measure_from and --train_steps (tracing and start-up left
+out). Prints one line and exits 0 where namespaces or tc are missing. Not a
+test: it needs root, and other load on the machine skews every figure.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags
+
+from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
+from framework.distribute import netns  # pylint: disable=g-import-not-at-top
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rates", ["unshaped", "25gbit", "10gbit", "1gbit"],
+                  "Link bandwidths ('unshaped': no tc).")
+flags.DEFINE_list("modes", ["mwms", "ps", "split"], "mwms, ps, split.")
+flags.DEFINE_bool("knobs", True, "Also MWMS at 10gbit with bfloat16 "
+                  "reduction and with 1 MiB packs.")
+flags.DEFINE_string("model", "cifar_cnn", "Model for mwms and ps.")
+flags.DEFINE_integer("global_batch_size", 128, "Examples per step.")
+flags.DEFINE_integer("train_steps", 40, "Steps per run.")
+flags.DEFINE_integer("measure_from", 10, "First logged step of the window "
+                     "(the loops before it trace and warm up).")
+flags.DEFINE_integer("steps_per_loop", 5, "Steps per tf.function call.")
+flags.DEFINE_list("knob_rates", ["10gbit"], "Rates of the --knobs runs.")
+flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
+                          "and ps runs and the baseline, repeatable (e.g. "
+                          "--extra=--hidden_units=1024,1024).")
+flags.DEFINE_string("cores", "0,1", "CPU cores; task i is pinned to core "
+                    "i mod len (taskset), one thread each.")
+
+TRAIN = [sys.executable, os.path.join(_ROOT, "scripts", "train.py")]
+_STEP = re.compile(r"^\[(chief|worker):0\] .*train step (\d+)/\d+:")
+
+
+class _Window:
+  """A launcher output sink: times and counters at two logged steps."""
+
+  def __init__(self, first, last, counters):
+    self.first, self.last, self.counters = first, last, counters
+    self.marks = {}
+    self.tail = []
+    self._lock = threading.Lock()
+
+  def write(self, text):
+    with self._lock:
+      for line in text.splitlines():
+        self.tail = (self.tail + [line])[-40:]
+        match = _STEP.match(line)
+        if match and int(match.group(2)) in (self.first, self.last):
+          self.marks.setdefault(int(match.group(2)),
+                                (time.monotonic(), self.counters()))
+
+  def flush(self):
+    pass
+
+  def result(self):
+    if len(self.marks) != 2:
+      raise RuntimeError("no progress lines:\n" + "\n".join(self.tail))
+    (t0, c0), (t1, c1) = self.marks[self.first], self.marks[self.last]
+    steps = self.last - self.first
+    tx = sum(c1[h][1] - c0[h][1] for h in c0)
+    return steps * FLAGS.global_batch_size / (t1 - t0), tx / steps, (
+        t1 - t0) / steps
+
+
+def _train_flags(model_dir, *extra):
+  return [f"--global_batch_size={FLAGS.global_batch_size}",
+          "--dataset=synthetic", f"--train_steps={FLAGS.train_steps}",
+          f"--steps_per_loop={FLAGS.steps_per_loop}",
+          f"--log_every={FLAGS.steps_per_loop}", "--checkpoint_every=0",
+          "--eval_every=0", "--export_saved_model=false",
+          f"--model_dir={model_dir}", *extra]
+
+
+def _command(mode, model_dir, extra):
+  if mode == "split":
+    return TRAIN + _train_flags(
+        model_dir, "--model=mlp", "--hidden_units=10",
+        "--model_parallel=tensor", "--num_shards=2",
+        "--model_parallel_devices=cluster", *extra)
+  strategy = "parameter_server" if mode == "ps" else "multi_worker_mirrored"
+  return TRAIN + _train_flags(model_dir, f"--model={FLAGS.model}",
+                              f"--strategy={strategy}", *FLAGS.extra, *extra)
+
+
+def _env():
+  return dict(TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1",
+              TF_NUM_INTEROP_THREADS="1")
+
+
+def run_on_hosts(mode, rate, workdir, extra=()):
+  """(examples/s, wire bytes per step, seconds per step) of one run."""
+  ps = 1 if mode == "ps" else 0
+  chief = mode in ("ps", "split")
+  hosts = 2 + ps + int(chief)
+  cores = FLAGS.cores.split(",")
+  name = f"{mode}_{rate}_{len(os.listdir(workdir))}"
+  with netns.HostNetwork(hosts, rate=None if rate == "unshaped" else rate,
+                         name="dlb") as net:
+    cluster = launcher.cluster_on_hosts(net.addresses, 2, ps, chief=chief)
+    order = {task: i for i, task in enumerate(launcher.tasks_of(cluster))}
+    window = _Window(FLAGS.measure_from, FLAGS.train_steps, net.counters)
+    job = launcher.Launcher(
+        _command(mode, os.path.join(workdir, name), extra), cluster,
+        grace_period=2, env=_env(), output=window,
+        serving_workers=mode == "split",
+        task_prefix=lambda role, index: net.prefix(order[(role, index)]) + [
+            "taskset", "-c", cores[order[(role, index)] % len(cores)]])
+    status = job.run()
+  if status:
+    raise RuntimeError(f"{mode} at {rate} exited {status}:\n"
+                       + "\n".join(window.tail))
+  return window.result()
+
+
+def compute_only(workdir):
+  """examples/s of one worker's half batch alone on one core, as if the
+  2 workers did not communicate (reported for the whole global batch)."""
+  half = FLAGS.global_batch_size // 2
+  args = _train_flags(os.path.join(workdir, "alone"), f"--model={FLAGS.model}",
+                      "--strategy=default", *FLAGS.extra)
+  args[0] = f"--global_batch_size={half}"
+  proc = subprocess.run(
+      ["taskset", "-c", FLAGS.cores.split(",")[0]] + TRAIN + args,
+      env=dict(os.environ, **_env()), capture_output=True, text=True,
+      check=False)
+  times = {}
+  for line in proc.stderr.splitlines():
+    match = re.search(r"train step (\d+)/\d+:", line)
+    if match:
+      times[int(match.group(1))] = line
+  if proc.returncode or FLAGS.measure_from not in times:
+    raise RuntimeError("compute-only run failed:\n" + proc.stderr[-3000:])
+  rates = [float(m) for s, l in times.items() if s > FLAGS.measure_from
+           for m in re.findall(r"examples/s=([\d.]+)", l)]
+  per_step = half / (sum(rates) / len(rates))
+  return FLAGS.global_batch_size / per_step, per_step
+
+
+def main(argv):
+  del argv
+  reason = netns.missing()
+  if reason:
+    print(f"network.py: skipped: {reason}")
+    return
+  workdir = tempfile.mkdtemp(prefix="distloop_net_")
+  runs = [(mode, rate, ()) for mode in FLAGS.modes for rate in FLAGS.rates]
+  if FLAGS.knobs and "mwms" in FLAGS.modes:
+    runs += [("mwms", rate, knob) for rate in FLAGS.knob_rates for knob in (
+        ("--all_reduce_dtype=bfloat16",),
+        ("--all_reduce_bytes_per_pack=1048576",))]
+  print(f"model={FLAGS.model} {' '.join(FLAGS.extra)} (split: mlp 5+5) "
+        f"global_batch_size="
+        f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
+        f"{FLAGS.train_steps} cores={FLAGS.cores}", flush=True)
+  try:
+    if "mwms" in FLAGS.modes:
+      rate, per_step = compute_only(workdir)
+      print(f"compute only (2 x one core alone, half batch each): "
+            f"{rate:.1f} examples/s, {per_step * 1e3:.1f} ms/step",
+            flush=True)
+    for mode, rate, extra in runs:
+      try:
+        examples, wire, per_step = run_on_hosts(mode, rate, workdir, extra)
+        print(f"{mode:5s} {rate:9s} {' '.join(extra) or '-':38s} "
+              f"{examples:8.1f} examples/s {per_step * 1e3:8.1f} ms/step "
+              f"{wire / 1e6:8.2f} MB/step on the wire", flush=True)
+      except RuntimeError as e:
+        print(f"{mode:5s} {rate:9s} {' '.join(extra) or '-':38s} failed: "
+              f"{str(e)[-600:]}", flush=True)
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
