@@ -348,3 +348,21 @@ def test_user_docs_carry_no_issue_numbers_or_dates():
         if re.search(r"issue [0-9]|UTC|\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b", line):
           found.append(f"{page}:{number}: {line.strip()}")
   assert not found, "\n".join(found)
+
+
+def test_relative_links_in_the_docs_reach_a_file():
+  pages = ["README.md", "BUILD.md"] + sorted(
+      os.path.relpath(p, ROOT) for p in
+      glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+  broken = []
+  for page in pages:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+      text = f.read()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        continue  # A URL or an anchor on the same page.
+      path = os.path.normpath(os.path.join(
+          ROOT, os.path.dirname(page), target.split("#")[0]))
+      if not os.path.exists(path):
+        broken.append(f"{page}: {target}")
+  assert not broken, "links to missing files:\n" + "\n".join(broken)
