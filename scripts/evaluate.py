@@ -5,7 +5,9 @@
     python scripts/evaluate.py --model_dir=runs/cifar --watch    # side-car
 
 Prints loss, accuracy (pixel accuracy and mean IoU for segmentation) and the
-confusion matrix, and writes them to TensorBoard under <model_dir>/eval.
+confusion matrix, and writes them to TensorBoard under
+<model_dir>/eval_standalone (--eval_name=NAME: <model_dir>/eval_NAME;
+--eval_dir: any folder), never into the run's own <model_dir>/eval.
 With --watch it evaluates each new checkpoint as the run writes it and exits
 after the run's last step; if no checkpoint appears within --timeout_seconds
 it exits 1 with one line (nothing evaluated).
@@ -46,7 +48,10 @@ flags.DEFINE_string("dataset", None, "Default: the run's dataset.")
 flags.DEFINE_string("data_dir", None, "Default: the run's data_dir.")
 flags.DEFINE_integer("global_batch_size", None, "Default: the run's.")
 flags.DEFINE_string("eval_dir", None, "TensorBoard directory (default: "
-                    "<model_dir>/eval).")
+                    "<model_dir>/eval_<eval_name>); never the run's own "
+                    "<model_dir>/eval.")
+flags.DEFINE_string("eval_name", "standalone", "Names the default "
+                    "--eval_dir: <model_dir>/eval_<eval_name>.")
 flags.mark_flag_as_required("model_dir")
 
 
@@ -63,7 +68,8 @@ def run():
       model_dir=FLAGS.model_dir, checkpoint=FLAGS.checkpoint,
       strategy=FLAGS.strategy, tpu=FLAGS.tpu, dataset=FLAGS.dataset,
       data_dir=FLAGS.data_dir, global_batch_size=FLAGS.global_batch_size,
-      eval_dir=FLAGS.eval_dir, poll_seconds=FLAGS.poll_seconds,
+      eval_dir=FLAGS.eval_dir, eval_name=FLAGS.eval_name,
+      poll_seconds=FLAGS.poll_seconds,
       timeout_seconds=FLAGS.timeout_seconds)
   if FLAGS.watch:
     results = evaluation.watch(config)

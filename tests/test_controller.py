@@ -145,11 +145,10 @@ def test_partial_batch_is_a_data_error(tmp_path):
 def test_each_evaluation_records_its_seconds_since_the_start(tmp_path):
   controller = make_controller(tmp_path, 12)
   controller.config = dataclasses.replace(controller.config, eval_every=4)
-  controller.evaluate()  # before run(): no start time, nothing recorded
-  acc = event_accumulator.EventAccumulator(str(tmp_path / "eval"))
-  acc.Reload()
-  assert "mae" in acc.Tags()["tensors"]
-  assert "elapsed_seconds" not in acc.Tags()["tensors"]
+  # A fresh controller with no checkpoint has nothing to evaluate.
+  with pytest.raises(framework.CheckpointError, match="no checkpoint"):
+    controller.evaluate()
+  assert not (tmp_path / "eval").exists()
   # The origin is `start_time` (experiment.run sets its own start there).
   before = time.time()
   controller.start_time = before - 1000
@@ -160,3 +159,10 @@ def test_each_evaluation_records_its_seconds_since_the_start(tmp_path):
   values = [elapsed[s] for s in (4, 8, 12)]
   assert values == sorted(values)
   assert 1000 <= values[0] and values[-1] <= after - before + 1000
+  # Outside run(): no start time, no elapsed_seconds (a fresh controller
+  # restores step 12 and writes its evaluation there).
+  make_controller(tmp_path, 12).evaluate()
+  acc = event_accumulator.EventAccumulator(str(tmp_path / "eval"))
+  acc.Reload()
+  assert [e.step for e in acc.Tensors("mae")] == [4, 8, 12, 12]
+  assert len(acc.Tensors("elapsed_seconds")) == 3

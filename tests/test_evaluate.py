@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import framework
-from framework.app import export, experiment
-from tests.helpers import ROOT, run_script
+from framework.app import evaluation, export, experiment
+from tests.helpers import ROOT, run_script, snapshot
 from tests.shared_strategy import mirrored
 
 
@@ -67,14 +67,59 @@ def test_evaluate_latest_checkpoint_on_two_replicas(run_dir):
                     r"horse|ship|truck)\s+([\d ]+)$", proc.stdout, re.M)
   np.testing.assert_array_equal([[int(v) for v in r.split()] for r in rows],
                                 confusion)
-  # Written to TensorBoard next to the training's own evaluations.
+  # Written to TensorBoard beside the run's own curves, never into them.
+  assert [e.step for e in _tensors(run_dir, "eval_standalone",
+                                   "confusion_matrix")] == [6]
+  assert len(_tensors(run_dir, "eval", "accuracy")) == 1  # the run's own
+
+
+def _tensors(run_dir, folder, tag):
   from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
   acc = event_accumulator.EventAccumulator(
-      os.path.join(run_dir["model_dir"], "eval"),
+      os.path.join(run_dir["model_dir"], folder),
       size_guidance={event_accumulator.TENSORS: 0})
   acc.Reload()
-  assert "confusion_matrix" in acc.Tags()["tensors"]
-  assert [e.step for e in acc.Tensors("confusion_matrix")] == [6]
+  return acc.Tensors(tag) if tag in acc.Tags()["tensors"] else []
+
+
+def _read_only(path):
+  """Makes directory `path` unwritable (even by root: chattr +i); returns
+  the undo, or None where this host cannot."""
+  if subprocess.run(["chattr", "+i", path], capture_output=True,
+                    check=False).returncode == 0:
+    return lambda: subprocess.run(["chattr", "-i", path], check=True)
+  if os.geteuid() != 0:
+    os.chmod(path, 0o555)
+    return lambda: os.chmod(path, 0o755)
+  return None
+
+
+def test_summaries_never_go_into_the_runs_own_eval(run_dir, tmp_path):
+  model_dir = run_dir["model_dir"]
+  with pytest.raises(framework.ConfigError, match="own evaluation curves"):
+    evaluation.EvalConfig(model_dir=model_dir,
+                          eval_dir=os.path.join(model_dir, "eval", ""))
+  with pytest.raises(framework.ConfigError, match="eval_name='a/b'"):
+    evaluation.EvalConfig(model_dir=model_dir, eval_name="a/b")
+  assert evaluation.EvalConfig(
+      model_dir=model_dir, eval_name="nightly").summary_dir == os.path.join(
+          model_dir, "eval_nightly")
+  # A read-only model dir: one line, exit 1, nothing written.
+  undo = _read_only(model_dir)
+  if undo is None:
+    pytest.skip("cannot make a directory read-only for root here")
+  before = snapshot(model_dir)
+  try:
+    # A folder of its own that does not exist yet, as on a fresh copy.
+    proc = run_script("evaluate.py", f"--model_dir={model_dir}",
+                      "--eval_name=read_only", check=False)
+  finally:
+    undo()
+  assert proc.returncode == 1
+  lines = [l for l in proc.stderr.splitlines() if "evaluate.py:" in l]
+  assert len(lines) == 1 and "cannot write evaluation summaries" in lines[0]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert snapshot(model_dir) == before
 
 
 def test_evaluate_given_checkpoint_and_bad_inputs(run_dir, tmp_path):

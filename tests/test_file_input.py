@@ -214,15 +214,19 @@ def test_evaluation_counts_every_example_once_over_two_pipelines(
     data, tmp_path, num_shards, caplog):
   dataset = file_input.load_tfrecord(_write(tmp_path, data, num_shards))
   fn = dataset.eval_dataset_fn(BATCH)
-  seen, sizes = [], []
+  seen, batches = [], []
   with caplog.at_level(logging.WARNING):
     for pipeline in range(2):
       context = tf.distribute.InputContext(2, pipeline, 2)
-      for x, y in _batches(fn(context), 1000):
-        seen += _keys(x, y)
-        sizes.append(len(y))
+      batches.append(0)
+      for (x, y), mask in fn(context):
+        real = mask.numpy() > 0
+        seen += _keys(x.numpy()[real], y.numpy()[real])
+        assert len(y) == BATCH // 2  # padded: full per-replica batches
+        batches[-1] += 1
   assert sorted(seen) == sorted(_keys(data.test_x / 255.0, data.test_y))
-  assert min(sizes) < BATCH // 2  # partial batches included
+  # Every pipeline takes as many steps: no replica runs out first.
+  assert batches[0] == batches[1] >= -(-NUM_TEST // BATCH)
 
 
 def test_mirrored_gives_the_global_batches_and_evaluates_all(files):
@@ -237,8 +241,9 @@ def test_mirrored_gives_the_global_batches_and_evaluates_all(files):
                                   want[0])
   count = 0
   for batch in inputs.distribute_test(strategy, dataset, BATCH):
-    count += sum(len(p[1]) for p in strategy.experimental_local_results(
-        batch))
+    masks = strategy.experimental_local_results(batch.mask)
+    assert [len(m) for m in masks] == [BATCH // 2] * 2
+    count += sum(m.numpy().sum() for m in masks)
   assert count == NUM_TEST
 
 

@@ -35,9 +35,15 @@ def test_each_epoch_is_a_new_permutation(data):
   assert not np.array_equal(epoch0, epoch1)
 
 
-def test_eval_dataset_keeps_the_partial_batch(data):
+def test_eval_dataset_pads_the_partial_batch(data):
+  batches = list(framework.eval_dataset(data.test_x, data.test_y, 4))
+  assert [b.batch[1].shape[0] for b in batches] == [4, 4, 4]
+  assert [b.mask.numpy().tolist() for b in batches] == [[1] * 4, [1] * 4,
+                                                        [1, 1, 0, 0]]
+  np.testing.assert_array_equal(batches[2].batch[1][:2], data.test_y[8:])
+  assert not batches[2].batch[0][2:].numpy().any()  # padding: zeros
   sizes = [len(y) for _, y in framework.eval_dataset(data.test_x, data.test_y,
-                                                     4)]
+                                                     4, pad=False)]
   assert sizes == [4, 4, 2]
 
 

@@ -10,11 +10,14 @@ checkpoint's model weights and global step are restored (the optimizer is
 not needed), and the whole test set is evaluated with the confusion matrix
 summed over replicas. As in training: a run with an EMA of the weights is
 evaluated with the averaged weights, and with its test-time augmentation
-and loss. Results go to TensorBoard under model_dir/eval.
+and loss. Results go to TensorBoard under model_dir/eval_<eval_name>
+(default eval_standalone), never into the run's own model_dir/eval: the
+training curves and the HParams table keep the run's own values.
 """
 
 import dataclasses
 import os
+import re
 import time
 
 from absl import logging
@@ -33,6 +36,13 @@ from framework.tasks.metrics import ConfusionTrainer, format_confusion
 from framework.core.summaries import SummaryWriter, markdown_table
 
 
+DEFAULT_EVAL_NAME = "standalone"
+
+
+def _local_path(path):
+  return os.path.realpath(path) if "://" not in path else path.rstrip("/")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """What to evaluate, where, and how long to wait for new checkpoints.
@@ -42,7 +52,9 @@ class EvalConfig:
     checkpoint: a checkpoint path (`.../ckpt-200`); default: the latest.
     strategy, tpu: as for training (any strategy works).
     dataset, data_dir, global_batch_size: default to the run's.
-    eval_dir: TensorBoard directory; default model_dir/eval.
+    eval_dir: TensorBoard directory; default model_dir/eval_<eval_name>.
+      Never the run's own model_dir/eval (its training curves).
+    eval_name: names the default eval_dir (letters, digits, `_.-`).
     poll_seconds: how often `watch` looks for a new checkpoint.
     timeout_seconds: `watch` stops after this long with nothing new.
   """
@@ -54,6 +66,7 @@ class EvalConfig:
   data_dir: str = None
   global_batch_size: int = None
   eval_dir: str = None
+  eval_name: str = DEFAULT_EVAL_NAME
   poll_seconds: float = 5.0
   timeout_seconds: float = 3600.0
 
@@ -65,6 +78,23 @@ class EvalConfig:
     for name in ("poll_seconds", "timeout_seconds"):
       if not getattr(self, name) > 0:
         raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.eval_name or "") or (
+        self.eval_name in (".", "..")):
+      raise ConfigError(f"eval_name={self.eval_name!r} must be a folder name "
+                        "(letters, digits, _ . -), e.g. "
+                        f"{DEFAULT_EVAL_NAME}")
+    own = os.path.join(self.model_dir, "eval")
+    if _local_path(self.summary_dir) == _local_path(own):
+      raise ConfigError(
+          f"eval_dir={self.eval_dir!r} is the training run's own evaluation "
+          f"curves ({own}); an evaluator writes elsewhere (default: "
+          f"{os.path.join(self.model_dir, 'eval_' + DEFAULT_EVAL_NAME)})")
+
+  @property
+  def summary_dir(self):
+    """Where the evaluator's TensorBoard summaries go."""
+    return self.eval_dir or os.path.join(self.model_dir,
+                                         "eval_" + self.eval_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +177,25 @@ class Evaluator:
 
   @property
   def writer(self):
-    """The eval SummaryWriter, created on first use: an evaluator that
-    finds nothing to evaluate leaves model_dir untouched."""
+    """The eval SummaryWriter, created on first use (when there is a
+    checkpoint to evaluate, before evaluating it): an evaluator that finds
+    nothing to evaluate leaves model_dir untouched. A folder it cannot
+    write is a ConfigError."""
     if self._writer is None:
-      config = self.config
-      self._writer = SummaryWriter(
-          os.path.dirname(config.eval_dir or os.path.join(config.model_dir,
-                                                          "eval")),
-          os.path.basename(config.eval_dir or "eval"),
-          enabled=strategies.is_chief(self.strategy))
+      logdir = self.config.summary_dir
+      try:
+        self._writer = SummaryWriter(
+            os.path.dirname(logdir), os.path.basename(logdir),
+            enabled=strategies.is_chief(self.strategy))
+      except (tf.errors.OpError, OSError) as e:
+        # TensorFlow wraps the reason in the op's name: keep the reason.
+        reason = re.sub(r"\{\{.*?\}\}\s*|\s*\[Op:.*$", "",
+                        (getattr(e, "message", None) or str(e)).strip()
+                        .splitlines()[0] if str(e).strip() else "")
+        raise ConfigError(
+            f"cannot write evaluation summaries to {logdir} "
+            f"({reason or type(e).__name__}); nothing was evaluated: give "
+            "eval_dir (--eval_dir) a folder you can write") from None
     return self._writer
 
   def restore(self, path):
@@ -187,17 +227,18 @@ class Evaluator:
     problem = checkpointing.damage(path)
     if problem is not None:
       raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    writer = self.writer  # before the work: an unwritable folder fails now
     step = self.restore(path)
     metrics = self.trainer.evaluate(inputs.distribute_test(
         self.strategy, self.dataset, self.trainer.global_batch_size))
     result = EvalResult(path, step, metrics, self.trainer.last_confusion,
                         tuple(self.info["class_names"]))
-    self.writer.scalars(step, {k: v for k, v in metrics.items()
-                               if k != "examples"})
-    self.writer.text(step, "confusion_matrix", _confusion_markdown(result))
+    writer.scalars(step, {k: v for k, v in metrics.items()
+                          if k != "examples"})
+    writer.text(step, "confusion_matrix", _confusion_markdown(result))
     if self.samples is not None:
       images, masks = self.samples
-      self.writer.images(step, segmentation.TRIPLETS_TAG,
+      writer.images(step, segmentation.TRIPLETS_TAG,
                          segmentation.triplets(self.trainer.model, images,
                                                masks),
                          max_outputs=len(images))

@@ -29,8 +29,9 @@ from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core.checkpointing import CheckpointManager
-from framework.errors import (ConfigError, DataError, NonFiniteLossError,
-                              check_positive)
+from framework.data.inputs import MaskedBatch, pad_batches
+from framework.errors import (CheckpointError, ConfigError, DataError,
+                              NonFiniteLossError, check_positive)
 from framework.core.summaries import SummaryWriter, markdown_table
 
 
@@ -162,8 +163,11 @@ class Controller:
     a loss averaged over the wrong count.
 
     eval_input() returns one pass over the eval set, as a `tf.data.Dataset`
-    of batches (the last one may be partial; the framework distributes it)
-    or an already distributed dataset.
+    of batches (the last one may be partial: for a `Trainer` the framework
+    re-batches it to `global_batch_size`, pads the last batch with masked
+    rows, see `framework.data.inputs.pad_batches`, and distributes it, so
+    that every replica gets a full batch) or an already distributed dataset
+    (used as is: pad it yourself).
 
   Args:
     trainer: a `framework.Trainer` (or an object as above).
@@ -216,6 +220,7 @@ class Controller:
     self._chief = chief
     self._writers = {}
     self._restored = False
+    self.restored_from = None  # the checkpoint restore() restored, if any
     # Whether the last loop's loss was finite: a loop that was not saves no
     # checkpoint (the restored state counts as finite).
     self.loss_finite = True
@@ -271,13 +276,25 @@ class Controller:
 
   def evaluate(self):
     """Evaluates on the whole eval set and writes `eval/` summaries, with
-    `elapsed_seconds` (wall time since `start_time`) once `run()` set it."""
+    `elapsed_seconds` (wall time since `start_time`) once `run()` set it.
+
+    A Controller that has not restored yet (a fresh one) restores the
+    latest checkpoint first; with none, it is a CheckpointError (the
+    initial weights would be written as a step-0 point of the run).
+    """
     if self.eval_input is None:
       return None
+    if not self._restored:
+      self.restore()
+      if self.restored_from is None:
+        raise CheckpointError(
+            f"model_dir={self.model_dir!r} has no checkpoint to evaluate: "
+            "train first (run()), or evaluate the trainer directly "
+            "(trainer.evaluate)")
     self.trainer.sync_replica_state()
     data = self.eval_input()
     if isinstance(data, tf.data.Dataset):
-      data = self._distribute(data)
+      data = self._distribute(self._pad_eval(data))
     results = self.trainer.evaluate(data)
     step = self.step
     scalars = {k: v for k, v in results.items() if k != "examples"}
@@ -322,7 +339,7 @@ class Controller:
   def restore(self):
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
     if not self._restored:
-      self.checkpoints.restore_latest()
+      self.restored_from = self.checkpoints.restore_latest()
       self._restored = True
 
   def run(self):
@@ -368,6 +385,15 @@ class Controller:
     if batch_size:
       data = _check_batch_size(data, batch_size)
     return self._distribute(data)
+
+  def _pad_eval(self, data):
+    """A plain eval dataset re-batched to the trainer's global batch, the
+    last batch padded (`MaskedBatch`), for trainers that take masks."""
+    batch_size = getattr(self.trainer, "global_batch_size", None)
+    if (not batch_size or not hasattr(self.trainer, "run_eval_step")
+        or isinstance(data.element_spec, MaskedBatch)):
+      return data
+    return pad_batches(data.rebatch(batch_size), batch_size)
 
   def _distribute(self, data):
     """The trainer's `distribute_dataset` if it has one (a parameter-server

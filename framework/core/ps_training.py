@@ -174,14 +174,15 @@ class CoordinatedTrainer:
 
   def _eval_batch(self, batch):
     return {k: tf.cast(v, tf.float64)
-            for k, v in self.trainer.eval_step(batch).items()}
+            for k, v in self.trainer.run_eval_step(batch).items()}
 
   def distribute_dataset(self, dataset):
     """Eval datasets stay plain: the coordinator runs them itself."""
     return dataset
 
   def evaluate(self, dataset):
-    """Evaluates on the coordinator over `dataset` (a plain tf.data one)."""
+    """Evaluates on the coordinator over `dataset` (a plain tf.data one,
+    of `MaskedBatch`es: full batches, padding masked out of the sums)."""
     totals = None
     for batch in dataset:
       values = {k: v.numpy() for k, v in self._eval_fn(batch).items()}

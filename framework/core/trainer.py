@@ -27,12 +27,15 @@ steps that ran.
 """
 
 import contextlib
+import inspect
 
+from absl import logging
 import keras
 import tensorflow as tf
 
 from framework.core import communication
 from framework.core import tta
+from framework.data.inputs import MaskedBatch
 from framework.core.ema import WeightAverage
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.core.fused_updates import fused_update
@@ -185,25 +188,62 @@ class Trainer:
     return grads, {"loss": loss,
                    "accuracy": self.average(self.correct(labels, logits))}
 
-  def eval_step(self, batch):
+  def eval_step(self, batch, mask=None):
     """Sums over this replica's part of an evaluation batch.
 
     The one eval step of every task: `eval_logits` gives the outputs (TTA,
     or a split model's placed forward pass), `eval_sums` what is summed.
 
+    Args:
+      batch: `(features, labels)`, padded to its full size.
+      mask: float32 [rows]: 1.0 for real examples, 0.0 for padding rows
+        (None: every row is real). Every sum must leave padding out.
+
     Returns:
-      A dict of sums; `examples` counts the examples (partial batches too).
+      A dict of sums; `examples` counts the real examples.
     """
     features, labels = batch
-    return self.eval_sums(labels, self.eval_logits(features))
+    logits = self.eval_logits(features)
+    if _takes_mask(self.eval_sums):
+      return self.eval_sums(labels, logits, mask=mask)
+    # An override without `mask`: give it the real rows only (the model
+    # already ran on the whole padded batch).
+    _warn_no_mask(self.eval_sums)
+    if mask is not None:
+      labels, logits = real_rows((labels, logits), mask)
+    return self.eval_sums(labels, logits)
 
-  def eval_sums(self, labels, logits):
-    """Loss and accuracy summed over examples (a per-pixel value is first
-    averaged over its example's pixels), and the example count."""
-    return {"loss": tf.reduce_sum(_per_example(self.loss_fn(labels, logits))),
-            "accuracy": tf.reduce_sum(_per_example(
-                self.correct(labels, logits))),
-            "examples": tf.cast(tf.shape(labels)[0], tf.float32)}
+  def eval_sums(self, labels, logits, mask=None):
+    """Loss and accuracy summed over the real examples (a per-pixel value
+    is first averaged over its example's pixels), and their count.
+
+    `mask` (float32 [rows], 0.0 for padding; None: all real) weighs each
+    example: an override passes it on to `super().eval_sums` and leaves the
+    padding rows out of its own sums (`masked_sum`, or `weights=mask` in
+    `tf.math.confusion_matrix`).
+    """
+    loss = _per_example(self.loss_fn(labels, logits))
+    if mask is None:
+      mask = tf.ones_like(loss)
+    return {"loss": masked_sum(loss, mask),
+            "accuracy": masked_sum(_per_example(self.correct(labels, logits)),
+                                   mask),
+            "examples": tf.reduce_sum(tf.cast(mask, tf.float32))}
+
+  def run_eval_step(self, batch):
+    """`eval_step` on one replica's batch (a `MaskedBatch` or a plain one).
+
+    An `eval_step` override without a `mask` argument gets the real rows of
+    a padded batch only (possibly 0 rows: add `mask=None` to it to keep the
+    model's batch full and static).
+    """
+    mask = None
+    if isinstance(batch, MaskedBatch):
+      batch, mask = batch
+    if _takes_mask(self.eval_step):
+      return self.eval_step(batch, mask=mask)
+    _warn_no_mask(self.eval_step)
+    return self.eval_step(batch if mask is None else real_rows(batch, mask))
 
   def eval_logits(self, features):
     """The model's outputs for evaluation (with `eval_tta` applied)."""
@@ -446,7 +486,8 @@ class Trainer:
     return self._train_loop(iterator, tf.constant(num_steps, tf.int32))
 
   def _eval_totals(self, batch):
-    totals = self._reduce(self.strategy.run(self.eval_step, args=(batch,)))
+    totals = self._reduce(self.strategy.run(self.run_eval_step,
+                                            args=(batch,)))
     return {k: tf.cast(v, tf.float64) for k, v in totals.items()}
 
   def _eval_loop_fn(self, iterator):
@@ -462,12 +503,50 @@ class Trainer:
         contextlib.nullcontext())
 
   def evaluate(self, distributed_dataset):
-    """Evaluates over the whole dataset (partial last batch included), with
-    the EMA weights when there is an EMA."""
+    """Evaluates over the whole dataset (`MaskedBatch`es: padding rows
+    left out of every sum; plain batches: every row), with the EMA weights
+    when there is an EMA."""
     with self.averaged_weights():
       totals = self._eval_loop(iter(distributed_dataset))
     return {k: float(v) for k, v in
             self.eval_results({k: v.numpy() for k, v in totals.items()}).items()}
+
+
+def masked_sum(values, mask):
+  """Sum of `values` [rows] weighted by `mask` [rows]; padding rows (mask 0)
+  count nothing even when their values are not finite."""
+  mask = tf.cast(mask, tf.float32)
+  values = tf.cast(values, tf.float32)
+  return tf.reduce_sum(tf.where(mask > 0, values * mask, 0.0))
+
+
+def real_rows(batch, mask):
+  """The rows of `batch` (a nest of tensors) whose `mask` is not 0."""
+  keep = tf.cast(mask, tf.float32) > 0
+  return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), batch)
+
+
+def _takes_mask(method):
+  """Whether `method` accepts a `mask` keyword argument."""
+  try:
+    parameters = inspect.signature(method).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any(p.name == "mask" or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+_WARNED = set()
+
+
+def _warn_no_mask(method):
+  """Once per method: an override without `mask` gets unpadded rows."""
+  name = getattr(method, "__qualname__", repr(method))
+  if name not in _WARNED:
+    _WARNED.add(name)
+    logging.warning(
+        "%s takes no `mask` argument: it is given only the real rows of each "
+        "padded evaluation batch (a dynamic shape, possibly 0 rows); add "
+        "`mask=None` and leave rows with mask 0 out of its sums", name)
 
 
 def _per_example(values):

@@ -358,41 +358,67 @@ class FileDataset:
 
     return dataset_fn
 
-  # Evaluation: every example once over all pipelines, last batch partial.
+  # Evaluation: every example once over all pipelines, every batch full.
 
-  def _eval_pipeline(self, num_pipelines, pipeline_id, batch_size):
+  def _eval_shards(self, num_pipelines, pipeline_id):
+    """(shard ids, examples, data sharding?) of one pipeline's test part."""
     shards = len(self.test.counts)
     if shards >= num_pipelines:
       ids = list(range(pipeline_id, shards, num_pipelines))
-      ds = self.test.read(tf.constant(ids, tf.int64))
-      examples = sum(self.test.counts[i] for i in ids)
-    else:
+      return ids, sum(self.test.counts[i] for i in ids), False
+    return (list(range(shards)),
+            len(range(pipeline_id, self.test.num_examples, num_pipelines)),
+            True)
+
+  def _eval_pipeline(self, num_pipelines, pipeline_id, batch_size,
+                     local_replicas=1, pad=True):
+    """Pipeline `pipeline_id`'s test examples in batches of `batch_size`.
+
+    Padded (`pad`): `MaskedBatch`es, the last real batch padded, then
+    all-padding batches until every pipeline has the same number of steps
+    of `local_replicas` batches each (the batches of one step go to the
+    pipeline's replicas): no replica ever gets an empty batch.
+    """
+    ids, examples, data_sharding = self._eval_shards(num_pipelines,
+                                                     pipeline_id)
+    shards = len(self.test.counts)
+    if data_sharding:
       logging.warning("%s test split has %d shards for %d input pipelines: "
                       "data sharding", self.name, shards, num_pipelines)
-      ids = list(range(shards))
-      ds = self.test.read(tf.constant(ids, tf.int64))
-      ds = ds.shard(num_pipelines, pipeline_id)
-      examples = len(range(pipeline_id, self.test.num_examples,
-                           num_pipelines))
     logging.info("%s test: input pipeline %d/%d reads shards %s, %d examples",
                  self.name, pipeline_id, num_pipelines,
                  _shards_text(ids, shards), examples)
+    ds = self.test.read(tf.constant(ids, tf.int64))
+    if data_sharding:
+      ds = ds.shard(num_pipelines, pipeline_id)
     ds = ds.map(lambda r: self.test.decode(r)[1:],
                 num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size).map(lambda x, y: (_to_float(x), y))
+    if pad:
+      batches = lambda n: -(-n // batch_size)
+      steps = max(-(-batches(self._eval_shards(num_pipelines, p)[1])
+                    // local_replicas) for p in range(num_pipelines))
+      from framework.data.inputs import pad_batches  # pylint: disable=g-import-not-at-top
+      ds = pad_batches(ds, batch_size,
+                       steps * local_replicas - batches(examples))
     return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
-  def eval_dataset(self, global_batch_size):
+  def eval_dataset(self, global_batch_size, *, pad=True):
+    """One pass over the test split as one pipeline (see `_eval_pipeline`);
+    `pad=False`: plain (x, y) batches, the last one partial."""
     check_positive("global_batch_size", global_batch_size)
-    return self._eval_pipeline(1, 0, global_batch_size)
+    return self._eval_pipeline(1, 0, global_batch_size, pad=pad)
 
-  def eval_dataset_fn(self, global_batch_size):
+  def eval_dataset_fn(self, global_batch_size, *, pad=True):
+    """A `distribute_datasets_from_function` argument: per-replica batches,
+    padded so that every replica gets a full batch at every step."""
     check_positive("global_batch_size", global_batch_size)
 
     def dataset_fn(context):
       return self._eval_pipeline(
           context.num_input_pipelines, context.input_pipeline_id,
-          context.get_per_replica_batch_size(global_batch_size))
+          context.get_per_replica_batch_size(global_batch_size),
+          context.num_replicas_in_sync // context.num_input_pipelines, pad)
 
     return dataset_fn
 

@@ -7,7 +7,14 @@ iterators cannot be checkpointed under every strategy). The same global batch
 goes to the replicas whether the input is distributed with
 `experimental_distribute_dataset` (`input_mode="global"`) or built per input
 pipeline with `distribute_datasets_from_function` (`input_mode="per_replica"`).
+
+Evaluation batches are `MaskedBatch`es: every batch (the last one too) has
+its full size, its padding rows are zeros with mask 0, and every replica
+gets a full batch at every step (see `pad_batches`), so no model ever sees
+a batch of 0 rows and shapes stay static (as TPUs need).
 """
+
+import collections
 
 import tensorflow as tf
 
@@ -123,11 +130,69 @@ def per_replica_train_fn(dataset, global_batch_size, *, seed=0, start_step=0,
   return dataset_fn
 
 
-def eval_dataset(images, labels, global_batch_size):
-  """One pass over (images, labels), the last partial batch included."""
+MaskedBatch = collections.namedtuple("MaskedBatch", ["batch", "mask"])
+MaskedBatch.__doc__ = """An evaluation batch padded to its full size.
+
+`batch`: the batch as the dataset gives it (e.g. `(features, labels)`);
+`mask`: float32 [rows], 1.0 for a real example, 0.0 for a padding row (a
+row of zeros). `Trainer.eval_step` gets the two apart."""
+
+
+def _zeros_like_spec(spec, rows):
+  """Zeros of `spec` (a TensorSpec with a batch dimension) with `rows` rows."""
+  shape = spec.shape[1:]
+  if not shape.is_fully_defined():
+    raise ValueError(f"cannot pad batches of shape {spec.shape}: every "
+                     "dimension but the first must be known")
+  return tf.zeros([rows] + shape.as_list(), spec.dtype)
+
+
+def pad_batches(dataset, batch_size, extra_batches=0):
+  """`dataset`'s batches padded to `batch_size` rows, as `MaskedBatch`es.
+
+  Args:
+    dataset: batches of at most `batch_size` rows (any structure; every
+      component has the batch as its first dimension).
+    batch_size: rows of every padded batch (a static shape).
+    extra_batches: all-padding batches appended (so that every replica, or
+      every input pipeline, gets the same number of full batches).
+  """
+  check_positive("batch_size", batch_size)
+  spec = dataset.element_spec
+  unpack = type(spec) is tuple  # pylint: disable=unidiomatic-typecheck
+
+  def pad(*batch):
+    batch = batch if unpack else batch[0]
+    rows = tf.shape(tf.nest.flatten(batch)[0])[0]
+
+    def pad_one(t):
+      zeros = tf.zeros(tf.concat([[batch_size - rows], tf.shape(t)[1:]], 0),
+                       t.dtype)
+      return tf.ensure_shape(tf.concat([t, zeros], 0),
+                             [batch_size] + t.shape[1:].as_list())
+
+    return MaskedBatch(tf.nest.map_structure(pad_one, batch),
+                       tf.sequence_mask(rows, batch_size, tf.float32))
+
+  padded = dataset.map(pad)
+  if extra_batches:
+    empty = MaskedBatch(
+        tf.nest.map_structure(lambda s: _zeros_like_spec(s, batch_size), spec),
+        tf.zeros([batch_size], tf.float32))
+    padded = padded.concatenate(
+        tf.data.Dataset.from_tensors(empty).repeat(extra_batches))
+  return padded
+
+
+def eval_dataset(images, labels, global_batch_size, *, pad=True):
+  """One pass over (images, labels): `MaskedBatch`es of `global_batch_size`
+  rows, the last one padded (`pad=False`: plain (x, y) batches, the last
+  one partial)."""
   check_positive("global_batch_size", global_batch_size)
   ds = tf.data.Dataset.from_tensor_slices((images, labels))
   ds = ds.batch(global_batch_size).map(lambda x, y: (to_float(x), y))
+  if pad:
+    ds = pad_batches(ds, global_batch_size)
   return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
 
@@ -147,7 +212,8 @@ def distribute_train(strategy, dataset, global_batch_size, *, seed=0,
 
 
 def distribute_eval(strategy, images, labels, global_batch_size):
-  """The distributed evaluation dataset (every example, once)."""
+  """The distributed evaluation dataset (every example, once; every
+  replica gets a full batch at every step, padding masked)."""
   return strategy.experimental_distribute_dataset(
       eval_dataset(images, labels, global_batch_size))
 

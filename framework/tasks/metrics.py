@@ -12,15 +12,24 @@ import tensorflow as tf
 from framework.core.trainer import Trainer
 
 
-def confusion_matrix(labels, logits, num_classes):
+def confusion_matrix(labels, logits, num_classes, mask=None):
   """Counts [num_classes, num_classes] (rows: true, columns: predicted).
 
-  Works for any label shape (one per example, or one per pixel).
+  Works for any label shape (one per example, or one per pixel); `mask`
+  [rows] weighs each example's labels (0.0: a padding row, not counted).
   """
   predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
+  labels = tf.cast(labels, tf.int32)
+  weights = None
+  if mask is not None:
+    mask = tf.cast(mask, tf.float32)
+    # One weight per label: the example's, for each of its pixels.
+    weights = tf.reshape(tf.broadcast_to(
+        tf.reshape(mask, tf.concat([tf.shape(mask), tf.ones(
+            [tf.rank(labels) - 1], tf.int32)], 0)), tf.shape(labels)), [-1])
   return tf.math.confusion_matrix(
-      tf.reshape(tf.cast(labels, tf.int32), [-1]), tf.reshape(predicted, [-1]),
-      num_classes=num_classes, dtype=tf.float32)
+      tf.reshape(labels, [-1]), tf.reshape(predicted, [-1]),
+      num_classes=num_classes, weights=weights, dtype=tf.float32)
 
 
 def iou_metrics(confusion):
@@ -55,9 +64,10 @@ class ConfusionTrainer(Trainer):
     self.num_classes = int(self.model.output_shape[-1])
     self.last_confusion = None
 
-  def eval_sums(self, labels, logits):
-    sums = super().eval_sums(labels, logits)
-    sums["confusion"] = confusion_matrix(labels, logits, self.num_classes)
+  def eval_sums(self, labels, logits, mask=None):
+    sums = super().eval_sums(labels, logits, mask=mask)
+    sums["confusion"] = confusion_matrix(labels, logits, self.num_classes,
+                                         mask)
     return sums
 
   def eval_results(self, totals):
