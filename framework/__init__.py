@@ -36,8 +36,9 @@ _EXPORTS = {
     "framework.errors": ["CheckpointError", "ConfigError", "DataError",
                          "DistloopError", "NonFiniteLossError"],
     "framework.tasks.metrics": ["ConfusionTrainer"],
-    "framework.data.inputs": ["distribute_eval", "distribute_train",
-                         "eval_dataset", "train_dataset"],
+    "framework.data.inputs": ["MaskedBatch", "distribute_eval",
+                              "distribute_train", "eval_dataset",
+                              "pad_batches", "train_dataset"],
     "framework.core.optimizers": ["OptimizerConfig", "make_optimizer"],
     "framework.distribute.strategies": ["STRATEGIES", "configure_cpu_devices",
                                         "is_chief", "make_strategy"],
@@ -45,7 +46,8 @@ _EXPORTS = {
     "framework.tasks.segmentation": ["SegmentationController",
                                "SegmentationTrainer"],
     "framework.core.summaries": ["SummaryWriter"],
-    "framework.core.trainer": ["Trainer", "sparse_categorical_loss"],
+    "framework.core.trainer": ["Trainer", "masked_sum",
+                               "sparse_categorical_loss"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items()
           for name in names}

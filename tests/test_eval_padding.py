@@ -8,6 +8,8 @@ per-replica batches). The model's first layer raises on a batch of 0 rows,
 so this fails on every host, whatever its kernels do with empty tensors.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,6 +21,7 @@ import framework
 from framework.core.controller import Controller, LoopConfig
 from framework.data import file_input, image_folder, inputs, tfrecords
 from framework.tasks.metrics import ConfusionTrainer
+from tests.helpers import run_script
 from tests.shared_strategy import mirrored
 
 NUM_TEST, BATCH, CLASSES = 17, 8, 3  # 17 = 2 * 8 + 1: replica 1 gets 0 rows
@@ -157,3 +160,24 @@ def test_a_user_eval_input_is_padded_and_a_fresh_controller_restores(
   with pytest.raises(framework.CheckpointError, match="no checkpoint"):
     empty.evaluate()
   assert not (tmp_path / "empty" / "eval").exists()
+
+
+@pytest.mark.slow
+def test_train_py_on_tfrecords_whose_last_step_leaves_a_replica_empty(
+    tmp_path):
+  # As 10,000 CIFAR-10 test examples at --global_batch_size=128 (157
+  # per-replica batches of 64, the last one of 16): 33 examples in
+  # per-replica batches of 8 are 5 batches, so the last step had a batch
+  # for replica 0 only.
+  data = framework.synthetic(num_train=64, num_test=33, seed=5)
+  source, converted = str(tmp_path / "cifar"), str(tmp_path / "records")
+  framework.write_cifar10(source, data.train_x, data.train_y, data.test_x,
+                          data.test_y)
+  run_script("make_tfrecords.py", "--dataset=cifar10", f"--data_dir={source}",
+             f"--output_dir={converted}", "--num_shards=8")
+  proc = run_script(
+      "train.py", "--model=cifar_cnn", "--dataset=tfrecord",
+      f"--data_dir={converted}", "--strategy=mirrored", "--cpu_devices=2",
+      "--global_batch_size=16", "--train_steps=2", "--onednn=on",
+      "--noexport_saved_model", f"--model_dir={tmp_path / 'run'}")
+  assert re.findall(r"eval  step 2: .*examples=(\d+)", proc.stderr) == ["33"]

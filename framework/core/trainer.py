@@ -514,9 +514,11 @@ class Trainer:
 
 def masked_sum(values, mask):
   """Sum of `values` [rows] weighted by `mask` [rows]; padding rows (mask 0)
-  count nothing even when their values are not finite."""
-  mask = tf.cast(mask, tf.float32)
+  count nothing even when their values are not finite. No mask: the sum."""
   values = tf.cast(values, tf.float32)
+  if mask is None:
+    return tf.reduce_sum(values)
+  mask = tf.cast(mask, tf.float32)
   return tf.reduce_sum(tf.where(mask > 0, values * mask, 0.0))
 
 
