@@ -16,6 +16,8 @@ import importlib
 import inspect
 import os
 import sys
+import types
+import typing
 
 from framework.errors import ConfigError
 
@@ -166,6 +168,101 @@ def call_builder(builder, input_shape, num_classes, options):
     accepted = {p.name for p in parameters}
     options = {k: v for k, v in options.items() if k in accepted}
   return builder(tuple(input_shape), num_classes, **options)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _parse_scalar(kind, text):
+  """`text` as a `kind` (bool, int, float or str); None: guess."""
+  if kind is bool or (kind is None and text.lower() in _TRUE + _FALSE):
+    if text.lower() not in _TRUE + _FALSE:
+      raise ValueError("not a boolean (true or false)")
+    return text.lower() in _TRUE
+  if kind is None:
+    for guess in (int, float):
+      try:
+        return guess(text)
+      except ValueError:
+        pass
+    return text
+  if kind is float:
+    return float(text)
+  if kind is int:
+    return int(text)
+  return text
+
+
+def _option_kind(parameter):
+  """(sequence type or None, element type or None) of a builder keyword,
+  from its annotation, else from its default."""
+  hint = parameter.annotation
+  if hint is inspect.Parameter.empty:
+    default = parameter.default
+    if isinstance(default, (list, tuple)):
+      return type(default), type(default[0]) if default else None
+    if default is None or default is inspect.Parameter.empty:
+      return None, None
+    return None, type(default)
+  origin = typing.get_origin(hint)
+  if hint in (list, tuple) or origin in (list, tuple):
+    args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+    return origin or hint, args[0] if len(args) == 1 else None
+  if origin in (typing.Union, types.UnionType):  # Optional[X]: X
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    hint = args[0] if len(args) == 1 else None
+  return None, hint if hint in (bool, int, float, str) else None
+
+
+def parse_options(name, text):
+  """{option: value} from `key=value,...` for model `name`'s builder.
+
+  Each value is typed from the builder's signature (annotation, else the
+  default's type); a list value continues after commas
+  (`hidden_units=32,16,dropout=false`). The builder's first two arguments
+  (input_shape, num_classes) are not options.
+
+  Raises:
+    ConfigError: naming the bad key or value and the valid keys.
+  """
+  parameters = list(inspect.signature(get_builder(name)).parameters.values())
+  takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
+  options = {p.name: p for p in parameters[2:]
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  valid = ", ".join(options) or "none"
+  items = []
+  for token in text.split(",") if text else []:
+    if "=" in token:
+      items.append(list(token.split("=", 1)))
+    elif items:
+      items[-1][1] += "," + token
+    else:
+      raise ConfigError(f"model_options={text!r}: {token!r} is not "
+                        f"key=value; valid keys for model={name!r}: {valid}")
+  values = {}
+  for key, raw in items:
+    if key not in options and not takes_any:
+      raise ConfigError(f"model_options: {key!r} is not an option of "
+                        f"model={name!r}; valid keys: {valid}")
+    sequence, kind = (_option_kind(options[key]) if key in options
+                      else (None, None))
+    try:
+      if sequence is not None:
+        value = sequence(_parse_scalar(kind, v) for v in raw.split(",")
+                         if v) if raw else sequence()
+      elif "," in raw and kind is not str:
+        raise ValueError("one value expected")
+      else:
+        value = _parse_scalar(kind, raw)
+    except ValueError as e:
+      what = getattr(kind, "__name__", "value")
+      if sequence is not None:
+        what = f"list of {what}"
+      raise ConfigError(f"model_options: {key}={raw!r} is not a valid "
+                        f"{what} ({e}); valid keys for model={name!r}: "
+                        f"{valid}") from None
+    values[key] = value
+  return values
 
 
 def check_task(name, per_pixel, dataset, model=None):

@@ -6,19 +6,25 @@ mean what their comments say (steps per epoch, warm-up length, schedules),
 and bad values must be rejected with a message naming the argument.
 """
 
+import ast
+import dataclasses
+import json
 import os
+import sys
 import types
+import typing
 
 from absl import flags
 from absl.testing import flagsaver
 import pytest
 import tensorflow as tf
 
+from framework import settings
 from framework.app import experiment
 from framework.core.controller import LoopConfig
 from framework.errors import ConfigError
 from framework.app.experiment import ExperimentConfig
-from scripts import train
+from scripts import cli, config_flags, train
 from tests.helpers import ROOT, run_script
 
 CONFIGS = os.path.join(ROOT, "scripts", "configs")
@@ -112,8 +118,8 @@ def test_every_flag_of_a_flag_file_reaches_its_config_field(name):
   assert values, f"{name} sets no flags"
   for flag, value in values.items():
     assert flag in FIELDS, f"{name}: --{flag} is not mapped in FIELDS"
-    # Recorded as the run's flags (TensorBoard's text summary).
-    assert config.hparams[flag] == value, flag
+    # Recorded as the run's settings (TensorBoard) unless at the default.
+    assert config.hparams.get(flag, flags.FLAGS[flag].default) == value, flag
     got = _field(config, FIELDS[flag])
     if flag == "hidden_units":
       value = tuple(int(v) for v in value)
@@ -189,14 +195,16 @@ def test_a_length_in_a_flag_file_is_replaced_by_unsetting_it_with_0():
 
 BAD_FLAGS = {
     "batch_0": (["--train_steps=1", "--global_batch_size=0"],
-                "--global_batch_size must be a positive integer"),
+                "global_batch_size=0 must be a positive integer"),
     "steps_per_loop_0": (["--train_steps=1", "--steps_per_loop=0"],
-                         "--steps_per_loop must be a positive integer"),
-    "negative_length": (["--train_steps=-3"], "--train_steps must be >= 0"),
+                         "steps_per_loop=0 must be a positive integer"),
+    "negative_length": (["--train_steps=-3"],
+                        "train_steps=-3 must be a positive integer"),
     "hidden_units_not_int": (["--train_steps=1", "--hidden_units=64,x"],
-                             "--hidden_units must be integers separated"),
+                             "hidden_units='64,x' must be integers "
+                             "separated by commas"),
     "negative_interval": (["--train_steps=1", "--checkpoint_every=-1"],
-                          "--checkpoint_every must be >= 0"),
+                          "checkpoint_every=-1 must be an integer >= 0"),
     "no_length": ([], "set exactly one of train_steps and epochs (got "
                       "train_steps=None, epochs=None)"),
     "learning_rate_0": (["--train_steps=1", "--learning_rate=0"],
@@ -267,3 +275,203 @@ def test_a_bad_value_after_a_flag_file_is_one_line_and_writes_nothing(
       "train.py: error: learning_rate=-1.0 must be > 0"]
   assert "Traceback" not in proc.stderr
   assert not model_dir.exists()
+
+
+# What every flag and flag file parsed to before the flags were generated
+# from the config dataclasses: tests/data/configs_before.json was written by
+# running the old scripts/train.py (hand-written flags and mapping) on each
+# case below; the generated flags must parse each one to the same config.
+with open(os.path.join(ROOT, "tests", "data", "configs_before.json")) as f:
+  BEFORE = json.load(f)
+_ABSENT = "<absent>"
+
+
+def _flat(value, prefix=""):
+  """{dotted field: value} of a config (dicts and nested configs opened,
+  tuples tagged as the fixture writes them); hparams left out."""
+  if dataclasses.is_dataclass(value):
+    value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+             if f.name != "hparams"}
+  out = {}
+  for key, item in value.items():
+    if isinstance(item, dict) or dataclasses.is_dataclass(item):
+      out.update(_flat(item, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = _tagged(item)
+  return out
+
+
+def _tagged(value):
+  if isinstance(value, tuple):
+    return {"tuple": [_tagged(v) for v in value]}
+  return value
+
+
+def _args(args):
+  return [a.replace("--flagfile=scripts/", f"--flagfile={ROOT}/scripts/")
+          for a in args]
+
+
+def test_every_old_flag_is_still_defined_with_its_type_and_default():
+  assert len(BEFORE["flags"]) == 76
+  for name, old in BEFORE["flags"].items():
+    assert name in flags.FLAGS, f"--{name} is gone"
+    flag = flags.FLAGS[name]
+    assert (flag.flag_type(), flag.default, flag.boolean) == (
+        old["type"], old["default"], old["boolean"]), name
+
+
+def test_defaults_parse_to_the_same_config():
+  assert _flat(_config("--train_steps=1")) == BEFORE["defaults"]
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE["configs"]))
+def test_each_old_command_line_parses_to_the_same_config(case):
+  expected = BEFORE["configs"][case]
+  got = _flat(_config(*_args(expected["args"])))
+  differs = {k: got.get(k, _ABSENT)
+             for k in sorted(set(got) | set(BEFORE["defaults"]))
+             if got.get(k, _ABSENT) != BEFORE["defaults"].get(k, _ABSENT)}
+  assert differs == expected["differs"]
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE["errors"]))
+def test_each_old_bad_command_line_still_fails_naming_the_flag(case):
+  expected = BEFORE["errors"][case]
+  with pytest.raises((ConfigError, flags.Error)) as error:
+    _config(*expected["args"])
+  assert expected["names"] in str(error.value)
+
+
+def _config_classes(cls=ExperimentConfig):
+  """The config dataclasses reachable from `cls` (fields and options)."""
+  found = [cls]
+  hints = typing.get_type_hints(cls)
+  for field in dataclasses.fields(cls):
+    meta = settings.info(field) or {}
+    for nested in (config_flags._nested(hints[field.name]),  # pylint: disable=protected-access
+                   meta.get("options")):
+      if nested is not None and nested not in found:
+        found += _config_classes(nested)
+  return found
+
+
+def _hand_written_flags():
+  """Names of the flags scripts/train.py defines itself."""
+  tree = ast.parse(open(os.path.join(ROOT, "scripts", "train.py")).read())
+  return {node.args[0].value for node in ast.walk(tree)
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr.startswith("DEFINE")
+          and isinstance(node.args[0], ast.Constant)}
+
+
+def test_train_py_defines_no_flag_that_a_config_field_holds():
+  held = set()
+  for cls in _config_classes():
+    for field in dataclasses.fields(cls):
+      held |= {field.name, settings.flag_name(field) or field.name}
+  hand = _hand_written_flags()
+  assert hand, "the AST walk found no DEFINE_* call"
+  assert not hand & held, (
+      f"declare these as config fields (framework.settings.setting), not as "
+      f"flags in scripts/train.py: {sorted(hand & held)}")
+  # Every setting is a flag of train.py.
+  generated = {f.name for f in config_flags.walk()}
+  assert generated <= set(train.TRAIN_FLAGS)
+  assert len(generated) == len(list(config_flags.walk())), "a name twice"
+
+
+def test_every_config_field_is_a_setting_or_a_nested_config():
+  # A plain field would be a setting without a flag, help or checks.
+  for cls in _config_classes():
+    hints = typing.get_type_hints(cls)
+    plain = [f.name for f in dataclasses.fields(cls)
+             if settings.info(f) is None
+             and not config_flags._nested(hints[f.name])  # pylint: disable=protected-access
+             and (cls, f.name) != (ExperimentConfig, "hparams")]
+    assert not plain, f"{cls.__name__}: declare {plain} with setting(...)"
+
+
+def test_hparams_are_the_key_settings_and_those_not_at_their_default():
+  config = _config("--model=mlp", "--train_steps=5", "--keep_checkpoints=5",
+                   "--hidden_units=8", "--seed=0", "--cpu_devices=2")
+  key = {"model", "dataset", "strategy", "global_batch_size", "train_steps",
+         "epochs", "optimizer", "learning_rate", "lr_schedule",
+         "mixed_precision"}
+  assert set(config_flags.key_flags()) == key
+  # --seed=0 is the default: not shown.
+  assert set(config.hparams) == key | {"keep_checkpoints", "hidden_units",
+                                       "cpu_devices"}
+  assert config.hparams["hidden_units"] == ["8"]
+  assert config.hparams["epochs"] is None
+
+
+USER_MODEL = '''
+RECEIVED = []
+
+
+def build(input_shape, num_classes, *, blocks: int = 2, act="relu",
+          scale=1.0, sizes=(8,), tag: str = None, residual=False):
+  import keras
+  RECEIVED.append(dict(blocks=blocks, act=act, scale=scale, sizes=sizes,
+                       tag=tag, residual=residual))
+  return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                           keras.layers.Dense(num_classes)])
+'''
+
+
+@pytest.fixture
+def user_model(tmp_path, monkeypatch):
+  (tmp_path / "user_nets.py").write_text(USER_MODEL)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  yield "user_nets:build"
+  sys.modules.pop("user_nets", None)
+
+
+def test_model_options_are_typed_from_the_builder_and_reach_it(user_model):
+  config = _config(f"--model={user_model}", "--train_steps=1",
+                   "--model_options=blocks=3,act=gelu,scale=2,sizes=4,2,"
+                   "tag=a,residual=true")
+  options = {k: v for k, v in config.model_options.items()
+             if k in ("blocks", "act", "scale", "sizes", "tag", "residual")}
+  assert options == dict(blocks=3, act="gelu", scale=2.0, sizes=(4, 2),
+                         tag="a", residual=True)
+  assert [type(options[k]) for k in ("blocks", "scale", "sizes")] == [
+      int, float, tuple]
+  # The built-in options stay (for the built-in models) and are not passed
+  # to a builder that does not take them.
+  assert config.model_options["hidden_units"] == (64, 64)
+  _optimizer_and_loop(config)
+  import user_nets  # pylint: disable=g-import-not-at-top
+  assert user_nets.RECEIVED[-1] == options
+
+
+def test_model_options_override_the_built_in_flags():
+  config = _config("--model=unet", "--train_steps=1", "--unet_depth=2",
+                   "--model_options=depth=3")
+  assert (config.model_options["depth"], config.model_options["width"]) == (
+      3, 32)
+
+
+@pytest.mark.parametrize("value,fragments", [
+    ("blocks=3,colour=red", ["'colour' is not an option of "
+                             "model='user_nets:build'",
+                             "valid keys: blocks, act, scale, sizes, tag, "
+                             "residual"]),
+    ("blocks=three", ["blocks='three' is not a valid int",
+                      "valid keys for model='user_nets:build': blocks"]),
+    ("residual=maybe", ["residual='maybe' is not a valid bool"]),
+    ("sizes=4,x", ["sizes='4,x' is not a valid list of int"]),
+    ("blocks", ["'blocks' is not key=value"]),
+])
+def test_a_bad_model_option_is_one_line_naming_it_and_the_valid_keys(
+    user_model, value, fragments, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    with cli.one_line_errors():
+      _config(f"--model={user_model}", "--train_steps=1",
+              f"--model_options={value}")
+  assert exit_.value.code == 1
+  [line] = capsys.readouterr().err.splitlines()
+  assert ": error: model_options" in line
+  for fragment in fragments:
+    assert fragment in line

@@ -18,6 +18,10 @@ FLAGS = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16,8",
          "--global_batch_size=32", "--optimizer=momentum", "--train_steps=4",
          "--summary_every=2", "--export_saved_model=false"]
 LEARNING_RATES = {"lr_a": 0.05, "lr_b": 0.01}
+# Shown for every run, even at their defaults (framework.settings, key=True).
+KEY_SETTINGS = {"model", "dataset", "strategy", "global_batch_size",
+                "train_steps", "epochs", "optimizer", "learning_rate",
+                "lr_schedule", "mixed_precision"}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +60,10 @@ def test_each_run_records_its_flags(sweep):
     assert values["strategy"] == "default"
     assert values["train_steps"] == 4
     assert values["hidden_units"] == "16,8"
-    assert values["dropout"] is True
-    assert values["clip_norm"] == "None"
+    # The key settings, and the others only where they differ from their
+    # defaults (--dropout, --clip_norm, ... are not columns).
+    assert set(values) == KEY_SETTINGS | {
+        "hidden_units", "summary_every", "export_saved_model", "model_dir"}
 
 
 def test_dashboard_compares_runs_on_final_metrics(sweep):

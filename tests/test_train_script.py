@@ -141,13 +141,13 @@ def assert_one_line_error(proc, *fragments, unchanged=None):
     (["--global_batch_size=33", "--strategy=mirrored", "--cpu_devices=2"],
      ["global_batch_size=33", "2 replicas"]),
     (["--train_steps=0"], ["train_steps", "epochs"]),  # 0: unset
-    (["--train_steps=-3"], ["--train_steps"]),
-    (["--global_batch_size=0"], ["--global_batch_size"]),
+    (["--train_steps=-3"], ["train_steps=-3", "positive"]),
+    (["--global_batch_size=0"], ["global_batch_size=0", "positive"]),
     (["--cpu_devices=0"], ["--cpu_devices"]),
     (["--train_steps=5", "--epochs=2"], ["train_steps", "epochs"]),
     (["--strategy=multi_worker_mirrored"], ["needs TF_CONFIG"]),
     (["--profile_steps=5,3"], ["profile_steps=(5, 3)", "first <= last"]),
-    (["--profile_steps=x"], ["--profile_steps", "integers"]),
+    (["--profile_steps=x"], ["profile_steps='x'", "integers"]),
     (["--dataset=cifar10", "--data_dir=/nonexistent/cifar"],
      ["/nonexistent/cifar", "data_batch_1"]),
 ])
@@ -296,7 +296,8 @@ def test_diverged_skipping_stops_after_max_skipped_steps(tmp_path):
 def test_max_skipped_steps_must_be_positive(tmp_path):
   proc = train(tmp_path, "--train_steps=5", "--max_skipped_steps=0",
                check=False)
-  assert_one_line_error(proc, "--max_skipped_steps")
+  assert_one_line_error(proc, "max_skipped_steps=0 must be a positive "
+                        "integer")
 
 
 @pytest.mark.slow

@@ -17,106 +17,23 @@ import tensorflow as tf
 
 import models
 from models import registry
-from framework.core import losses, optimizers, tta
-from framework.core.communication import AllReduceConfig
+from framework.core import losses, optimizers
 from framework.app import export
 from framework.app import check_run
-from framework.core import checkpointing, precision, ps_training
+from framework.core import precision, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import segmentation
+from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
-from framework.errors import ConfigError, check_choice, check_positive
-from framework.model_parallel.config import ModelParallelConfig
-from framework.core.optimizers import OptimizerConfig, make_optimizer
+from framework.errors import ConfigError
+from framework.core.optimizers import make_optimizer
 from framework.core.run_lock import RunLock
 from framework.core.trainer import Trainer
 
 WEIGHTS_FILE = "model.weights.h5"
 # With an EMA, WEIGHTS_FILE holds the averaged weights and this the raw ones.
 RAW_WEIGHTS_FILE = "model.raw.weights.h5"
-
-
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-  """Everything a run needs; `scripts/train.py` fills it from flags.
-
-  Exactly one of `train_steps` and `epochs` is set. `mixed_precision` may
-  be `auto` (`precision.resolve_precision`: bfloat16 where the hardware
-  computes it natively). `label_smoothing`, `ema_decay`, `ema_warmup` and
-  `eval_tta` go to the Trainer (see `Trainer`); with an EMA, evaluation,
-  model.weights.h5 and the SavedModel use the averaged weights, the
-  checkpoints keep the raw ones (and the EMA), and model.raw.weights.h5
-  the raw final weights.
-  """
-  model: str = "cifar_cnn"
-  dataset: str = "cifar10"
-  data_dir: str = None
-  model_dir: str = "/tmp/distloop"
-  strategy: str = "default"
-  tpu: str = None
-  global_batch_size: int = 128
-  train_steps: int = None
-  epochs: int = None
-  optimizer: OptimizerConfig = OptimizerConfig()
-  clip_norm: float = None
-  nan_policy: str = "stop"
-  max_skipped_steps: int = 10
-  loop: LoopConfig = None  # train_steps filled in by `resolve`
-  seed: int = 0
-  deterministic: bool = True
-  input_mode: str = "global"
-  grad_accum_steps: int = 1
-  mixed_precision: str = "float32"
-  augment: str = "none"
-  model_options: dict = dataclasses.field(default_factory=dict)
-  dataset_options: dict = dataclasses.field(default_factory=dict)
-  export_saved_model: bool = True
-  hparams: dict = dataclasses.field(default_factory=dict)
-  check_distribution: bool = False
-  model_parallel: ModelParallelConfig = ModelParallelConfig()
-  # "latest_intact": a damaged newest checkpoint is skipped with a warning;
-  # "error": it stops the run.
-  restore: str = "latest_intact"
-  # Resume although model, options, optimizer, global batch or dataset
-  # differ from the checkpoint's (e.g. fine-tuning with another optimizer).
-  allow_config_change: bool = False
-  label_smoothing: float = 0.0
-  ema_decay: float = None
-  ema_warmup: bool = False
-  eval_tta: str = "none"
-  # The gradient all-reduce's packing, implementation and wire dtype.
-  all_reduce: AllReduceConfig = AllReduceConfig()
-
-  def __post_init__(self):
-    if not self.model_dir:
-      raise ConfigError(f"model_dir={self.model_dir!r} must be a directory "
-                        "path")
-    check_choice("restore", self.restore, checkpointing.RESTORE_POLICIES)
-    check_positive("global_batch_size", self.global_batch_size)
-    if (self.train_steps is None) == (self.epochs is None):
-      raise ConfigError("set exactly one of train_steps and epochs (got "
-                        f"train_steps={self.train_steps}, "
-                        f"epochs={self.epochs})")
-    check_positive("train_steps" if self.epochs is None else "epochs",
-                   self.train_steps if self.epochs is None else self.epochs)
-    check_choice("input_mode", self.input_mode, inputs.INPUT_MODES)
-    check_positive("grad_accum_steps", self.grad_accum_steps)
-    check_positive("max_skipped_steps", self.max_skipped_steps)
-    check_choice("mixed_precision", self.mixed_precision,
-                 precision.PRECISION_CHOICES)
-    check_choice("augment", self.augment, augment.AUGMENTATIONS)
-    if self.label_smoothing:
-      losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
-    if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-      raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
-                        "unset)")
-    tta.check_tta(self.eval_tta)
-    if self.model_parallel.mode != "none" and (
-        self.ema_decay is not None or self.eval_tta != "none"):
-      raise ConfigError(
-          f"ema_decay and eval_tta are not supported with model_parallel="
-          f"{self.model_parallel.mode}")
 
 
 def total_steps(config, num_train_examples):

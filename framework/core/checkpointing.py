@@ -23,12 +23,12 @@ from google.protobuf import text_format
 import tensorflow as tf
 
 from framework.core import atomic
+from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ModelDirError, check_choice,
                               check_positive)
 
 _WORKER_TMP = ".tmp_worker_"
-RESTORE_POLICIES = ("latest_intact", "error")
 RUN_CONFIG_FILE = "run_config.json"
 # The temporary names TensorFlow's savers use while writing `ckpt-<N>`
 # (functional_saver: "<prefix>_temp/part", older savers "<prefix>_temp_<uuid

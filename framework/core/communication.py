@@ -20,14 +20,15 @@
   significant bits).
 """
 
-import dataclasses
-
 import tensorflow as tf
 
-from framework.errors import ConfigError, check_choice
+from framework.core.config import (  # pylint: disable=unused-import
+    ALL_REDUCE_DTYPES, ALL_REDUCE_IMPLEMENTATIONS, AllReduceConfig)
 
-IMPLEMENTATIONS = ("auto", "ring", "nccl")
-DTYPES = ("float32", "bfloat16")
+# AllReduceConfig lives in framework/core/config.py (no TensorFlow there:
+# the flags are made from it); importable from here too.
+IMPLEMENTATIONS = ALL_REDUCE_IMPLEMENTATIONS
+DTYPES = ALL_REDUCE_DTYPES
 
 _IMPLEMENTATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -36,38 +37,11 @@ _IMPLEMENTATION = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class AllReduceConfig:
-  """The gradient all-reduce's packing, implementation and wire dtype.
-
-  Attributes:
-    bytes_per_pack: pack size in bytes, >= 0 (0: one pack).
-    implementation: one of IMPLEMENTATIONS.
-    dtype: one of DTYPES: the dtype float32 gradients have on the wire.
-  """
-  bytes_per_pack: int = 0
-  implementation: str = "auto"
-  dtype: str = "float32"
-
-  def __post_init__(self):
-    if (isinstance(self.bytes_per_pack, bool)
-        or not isinstance(self.bytes_per_pack, int)
-        or self.bytes_per_pack < 0):
-      raise ConfigError(f"all_reduce_bytes_per_pack={self.bytes_per_pack!r} "
-                        "must be an integer >= 0 (0: one pack)")
-    check_choice("all_reduce_implementation", self.implementation,
-                 IMPLEMENTATIONS)
-    check_choice("all_reduce_dtype", self.dtype, DTYPES)
-
-  @property
-  def is_default(self):
-    return self == AllReduceConfig()
-
-  def options(self):
-    """The `tf.distribute.experimental.CommunicationOptions`."""
-    return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=self.bytes_per_pack,
-        implementation=_IMPLEMENTATION[self.implementation])
+def communication_options(config):
+  """`config`'s `tf.distribute.experimental.CommunicationOptions`."""
+  return tf.distribute.experimental.CommunicationOptions(
+      bytes_per_pack=config.bytes_per_pack,
+      implementation=_IMPLEMENTATION[config.implementation])
 
 
 def all_reduce_sum(context, values, config=None):
@@ -83,7 +57,7 @@ def all_reduce_sum(context, values, config=None):
             for v in flat]
   else:
     wire = flat
-  reduced = context.all_reduce(sum_op, wire, options=config.options())
+  reduced = context.all_reduce(sum_op, wire, options=communication_options(config))
   reduced = [tf.cast(r, v.dtype) if r.dtype != v.dtype else r
              for r, v in zip(reduced, flat)]
   return tf.nest.pack_sequence_as(values, reduced)

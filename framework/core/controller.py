@@ -15,7 +15,6 @@
 The trainer owns the math of a step; this class owns everything around it.
 """
 
-import dataclasses
 import math
 import os
 import re
@@ -29,61 +28,11 @@ from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core.checkpointing import CheckpointManager
+from framework.core.config import LoopConfig  # pylint: disable=unused-import
 from framework.data.inputs import MaskedBatch, pad_batches
 from framework.errors import (CheckpointError, ConfigError, DataError,
-                              NonFiniteLossError, check_positive)
+                              NonFiniteLossError)
 from framework.core.summaries import SummaryWriter, markdown_table
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-  """How long to train and how often to do what (0 disables an interval).
-
-  Attributes:
-    train_steps: total global steps.
-    steps_per_loop: most steps run inside one `tf.function` call.
-    checkpoint_every, eval_every, summary_every, log_every: intervals in
-      steps; a checkpoint and an evaluation also happen at the end.
-    keep_checkpoints: how many checkpoints to keep.
-    profile_steps: `(first, last)` global steps (inclusive) to trace with
-      TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
-      tab); the time per op type goes to the log and a text summary.
-    stop_at_accuracy: stop training after the first evaluation (every
-      `eval_every` steps, and at the end) whose `accuracy` (or
-      `pixel_accuracy`) reaches this value in (0, 1]; a checkpoint is saved
-      and the run ends as at its last step. The time it took goes to the
-      log and to TensorBoard as `eval/time_to_target_seconds` (see
-      `Controller.time_to_target`). None: train to `train_steps`.
-    eval_start_step: periodic evaluations (`eval_every`) only from this
-      step on: a time-to-accuracy run skips evaluations that cannot reach
-      its target yet. The final evaluation always happens.
-  """
-  train_steps: int
-  steps_per_loop: int = 100
-  checkpoint_every: int = 1000
-  keep_checkpoints: int = 3
-  eval_every: int = 0
-  summary_every: int = 100
-  log_every: int = 100
-  profile_steps: tuple = ()
-  stop_at_accuracy: float = None
-  eval_start_step: int = 0
-
-  def __post_init__(self):
-    if self.stop_at_accuracy is not None and not (
-        0 < self.stop_at_accuracy <= 1):
-      raise ConfigError(f"stop_at_accuracy={self.stop_at_accuracy} must be "
-                        "in (0, 1] (a fraction, e.g. 0.8079)")
-    object.__setattr__(self, "profile_steps",
-                       profiling.check_profile_steps(self.profile_steps))
-    check_positive("train_steps", self.train_steps)
-    check_positive("steps_per_loop", self.steps_per_loop)
-    check_positive("keep_checkpoints", self.keep_checkpoints)
-    for name in ("checkpoint_every", "eval_every", "summary_every",
-                 "log_every", "eval_start_step"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}={value!r} must be an integer >= 0")
 
 
 def learning_rate(optimizer):

@@ -5,18 +5,15 @@ The optimizers are plain Keras 3 optimizers; distloop never calls their
 time), see `Trainer.apply_gradients`.
 """
 
-import dataclasses
-
 import keras
 import tensorflow as tf
 
-from framework.errors import ConfigError, check_choice, check_positive
+# OptimizerConfig and the choices live in framework/core/config.py (no
+# TensorFlow there: the flags are made from them); importable from here too.
+from framework.core.config import (  # pylint: disable=unused-import
+    DECAYING_SCHEDULES, LR_SCALINGS, OPTIMIZERS, SCHEDULES, OptimizerConfig)
+from framework.errors import ConfigError, check_positive
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-SCHEDULES = ("constant", "cosine", "step", "linear", "onecycle")
-# Schedules whose length is the run's (total_steps filled in when 0).
-DECAYING_SCHEDULES = ("cosine", "linear", "onecycle")
-LR_SCALINGS = ("none", "linear", "sqrt")
 # onecycle without warmup_steps: this fraction of the run rises to the peak.
 ONECYCLE_RISE = 0.3
 
@@ -73,74 +70,6 @@ class _Constant(keras.optimizers.schedules.LearningRateSchedule):
 
   def get_config(self):
     return {"value": self.value}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """What `make_optimizer` builds.
-
-  Attributes:
-    name: one of OPTIMIZERS; `momentum` is SGD with `momentum`.
-    learning_rate: the peak learning rate.
-    schedule: `constant`, `cosine` (to `min_lr_ratio` × peak at `total_steps`),
-      `step` (× `step_decay` at each of `step_boundaries`), `linear` (after
-      the warm-up, a straight line from the peak to `min_lr_ratio` × peak at
-      `total_steps`) or `onecycle` (a triangle: `linear` whose warm-up, when
-      `warmup_steps` is 0, is the first ONECYCLE_RISE (30 %) of the run).
-    warmup_steps: linear warm-up length (from ~0 to the peak), 0 for none.
-    total_steps: length of the cosine / linear / onecycle schedule.
-    weight_decay: decoupled weight decay for `adamw`.
-    nesterov: Nesterov momentum for `momentum` (one fused kernel too).
-    lr_scaling: `none`, `linear` or `sqrt`: the peak `learning_rate` is for
-      a global batch of `base_batch_size`; `scaled(global_batch_size)` scales
-      it by (global / base) or its square root (Goyal et al., 2017).
-    base_batch_size: the batch `learning_rate` was tuned for.
-  """
-  name: str = "adam"
-  learning_rate: float = 1e-3
-  momentum: float = 0.9
-  weight_decay: float = 1e-4
-  schedule: str = "constant"
-  warmup_steps: int = 0
-  total_steps: int = 0
-  step_boundaries: tuple = ()
-  step_decay: float = 0.1
-  min_lr_ratio: float = 0.0
-  nesterov: bool = False
-  lr_scaling: str = "none"
-  base_batch_size: int = 256
-
-  def __post_init__(self):
-    check_choice("optimizer", self.name, OPTIMIZERS)
-    check_choice("lr_schedule", self.schedule, SCHEDULES)
-    check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
-    check_positive("lr_base_batch_size", self.base_batch_size)
-    if self.nesterov and self.name != "momentum":
-      raise ConfigError(f"nesterov=True needs optimizer=momentum (got "
-                        f"optimizer={self.name})")
-    if not 0 <= self.min_lr_ratio <= 1:
-      raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-    if not self.learning_rate > 0:
-      raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
-    if self.warmup_steps < 0:
-      raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
-    if self.total_steps < 0:  # 0: filled in from the run's length (cosine)
-      raise ConfigError(f"total_steps={self.total_steps} must be >= 0")
-    if self.schedule == "step" and not self.step_boundaries:
-      raise ConfigError("lr_schedule=step needs lr_step_boundaries, e.g. "
-                        "'5000,8000'")
-    if list(self.step_boundaries) != sorted(set(self.step_boundaries)):
-      raise ConfigError(f"lr_step_boundaries={list(self.step_boundaries)} "
-                        "must be strictly increasing")
-
-
-  def scaled(self, global_batch_size):
-    """This config with `learning_rate` scaled for `global_batch_size`."""
-    ratio = global_batch_size / self.base_batch_size
-    factor = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[
-        self.lr_scaling]
-    return dataclasses.replace(self, learning_rate=self.learning_rate * factor,
-                               lr_scaling="none")
 
 
 def make_schedule(config):

@@ -19,11 +19,10 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+# `auto` resolves to one of PRECISIONS on this machine (`resolve_precision`).
+from framework.core.config import PRECISION_CHOICES, PRECISIONS
 from framework.errors import ConfigError, check_choice, check_positive
 
-PRECISIONS = ("float32", "bfloat16", "float16")
-# `auto` resolves to one of PRECISIONS on this machine (`resolve_precision`).
-PRECISION_CHOICES = PRECISIONS + ("auto",)
 # CPU flags (Linux /proc/cpuinfo) of native bfloat16 matrix arithmetic: with
 # them oneDNN's bfloat16 convolutions beat float32 (1.6-1.7x measured on the
 # seed CNN); without them bfloat16 is emulated and slower.

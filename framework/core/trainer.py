@@ -35,12 +35,12 @@ import tensorflow as tf
 
 from framework.core import communication
 from framework.core import tta
+from framework.core.config import NAN_POLICIES
 from framework.data.inputs import MaskedBatch
 from framework.core.ema import WeightAverage
 from framework.errors import ConfigError, check_choice, check_positive
 from framework.core.fused_updates import fused_update
 
-NAN_POLICIES = ("stop", "skip")
 SUM = tf.distribute.ReduceOp.SUM
 
 

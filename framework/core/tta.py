@@ -14,9 +14,8 @@ mode (BatchNorm uses its moving statistics), then split.
 
 import tensorflow as tf
 
+from framework.core.config import TTA_MODES
 from framework.errors import check_choice
-
-TTA_MODES = ("none", "flip")
 
 
 def check_tta(mode):

@@ -8,9 +8,8 @@ and restart (see `framework.data.inputs`).
 
 import tensorflow as tf
 
+from framework.data.config import AUGMENTATIONS
 from framework.errors import check_choice
-
-AUGMENTATIONS = ("none", "flip", "crop_flip")
 
 
 def _per_example_ints(seeds, count, maxval):

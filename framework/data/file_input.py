@@ -45,11 +45,11 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from framework.data.config import SHUFFLES
 from framework.errors import ConfigError, DataError, check_positive
 
 _MAX_EPOCHS = 1 << 40
 DEFAULT_SHARDS_PER_GROUP = 4
-SHUFFLES = ("shards", "global")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,9 @@ import collections
 
 import tensorflow as tf
 
+from framework.data.config import INPUT_MODES
 from framework.errors import ConfigError, check_choice, check_positive
 
-INPUT_MODES = ("global", "per_replica")
 _MAX_EPOCHS = 1 << 40
 
 

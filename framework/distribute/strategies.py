@@ -12,11 +12,9 @@ import os
 import tensorflow as tf
 
 from framework.distribute import cluster
+from framework.distribute.choices import STRATEGIES
 from framework.distribute.tf_config import parse_tf_config, require_tf_config
 from framework.errors import ConfigError, check_choice, check_positive
-
-STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored",
-              "central_storage", "parameter_server", "tpu")
 
 
 def configure_cpu_devices(num_devices):

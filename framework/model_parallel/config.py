@@ -3,16 +3,13 @@
 import dataclasses
 import functools
 
-from framework.errors import ConfigError, check_choice, check_positive
-from framework.model_parallel.costs import BALANCES
-from framework.model_parallel.devices import PLACEMENTS, cluster_devices
-from framework.model_parallel.pipeline import PipelineTrainer
-from framework.model_parallel.replicas import split_strategy
-from framework.model_parallel.staged_trainer import StagedTrainer
-from framework.model_parallel.tensor_parallel import TensorParallelTrainer
-from framework.core.trainer import Trainer
+from framework.errors import ConfigError
+from framework.model_parallel.choices import BALANCES, MODES, PLACEMENTS  # pylint: disable=unused-import
+from framework.settings import POSITIVE, check_settings, setting
 
-MODES = ("none", "pipeline", "tensor")
+# This module imports no TensorFlow at load time (the flags are made from
+# ModelParallelConfig before TensorFlow loads): the trainers and devices are
+# imported where they are used.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +22,7 @@ class ModelParallelConfig:
     num_stages: pipeline stages (= devices).
     num_microbatches: micro-batches per global batch (GPipe schedule).
     stage_boundaries: pipeline cut points between layers: indices, or layer
-      names (a name starts a stage); empty: balanced by parameter count.
+      names (a name starts a stage); empty: balanced by `stage_balance`.
     num_shards: tensor: devices the hidden units are split across.
     split_layer: tensor: index of the Dense layer to split (None: the last
       Dense followed by a Dense).
@@ -43,22 +40,51 @@ class ModelParallelConfig:
     replica_devices: data x pipeline: R tuples of `num_stages` devices, one
       pipeline copy on each (set by `with_strategy`; empty: one pipeline).
   """
-  mode: str = "none"
-  num_stages: int = 2
-  num_microbatches: int = 1
-  stage_boundaries: tuple = ()
-  num_shards: int = 2
-  split_layer: int = None
-  devices: str = "local"
-  recompute: bool = False
-  serial_stages: bool = False
-  input_grads_first: bool = True
-  stage_balance: str = "flops"
-  replica_devices: tuple = ()
+  mode: str = setting(
+      "none", "pipeline: cut the layers into --num_stages stages on as many "
+      "devices; tensor: split one hidden Dense layer's units across "
+      "--num_shards devices.", flag="model_parallel", choices=MODES)
+  num_stages: int = setting(2, "Pipeline stages (devices).",
+                            minimum=POSITIVE)
+  num_microbatches: int = setting(
+      1, "Micro-batches per global batch (GPipe schedule); must divide "
+      "--global_batch_size.", minimum=POSITIVE)
+  stage_boundaries: tuple[int | str, ...] = setting(
+      (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
+      "names (a name starts a stage); default: balanced by "
+      "--stage_balance.")
+  num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
+                            "are split across.", minimum=POSITIVE)
+  split_layer: int | None = setting(
+      None, "Tensor parallel: index of the Dense layer to split (default: "
+      "the last Dense followed by a Dense).")
+  devices: str = setting(
+      "local", "local: this process's GPUs or --cpu_devices; cluster: "
+      "stage/shard i on TF_CONFIG's worker i, the chief runs the loop "
+      "(scripts/launch.py --workers=N adds the chief).",
+      flag="model_parallel_devices", choices=PLACEMENTS)
+  recompute: bool = setting(
+      False, "Model parallel: keep only each stage's inputs per micro-batch "
+      "and recompute its forward pass in the backward pass (less "
+      "activation memory, one more forward pass per step).")
+  serial_stages: bool = setting(
+      False, "Model parallel: each stage device runs its ops one at a time, "
+      "in program order, as a GPU stream does (logical CPU devices "
+      "otherwise run several of a stage's ops at once on the shared "
+      "cores).")
+  input_grads_first: bool = setting(
+      True, "Model parallel, with --serial_stages: each stage computes the "
+      "input gradient it sends back before its weight gradients (B before "
+      "W, as zero-bubble pipelines do: a smaller bubble); false: the "
+      "backward pass in creation order.")
+  stage_balance: str = setting(
+      "flops", "Pipeline cut points without --stage_boundaries: equal "
+      "forward+backward conv/matmul FLOPs per stage, or equal parameter "
+      "counts.", choices=BALANCES)
+  replica_devices: tuple = setting((), flag=False)  # set by with_strategy
 
   def __post_init__(self):
-    check_choice("model_parallel", self.mode, MODES)
-    check_choice("stage_balance", self.stage_balance, BALANCES)
+    check_settings(self)
     if self.serial_stages and self.mode == "none":
       raise ConfigError("serial_stages orders the ops of each stage of a "
                         "split model; set --model_parallel=pipeline or "
@@ -67,14 +93,10 @@ class ModelParallelConfig:
       raise ConfigError("recompute re-runs the stages of a split model in "
                         "the backward pass; set --model_parallel=pipeline "
                         "or tensor")
-    check_choice("model_parallel_devices", self.devices, PLACEMENTS)
     if self.devices == "cluster" and self.mode == "none":
       raise ConfigError("model_parallel_devices=cluster places the pieces of "
                         "a split model; set --model_parallel=pipeline or "
                         "tensor")
-    check_positive("num_stages", self.num_stages)
-    check_positive("num_microbatches", self.num_microbatches)
-    check_positive("num_shards", self.num_shards)
 
   @property
   def device_count(self):
@@ -102,17 +124,26 @@ class ModelParallelConfig:
       raise ConfigError(
           f"model_parallel_devices=cluster with strategy={name} is not "
           "supported; use strategy=default (one pipeline over the workers)")
+    from framework.model_parallel.replicas import split_strategy  # pylint: disable=g-import-not-at-top
     strategy, groups = split_strategy(strategy, self.num_stages, name=name)
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
-  def trainer_factory(self, trainer_cls=Trainer):
+  def trainer_factory(self, trainer_cls=None):
     """`trainer_cls`, or the model-parallel trainer bound to this config.
 
     A plain `Trainer` subclass (e.g. the segmentation trainer, for its
     evaluation metrics) is combined with the model-parallel trainer: the
     split trains, the subclass evaluates the (whole) model.
     """
+    # pylint: disable=g-import-not-at-top
+    from framework.core.trainer import Trainer
+    from framework.model_parallel.devices import cluster_devices
+    from framework.model_parallel.pipeline import PipelineTrainer
+    from framework.model_parallel.staged_trainer import StagedTrainer
+    from framework.model_parallel.tensor_parallel import TensorParallelTrainer
+    # pylint: enable=g-import-not-at-top
+    trainer_cls = trainer_cls or Trainer
     if self.mode == "none":
       return trainer_cls
     parallel_cls = (PipelineTrainer if self.mode == "pipeline"

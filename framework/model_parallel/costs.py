@@ -17,9 +17,8 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework.model_parallel.choices import BALANCES  # pylint: disable=unused-import
 from framework.perf.flops import call_training_flops
-
-BALANCES = ("flops", "params")
 
 
 def count_params(layer):

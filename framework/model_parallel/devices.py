@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
+from framework.model_parallel.choices import PLACEMENTS  # pylint: disable=unused-import
 
 
 def model_parallel_devices(count, *, name="num_stages"):
@@ -41,9 +42,6 @@ def model_parallel_devices(count, *, name="num_stages"):
       f"{name}={count} needs {count} devices but only {cpus} CPU device(s) "
       f"and {gpus} GPU(s) exist; split the CPU with --cpu_devices={count} "
       "(or use fewer)")
-
-
-PLACEMENTS = ("local", "cluster")
 
 
 def check_cluster(tf_config, count, *, name="num_stages"):

@@ -1,0 +1,205 @@
+"""The core layer's settings: the loop's and the optimizer's configs.
+
+TensorFlow-free (`framework.settings`): `scripts/config_flags.py` makes the
+flags from these fields before TensorFlow loads. The modules that act on
+them (`controller`, `optimizers`, `trainer`, ...) import them from here.
+"""
+
+import dataclasses
+
+from framework.errors import ConfigError
+from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "step", "linear", "onecycle")
+# Schedules whose length is the run's (total_steps filled in when 0).
+DECAYING_SCHEDULES = ("cosine", "linear", "onecycle")
+LR_SCALINGS = ("none", "linear", "sqrt")
+# What `nan_policy` may be: see `Trainer`.
+NAN_POLICIES = ("stop", "skip")
+# A damaged newest checkpoint: see `CheckpointManager`.
+RESTORE_POLICIES = ("latest_intact", "error")
+# Compute dtypes; `auto` resolves to one of PRECISIONS on this machine
+# (`precision.resolve_precision`).
+PRECISIONS = ("float32", "bfloat16", "float16")
+PRECISION_CHOICES = PRECISIONS + ("auto",)
+# Test-time augmentation in evaluation (`tta`).
+TTA_MODES = ("none", "flip")
+# The gradient all-reduce (`communication`).
+ALL_REDUCE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
+ALL_REDUCE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """How long to train and how often to do what (0 disables an interval).
+
+  Attributes:
+    train_steps: total global steps.
+    steps_per_loop: most steps run inside one `tf.function` call.
+    checkpoint_every, eval_every, summary_every, log_every: intervals in
+      steps; a checkpoint and an evaluation also happen at the end.
+    keep_checkpoints: how many checkpoints to keep.
+    profile_steps: `(first, last)` global steps (inclusive) to trace with
+      TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
+      tab); the time per op type goes to the log and a text summary.
+    stop_at_accuracy: stop training after the first evaluation (every
+      `eval_every` steps, and at the end) whose `accuracy` (or
+      `pixel_accuracy`) reaches this value in (0, 1]; a checkpoint is saved
+      and the run ends as at its last step. The time it took goes to the
+      log and to TensorBoard as `eval/time_to_target_seconds` (see
+      `Controller.time_to_target`). None: train to `train_steps`.
+    eval_start_step: periodic evaluations (`eval_every`) only from this
+      step on: a time-to-accuracy run skips evaluations that cannot reach
+      its target yet. The final evaluation always happens.
+  """
+  # Filled in from the run's --train_steps or --epochs.
+  train_steps: int = setting(flag=False, minimum=POSITIVE)
+  steps_per_loop: int = setting(100, "Steps inside one tf.function.",
+                                minimum=POSITIVE)
+  checkpoint_every: int = setting(
+      1000, "Steps between checkpoints (0: only at the end).",
+      minimum=NON_NEGATIVE)
+  keep_checkpoints: int = setting(3, "Checkpoints to keep.", minimum=POSITIVE)
+  eval_every: int = setting(
+      0, "Steps between evaluations (0: only at the end).",
+      minimum=NON_NEGATIVE)
+  summary_every: int = setting(100, "Steps between train summaries.",
+                               minimum=NON_NEGATIVE)
+  log_every: int = setting(100, "Steps between progress lines.",
+                           minimum=NON_NEGATIVE)
+  profile_steps: tuple[int, ...] = setting(
+      (), "first,last: trace these global steps (inclusive) with "
+      "TensorFlow's profiler into model_dir/train (TensorBoard's Profile "
+      "tab) and log the time per op type, e.g. 10,14.")
+  stop_at_accuracy: float | None = setting(
+      None, "Stop after the first evaluation whose accuracy reaches this "
+      "fraction (e.g. 0.8079); logs and writes eval/time_to_target_seconds "
+      "(wall time from the run's start: data loading, steps and evaluations "
+      "included).")
+  eval_start_step: int = setting(
+      0, "Periodic evaluations (--eval_every) only from this step on.",
+      minimum=NON_NEGATIVE)
+
+  def __post_init__(self):
+    from framework.perf import profiling  # pylint: disable=g-import-not-at-top
+    if self.stop_at_accuracy is not None and not (
+        0 < self.stop_at_accuracy <= 1):
+      raise ConfigError(f"stop_at_accuracy={self.stop_at_accuracy} must be "
+                        "in (0, 1] (a fraction, e.g. 0.8079)")
+    object.__setattr__(self, "profile_steps",
+                       profiling.check_profile_steps(self.profile_steps))
+    check_settings(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """What `optimizers.make_optimizer` builds.
+
+  Attributes:
+    name: one of OPTIMIZERS; `momentum` is SGD with `momentum`.
+    learning_rate: the peak learning rate.
+    schedule: `constant`, `cosine` (to `min_lr_ratio` × peak at `total_steps`),
+      `step` (× `step_decay` at each of `step_boundaries`), `linear` (after
+      the warm-up, a straight line from the peak to `min_lr_ratio` × peak at
+      `total_steps`) or `onecycle` (a triangle: `linear` whose warm-up, when
+      `warmup_steps` is 0, is the first ONECYCLE_RISE (30 %) of the run).
+    warmup_steps: linear warm-up length (from ~0 to the peak), 0 for none.
+    total_steps: length of the cosine / linear / onecycle schedule.
+    weight_decay: decoupled weight decay for `adamw`.
+    nesterov: Nesterov momentum for `momentum` (one fused kernel too).
+    lr_scaling: `none`, `linear` or `sqrt`: the peak `learning_rate` is for
+      a global batch of `base_batch_size`; `scaled(global_batch_size)` scales
+      it by (global / base) or its square root (Goyal et al., 2017).
+    base_batch_size: the batch `learning_rate` was tuned for.
+  """
+  name: str = setting("adam", "Optimizer.", flag="optimizer",
+                      choices=OPTIMIZERS, key=True)
+  learning_rate: float = setting(1e-3, "Peak learning rate.", key=True)
+  momentum: float = setting(0.9, "Momentum for --optimizer=momentum.")
+  weight_decay: float = setting(1e-4, "Decoupled weight decay (adamw).")
+  schedule: str = setting(
+      "constant", "Learning-rate schedule after warm-up. linear: straight "
+      "down to --lr_min_ratio x peak at the last step; onecycle: linear "
+      "whose warm-up defaults to the first 30 % of the run.",
+      flag="lr_schedule", choices=SCHEDULES, key=True)
+  warmup_steps: int = setting(0, "Linear warm-up steps.")
+  # 0: filled in from the run's length (cosine, linear, onecycle).
+  total_steps: int = setting(0, flag=False)
+  step_boundaries: tuple[int, ...] = setting(
+      (), "Steps where --lr_schedule=step multiplies the rate by "
+      "--lr_step_decay.", flag="lr_step_boundaries")
+  step_decay: float = setting(0.1, "Factor at each step boundary.",
+                              flag="lr_step_decay")
+  min_lr_ratio: float = setting(
+      0.0, "cosine, linear, onecycle: final learning rate as a fraction of "
+      "the peak.", flag="lr_min_ratio")
+  nesterov: bool = setting(False, "Nesterov momentum for "
+                           "--optimizer=momentum.")
+  lr_scaling: str = setting(
+      "none", "Scale --learning_rate from --lr_base_batch_size to "
+      "--global_batch_size (linear: by the ratio; sqrt: by its square root).",
+      choices=LR_SCALINGS)
+  base_batch_size: int = setting(
+      256, "The global batch --learning_rate is given for (with "
+      "--lr_scaling).", flag="lr_base_batch_size", minimum=POSITIVE)
+
+  def __post_init__(self):
+    check_settings(self)
+    if self.nesterov and self.name != "momentum":
+      raise ConfigError(f"nesterov=True needs optimizer=momentum (got "
+                        f"optimizer={self.name})")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+    if not self.learning_rate > 0:
+      raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
+    if self.warmup_steps < 0:
+      raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
+    if self.total_steps < 0:  # 0: filled in from the run's length (cosine)
+      raise ConfigError(f"total_steps={self.total_steps} must be >= 0")
+    if self.schedule == "step" and not self.step_boundaries:
+      raise ConfigError("lr_schedule=step needs lr_step_boundaries, e.g. "
+                        "'5000,8000'")
+    if list(self.step_boundaries) != sorted(set(self.step_boundaries)):
+      raise ConfigError(f"lr_step_boundaries={list(self.step_boundaries)} "
+                        "must be strictly increasing")
+
+  def scaled(self, global_batch_size):
+    """This config with `learning_rate` scaled for `global_batch_size`."""
+    ratio = global_batch_size / self.base_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[
+        self.lr_scaling]
+    return dataclasses.replace(self, learning_rate=self.learning_rate * factor,
+                               lr_scaling="none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceConfig:
+  """The gradient all-reduce's packing, implementation and wire dtype (see
+  `framework.core.communication`).
+
+  Attributes:
+    bytes_per_pack: pack size in bytes, >= 0 (0: one pack).
+    implementation: one of ALL_REDUCE_IMPLEMENTATIONS.
+    dtype: one of ALL_REDUCE_DTYPES: the dtype float32 gradients have on
+      the wire.
+  """
+  bytes_per_pack: int = setting(
+      0, "Pack the gradients into all-reduces of about this many bytes each "
+      "(0: one all-reduce for all); collective strategies "
+      "(multi_worker_mirrored) only.", flag="all_reduce_bytes_per_pack",
+      minimum=NON_NEGATIVE)
+  implementation: str = setting(
+      "auto", "Collective all-reduce implementation (nccl: GPUs only).",
+      flag="all_reduce_implementation", choices=ALL_REDUCE_IMPLEMENTATIONS)
+  dtype: str = setting(
+      "float32", "dtype of the gradients on the wire: bfloat16 halves the "
+      "bytes; the update is applied in float32.", flag="all_reduce_dtype",
+      choices=ALL_REDUCE_DTYPES)
+
+  def __post_init__(self):
+    check_settings(self)
+
+  @property
+  def is_default(self):
+    return self == AllReduceConfig()

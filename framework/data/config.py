@@ -1,0 +1,52 @@
+"""The data layer's settings: how batches are made, and dataset options.
+
+TensorFlow-free (`framework.settings`), so that `scripts/config_flags.py`
+makes flags from it before TensorFlow loads.
+"""
+
+import dataclasses
+
+from framework.settings import POSITIVE, check_settings, setting
+
+# global: experimental_distribute_dataset; per_replica:
+# distribute_datasets_from_function (see `inputs`).
+INPUT_MODES = ("global", "per_replica")
+AUGMENTATIONS = ("none", "flip", "crop_flip")
+# How a dataset streamed from files is shuffled (see `file_input`).
+SHUFFLES = ("shards", "global")
+# The loader registered for `tfds:NAME[:VERSION]`.
+TFDS_PREFIX = "tfds:"
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetOptions:
+  """The options `datasets.load_dataset` passes to the dataset loaders.
+
+  `for_dataset(name)` is the dict a run records as its `dataset_options`:
+  only the options that dataset's loader takes.
+  """
+  image_size: int = setting(
+      128, "shapes, oxford_pet: side of the square images (tfds: of images "
+      "without a fixed size).", minimum=POSITIVE)
+  label_key: str = setting(
+      "label", "tfds: the feature used as label: a ClassLabel, or an image "
+      "mask (e.g. segmentation_mask).")
+  image_key: str = setting("image", "tfds: the image feature.")
+  file_shuffle: str = setting(
+      "shards", "Streamed datasets: 'shards' shuffles groups of 4 shards "
+      "(memory: a few shards); 'global' orders each epoch as the in-memory "
+      "arrays are (on one worker the very same batches; memory: the "
+      "encoded training split).", choices=SHUFFLES)
+
+  def __post_init__(self):
+    check_settings(self)
+
+  def for_dataset(self, name):
+    """{option: value} for dataset `name` (tfds keys only for tfds:...,
+    file_shuffle only when not the default)."""
+    options = {"image_size": self.image_size}
+    if name.startswith(TFDS_PREFIX):
+      options.update(image_key=self.image_key, label_key=self.label_key)
+    if self.file_shuffle != "shards":
+      options["file_shuffle"] = self.file_shuffle
+    return options

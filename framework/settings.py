@@ -1,0 +1,91 @@
+"""Settings: config dataclass fields that carry their help, flag and checks.
+
+Every setting of a run is written once, as a field of a frozen config
+dataclass (`ExperimentConfig`, `OptimizerConfig`, `LoopConfig`, ...):
+
+    learning_rate: float = setting(1e-3, "Peak learning rate.", key=True)
+
+`scripts/config_flags.py` turns each such field into an absl flag (name,
+default, type, help and enum choices from here) and builds the config from
+the parsed flags; the dataclass's `__post_init__` calls `check_settings`,
+so a bad value is one `ConfigError` naming the setting whether it came
+from a flag, a flag file or Python. This module imports no TensorFlow:
+the flags exist before TensorFlow loads (`--onednn` must be read first).
+"""
+
+import dataclasses
+import numbers
+
+from framework.errors import ConfigError, check_choice, check_positive
+
+# What a field's `minimum` may be.
+POSITIVE = "positive"  # an integer > 0
+NON_NEGATIVE = "non_negative"  # an integer >= 0
+
+
+def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disable=redefined-builtin
+            choices=None, minimum=None, key=False, zero_unsets=False,
+            options=None, free_form=False, default_factory=dataclasses.MISSING):
+  """A dataclass field that is also a command-line flag.
+
+  Args:
+    default: the default value (also the flag's).
+    help: the flag's help text.
+    flag: the flag's name if not the field's; False: the field has no flag
+      (filled by the program, e.g. `total_steps`).
+    choices: the valid values (an enum flag; checked by `check_settings`).
+    minimum: POSITIVE or NON_NEGATIVE (integers; checked by
+      `check_settings`).
+    key: shown on TensorBoard's HParams dashboard even at its default.
+    zero_unsets: the flag value 0 means None (e.g. `--epochs=0` overrides a
+      flag file's `--epochs`).
+    options: for a dict field: the dataclass whose fields are the flags that
+      fill the dict (e.g. the built-in models' options).
+    free_form: for a dict field: also a `--<flag>=key=value,...` flag.
+    default_factory: as in `dataclasses.field`.
+  """
+  metadata = {"help": help, "flag": flag, "choices": choices,
+              "minimum": minimum, "key": key, "zero_unsets": zero_unsets,
+              "options": options, "free_form": free_form}
+  if minimum not in (None, POSITIVE, NON_NEGATIVE):
+    raise ValueError(f"minimum={minimum!r} must be None, {POSITIVE!r} or "
+                     f"{NON_NEGATIVE!r}")
+  return dataclasses.field(default=default, default_factory=default_factory,
+                           metadata={"setting": metadata})
+
+
+def info(field):
+  """The `setting` metadata of a dataclass field (None for a plain field)."""
+  return field.metadata.get("setting")
+
+
+def flag_name(field):
+  """The flag that sets `field` (None if it has none)."""
+  meta = info(field)
+  if meta is None or meta["flag"] is False:
+    return None
+  return meta["flag"] or field.name
+
+
+def check_settings(config):
+  """Checks each field of `config` against its choices and minimum.
+
+  Raises:
+    ConfigError: naming the setting (as its flag is called), its value and
+      what would be valid.
+  """
+  for field in dataclasses.fields(config):
+    meta = info(field)
+    if meta is None:
+      continue
+    name = flag_name(field) or field.name
+    value = getattr(config, field.name)
+    if meta["choices"] is not None:
+      check_choice(name, value, meta["choices"])
+    if value is None or meta["minimum"] is None:
+      continue
+    if meta["minimum"] == POSITIVE:
+      check_positive(name, value)
+    elif (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+          or value < 0):
+      raise ConfigError(f"{name}={value!r} must be an integer >= 0")

@@ -1,0 +1,193 @@
+"""The flags of scripts/train.py, made from the config dataclasses.
+
+Every field declared with `framework.settings.setting` in `ExperimentConfig`
+and the configs it nests (`OptimizerConfig`, `LoopConfig`,
+`ModelParallelConfig`, and the dicts' `ModelOptions` and `DatasetOptions`)
+is one absl flag: its name (the field's, or the `flag=` it declares), type,
+default, help and enum choices come from the field. `config_from_flags`
+builds the `ExperimentConfig` from the parsed flags; the dataclasses check
+the values (one `ConfigError` naming the flag). Nothing here repeats a
+default, a help text or a check.
+"""
+
+import dataclasses
+import types
+import typing
+
+from absl import flags
+
+from framework import settings
+from framework.app.config import ExperimentConfig
+from framework.errors import ConfigError
+
+# Fields without a flag that the flags' config must still fill: the run's
+# length, replaced by experiment.build_model_and_optimizer.
+_FILLED_LATER = {("loop", "train_steps"): 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """One setting's flag: where its value goes and how it is parsed."""
+  name: str
+  path: tuple  # field names from ExperimentConfig down to the field
+  field: dataclasses.Field
+  kind: type  # bool, int, float, str, tuple (list flag) or dict (free form)
+  item: object = None  # the element type of a list flag (int, str, int|str)
+
+  @property
+  def meta(self):
+    return settings.info(self.field)
+
+
+def _unwrap(hint):
+  """`X` for `X | None`."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1:
+      return args[0]
+  return hint
+
+
+def _nested(hint):
+  hint = _unwrap(hint)
+  return hint if dataclasses.is_dataclass(hint) else None
+
+
+def walk(cls=ExperimentConfig, path=()):
+  """The `Flag`s of `cls` and of the configs it nests, in field order."""
+  hints = typing.get_type_hints(cls)
+  for field in dataclasses.fields(cls):
+    meta = settings.info(field)
+    hint = _unwrap(hints[field.name])
+    here = path + (field.name,)
+    if meta is None:
+      if _nested(hint):
+        yield from walk(_nested(hint), here)
+      continue
+    if meta["options"] is not None:
+      yield from walk(meta["options"], here)
+      if meta["free_form"]:
+        yield Flag(settings.flag_name(field), here, field, dict)
+      continue
+    name = settings.flag_name(field)
+    if name is None:
+      continue
+    if typing.get_origin(hint) is tuple:
+      yield Flag(name, here, field, tuple, typing.get_args(hint)[0])
+    else:
+      yield Flag(name, here, field, hint)
+
+
+def define_flags(flag_values=flags.FLAGS):
+  """Defines one flag per setting; returns their names."""
+  names = []
+  for flag in walk():
+    meta, default = flag.meta, flag.field.default
+    args = dict(flag_values=flag_values)
+    if flag.kind is dict:
+      flags.DEFINE_string(flag.name, "", meta["help"], **args)
+    elif flag.kind is tuple:
+      flags.DEFINE_list(flag.name, [str(v) for v in default], meta["help"],
+                        **args)
+    elif meta["choices"] is not None:
+      flags.DEFINE_enum(flag.name, default, list(meta["choices"]),
+                        meta["help"], **args)
+    elif flag.kind is bool:
+      flags.DEFINE_bool(flag.name, default, meta["help"], **args)
+    elif flag.kind is int:
+      flags.DEFINE_integer(flag.name, default, meta["help"], **args)
+    elif flag.kind is float:
+      flags.DEFINE_float(flag.name, default, meta["help"], **args)
+    elif flag.kind is str:
+      flags.DEFINE_string(flag.name, default, meta["help"], **args)
+    else:
+      raise TypeError(f"setting {'.'.join(flag.path)}: no flag type for "
+                      f"{flag.kind!r}")
+    names.append(flag.name)
+  return names
+
+
+def _item(flag, text):
+  if flag.item is str:
+    return text
+  if flag.item is int:
+    return int(text)
+  # int | str (e.g. stage boundaries: layer indices or names).
+  return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _value(flag, value):
+  """The field value of `flag`'s parsed flag value."""
+  if flag.kind is tuple:
+    try:
+      return tuple(_item(flag, v) for v in value)
+    except ValueError:
+      raise ConfigError(f"{flag.name}={','.join(value)!r} must be "
+                        "integers separated by commas") from None
+  if flag.meta["zero_unsets"] and value == 0:
+    return None
+  return value
+
+
+def _build(cls, path, values):
+  """`cls` from `values` {path: field value} (nested configs built too)."""
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for field in dataclasses.fields(cls):
+    here = path + (field.name,)
+    if here in values:
+      kwargs[field.name] = values[here]
+    elif settings.info(field) is None and _nested(hints[field.name]):
+      kwargs[field.name] = _build(_nested(hints[field.name]), here, values)
+    elif here in _FILLED_LATER:
+      kwargs[field.name] = _FILLED_LATER[here]
+  return cls(**kwargs)
+
+
+def config_from_flags(flag_values=flags.FLAGS, hparam_flags=()):
+  """The ExperimentConfig the parsed flags describe.
+
+  Args:
+    hparam_flags: more flag names (the program's own, e.g. --cpu_devices)
+      that `ExperimentConfig.hparams` may record.
+  """
+  all_flags = list(walk())
+  values = {flag.path: _value(flag, flag_values[flag.name].value)
+            for flag in all_flags if flag.kind is not dict}
+  # The option dicts: their dataclass (which checks them), then the
+  # free-form --model_options over it.
+  for field in dataclasses.fields(ExperimentConfig):
+    meta = settings.info(field)
+    if meta is None or meta["options"] is None:
+      continue
+    built = meta["options"](**{
+        name: values.pop((field.name, name)) for name in
+        [f.name for f in dataclasses.fields(meta["options"])]
+        if (field.name, name) in values})
+    if field.name == "dataset_options":  # only what the dataset's loader takes
+      values[(field.name,)] = built.for_dataset(values[("dataset",)])
+    else:
+      values[(field.name,)] = dataclasses.asdict(built)
+  for flag in all_flags:
+    text = flag_values[flag.name].value
+    if flag.kind is dict and text:
+      import models  # pylint: disable=g-import-not-at-top
+      values[flag.path] = dict(values[flag.path], **models.registry.
+                               parse_options(values[("model",)], text))
+  values[("hparams",)] = hparams(
+      flag_values, [f.name for f in all_flags] + list(hparam_flags))
+  return _build(ExperimentConfig, (), values)
+
+
+def key_flags():
+  """The flags TensorBoard's HParams dashboard always shows."""
+  return [f.name for f in walk() if f.meta["key"]]
+
+
+def hparams(flag_values, names):
+  """{flag: value} of the `names` that are key settings or not at their
+  default: what the HParams dashboard shows for this run."""
+  key = set(key_flags())
+  return {name: flag_values[name].value for name in names
+          if name in key
+          or flag_values[name].value != flag_values[name].default}
