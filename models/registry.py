@@ -161,13 +161,55 @@ def import_path_of(builder):
   return f"{module}:{qualname}"
 
 
-def call_builder(builder, input_shape, num_classes, options):
-  """`builder(input_shape, num_classes, **options it accepts)`."""
-  parameters = inspect.signature(builder).parameters.values()
-  if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+def call_builder(builder, input_shape, num_classes, options, name=None):
+  """`builder(input_shape, num_classes, **options it accepts)`.
+
+  Raises ConfigError naming the builder (`name`, else its import path) if
+  its signature does not take `(input_shape, num_classes)` or it returns no
+  `keras.Model`; the user's function is only called once its arguments fit.
+  """
+  name = name or import_path_of(builder) or repr(builder)
+  try:
+    signature = inspect.signature(builder)
+  except (TypeError, ValueError):
+    signature = None
+  parameters = signature.parameters.values() if signature else ()
+  if signature and not any(p.kind == p.VAR_KEYWORD for p in parameters):
     accepted = {p.name for p in parameters}
     options = {k: v for k, v in options.items() if k in accepted}
-  return builder(tuple(input_shape), num_classes, **options)
+  try:
+    if signature is None:
+      raise TypeError("its signature cannot be read")
+    signature.bind(tuple(input_shape), num_classes, **options)
+  except TypeError as e:
+    raise ConfigError(
+        f"model={name!r}: {getattr(builder, '__name__', 'it')}"
+        f"{signature or '(...)'} cannot be called as build(input_shape, "
+        f"num_classes, **options) ({e}); a model function takes the input "
+        "shape and the number of classes and returns a keras.Model of "
+        "logits") from None
+  model = builder(tuple(input_shape), num_classes, **options)
+  import keras  # pylint: disable=g-import-not-at-top
+  if not isinstance(model, keras.Model):
+    got = "None" if model is None else f"a {type(model).__name__}"
+    raise ConfigError(
+        f"model={name!r} returned {got}, not a keras.Model: the model "
+        "function must return the model (a keras.Model of logits)")
+  return model
+
+
+def check_outputs(name, model, num_classes, dataset):
+  """ConfigError naming model `name` unless its last output axis has one
+  logit per class of `dataset`."""
+  try:
+    width = model.output_shape[-1]
+  except (AttributeError, TypeError, ValueError, IndexError):
+    return  # an unbuilt subclassed model: its outputs show when it runs
+  if width is not None and width != num_classes:
+    raise ConfigError(
+        f"model={name!r} outputs {width} logits per example but "
+        f"dataset={dataset!r} has {num_classes} classes: its last layer "
+        "needs num_classes units (the model function's second argument)")
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -291,4 +333,4 @@ def build_model(name, input_shape, num_classes, *, search_dir=None,
                 **options):
   """Builds model `name`; options it does not take are ignored."""
   return call_builder(get_builder(name, search_dir), input_shape, num_classes,
-                      options)
+                      options, name=name)

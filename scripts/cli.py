@@ -2,6 +2,7 @@
 TensorFlow's own log lines (quiet unless asked for)."""
 
 import contextlib
+import errno
 import importlib.util
 import logging as py_logging
 import os
@@ -35,10 +36,12 @@ def one_line_errors():
     # A damaged shard or record stops a tf.data pipeline wherever it is
     # consumed (training, evaluation, prediction): its message says so.
     from framework.data import integrity  # pylint: disable=g-import-not-at-top
-    error = integrity.data_error(e) if _is_op_error(e) else None
-    if error is None:
+    message = integrity.data_error(e) if _is_op_error(e) else None
+    if message is None:
+      message = _unwritable(e)
+    if message is None:
       raise
-    print(f"{script}: error: {error}", file=sys.stderr)
+    print(f"{script}: error: {message}", file=sys.stderr)
     sys.exit(1)
   except KeyboardInterrupt:
     print(f"{script}: interrupted (Ctrl-C) outside the training loop; nothing "
@@ -49,6 +52,34 @@ def one_line_errors():
 def _is_op_error(error):
   tf = sys.modules.get("tensorflow")
   return tf is not None and isinstance(error, tf.errors.OpError)
+
+
+# What the OS says when a folder cannot be written: the user's to fix.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
+               errno.EDQUOT)
+
+
+def _unwritable(error):
+  """One line for a permission / read-only / full-disk error, else None.
+
+  Python's OSError carries the path and errno; TensorFlow's file writers
+  (summaries, checkpoints) raise PermissionDeniedError or
+  ResourceExhaustedError whose first line holds the path and the OS's words.
+  """
+  if isinstance(error, OSError) and error.errno in _UNWRITABLE:
+    where = f" {error.filename}" if error.filename else ""
+    return f"cannot write{where} ({error.strerror})"
+  tf_errors = getattr(sys.modules.get("tensorflow"), "errors", None)
+  if tf_errors is None or not isinstance(
+      error, (tf_errors.PermissionDeniedError,
+              tf_errors.ResourceExhaustedError)):
+    return None
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  first = re.sub(r"^\{\{[^}]*\}\}\s*", "", lines[0]) if lines else ""
+  if isinstance(error, tf_errors.ResourceExhaustedError) and not re.search(
+      r"space|quota|disk", first, re.I):
+    return None  # out of memory, not a folder
+  return f"cannot write {first}"
 
 
 def import_tensorflow_quietly():

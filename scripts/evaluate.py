@@ -52,6 +52,12 @@ flags.DEFINE_string("eval_dir", None, "TensorBoard directory (default: "
                     "<model_dir>/eval.")
 flags.DEFINE_string("eval_name", "standalone", "Names the default "
                     "--eval_dir: <model_dir>/eval_<eval_name>.")
+flags.DEFINE_string("model", None, "The model (registered name or "
+                    "package.module:function) instead of model_info.json's; "
+                    "naming a module trusts its code.")
+flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
+                  "that model_info.json names (runs that module's code; off "
+                  "by default, as Keras's safe_mode).")
 flags.mark_flag_as_required("model_dir")
 
 
@@ -70,7 +76,8 @@ def run():
       data_dir=FLAGS.data_dir, global_batch_size=FLAGS.global_batch_size,
       eval_dir=FLAGS.eval_dir, eval_name=FLAGS.eval_name,
       poll_seconds=FLAGS.poll_seconds,
-      timeout_seconds=FLAGS.timeout_seconds)
+      timeout_seconds=FLAGS.timeout_seconds, model=FLAGS.model,
+      trust_model_code=FLAGS.trust_model_code)
   if FLAGS.watch:
     results = evaluation.watch(config)
   else:

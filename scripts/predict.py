@@ -29,8 +29,12 @@ flags.DEFINE_string("model_dir", None, "A training run's directory "
                     "(model_info.json, model.weights.h5).")
 flags.DEFINE_string("weights", None, "A .weights.h5 file (default: "
                     "<model_dir>/model.weights.h5).")
-flags.DEFINE_string("model", None, "Model name; overrides model_info.json, "
-                    "or names a CIFAR-10 model when there is none.")
+flags.DEFINE_string("model", None, "Model name or package.module:function; "
+                    "overrides model_info.json (naming a module trusts its "
+                    "code), or names a CIFAR-10 model when there is none.")
+flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
+                  "that model_info.json names (runs that module's code; off "
+                  "by default, as Keras's safe_mode).")
 flags.DEFINE_integer("index", None, "Index into the CIFAR-10 test set.")
 flags.DEFINE_string("image", None, "A PNG or JPEG file, resized to the "
                     "model's input.")
@@ -44,7 +48,8 @@ flags.DEFINE_string("save_image", None, "Write the classified image (as "
 def run():
   """Prints (and writes) one prediction; raises DistloopError on bad input."""
   from framework import errors  # pylint: disable=g-import-not-at-top
-  from framework.app import prediction  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from framework.app import export, prediction
   prediction.use_cpu_only()
   if (FLAGS.index is None) == (FLAGS.image is None):
     raise errors.ConfigError("set exactly one of --index (CIFAR-10 test "
@@ -52,6 +57,8 @@ def run():
   _check_outputs(errors)
   info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
                                            FLAGS.model)
+  # Before any data is read or code imported.
+  export.check_model_code(info, FLAGS.trust_model_code)
   true_label = None
   if FLAGS.image is not None:
     image = prediction.load_image(FLAGS.image, info["input_shape"])
@@ -66,7 +73,8 @@ def run():
       raise errors.ConfigError(
           f"model={info['model']} takes {tuple(info['input_shape'])} inputs; "
           f"CIFAR-10 images are {image.shape}: use --image")
-  model = prediction.load_model(info, weights)
+  model = prediction.load_model(info, weights,
+                                trust_model_code=FLAGS.trust_model_code)
   probabilities = prediction.predict(model, image)
   class_names = info["class_names"]
   if true_label is not None and true_label >= len(class_names):

@@ -109,6 +109,8 @@ def _run_config(config, trainer_cls):
       cluster.run_server(tf_config)
       return None
   program = os.path.basename(sys.argv[0])
+  # SIGTERM before training: one line, exit 143, model_dir as it was.
+  preemption.guard_start(program)
   watchdog = cluster.StartupWatchdog(tf_config, timeout=FLAGS.startup_timeout,
                                      program=program)
   with watchdog:

@@ -10,13 +10,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(script, *args, env=None, timeout=300, check=True):
-  """Runs `python scripts/<script> args...`; returns the CompletedProcess."""
+def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT):
+  """Runs `python scripts/<script> args...` in `cwd` (default: the
+  repository); returns the CompletedProcess."""
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env = {k: v for k, v in full_env.items() if v is not None}
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", script), *args],
-      cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+      cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
   if check and proc.returncode != 0:
     raise AssertionError(f"{script} {' '.join(args)} exited "
                          f"{proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -65,6 +65,10 @@ def test_two_workers_equal_one_process_with_two_replicas(reference, tmp_path):
   assert sorted(pids) == ["worker:0", "worker:1"], output[-3000:]
   assert _event_file_pids(model_dir) == {int(pids["worker:0"])}
   assert _temporary_paths(model_dir) == []
+  # TensorFlow's preemption watcher thread is stopped while every task is
+  # up, not left blocked on the chief's coordination service.
+  assert "PeerTerminationWatcher" not in output, output[-3000:]
+  assert "Socket closed" not in output, output[-3000:]
   # The same global batches on 2 replicas in one process: the same weights.
   single = str(tmp_path / "mirrored")
   proc = subprocess.run(

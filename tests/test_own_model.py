@@ -72,10 +72,11 @@ def test_import_path_trains_and_is_recorded(user_run):
 def test_evaluate_and_predict_rebuild_it_in_a_fresh_process(user_run,
                                                             tmp_path):
   # cwd is the repository and PYTHONPATH does not name the user's
-  # directory: only model_info.json says where my_nets lives.
+  # directory: only model_info.json says where my_nets lives. Its code runs
+  # only when trusted (evaluate.py) or named again (predict.py).
   env = {"PYTHONPATH": None}
   proc = run_script("evaluate.py", f"--model_dir={user_run['model_dir']}",
-                    env=env)
+                    "--trust_model_code", env=env)
   assert "accuracy" in proc.stdout
   png = str(tmp_path / "image.png")
   from PIL import Image  # pylint: disable=g-import-not-at-top
@@ -83,7 +84,8 @@ def test_evaluate_and_predict_rebuild_it_in_a_fresh_process(user_run,
       0, 255, (32, 32, 3), dtype=np.uint8)).save(png)
   out = str(tmp_path / "prediction.json")
   run_script("predict.py", f"--model_dir={user_run['model_dir']}",
-             f"--image={png}", f"--output_json={out}", env=env)
+             "--model=my_nets:build", f"--image={png}",
+             f"--output_json={out}", env=env)
   with open(out) as f:
     summary = json.load(f)
   assert summary["model"] == "my_nets:build"

@@ -9,6 +9,7 @@ flags exist before TensorFlow loads.
 """
 
 import dataclasses
+import os
 
 from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
                                    RESTORE_POLICIES, TTA_MODES,
@@ -162,6 +163,10 @@ class ExperimentConfig:
     if not self.model_dir:
       raise ConfigError(f"model_dir={self.model_dir!r} must be a directory "
                         "path")
+    # Resolved once, here: what the run records (model_info.json, the
+    # checkpoint state) then means the same folder from any other folder.
+    for name in ("model_dir", "data_dir"):
+      object.__setattr__(self, name, absolute_path(getattr(self, name)))
     check_settings(self)
     if (self.train_steps is None) == (self.epochs is None):
       raise ConfigError("set exactly one of train_steps and epochs (got "
@@ -178,3 +183,11 @@ class ExperimentConfig:
       raise ConfigError(
           f"ema_decay and eval_tta are not supported with model_parallel="
           f"{self.model_parallel.mode}")
+
+
+def absolute_path(path):
+  """`path` with `~` expanded, made absolute (URLs such as gs://... and
+  None unchanged)."""
+  if not isinstance(path, str) or not path or "://" in path:
+    return path
+  return os.path.abspath(os.path.expanduser(path))

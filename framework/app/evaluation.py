@@ -57,6 +57,10 @@ class EvalConfig:
     eval_name: names the default eval_dir (letters, digits, `_.-`).
     poll_seconds: how often `watch` looks for a new checkpoint.
     timeout_seconds: `watch` stops after this long with nothing new.
+    model: the model (registered name or `module:function`) instead of
+      model_info.json's; naming it trusts its code.
+    trust_model_code: import the `module:function` model_info.json names
+      (off by default: see `export.build_inference_model`).
   """
   model_dir: str
   checkpoint: str = None
@@ -69,6 +73,8 @@ class EvalConfig:
   eval_name: str = DEFAULT_EVAL_NAME
   poll_seconds: float = 5.0
   timeout_seconds: float = 3600.0
+  model: str = None
+  trust_model_code: bool = False
 
   def __post_init__(self):
     if not self.model_dir:
@@ -132,7 +138,10 @@ class Evaluator:
 
   def __init__(self, config, strategy=None, info=None):
     self.config = config
-    self.info = info or _load_info(config.model_dir)
+    self.info = export.with_model(info or _load_info(config.model_dir),
+                                  config.model)
+    # Before anything is loaded or imported.
+    export.check_model_code(self.info, config.trust_model_code)
     self.strategy = strategy or strategies.make_strategy(config.strategy,
                                                          tpu=config.tpu)
     name = config.dataset or self.info.get("dataset")
@@ -152,7 +161,8 @@ class Evaluator:
     trainer_cls = (segmentation.SegmentationTrainer if per_pixel
                    else ConfusionTrainer)
     with self.strategy.scope():
-      model = export.build_inference_model(self.info)
+      model = export.build_inference_model(
+          self.info, trust_model_code=config.trust_model_code)
       optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
     replicas = self.strategy.num_replicas_in_sync
     batch = -(-self.global_batch_size // replicas) * replicas

@@ -88,7 +88,9 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
       else:
         model = registry.call_builder(build_model, dataset.input_shape,
                                       dataset.num_classes,
-                                      config.model_options)
+                                      config.model_options, name=config.model)
+      registry.check_outputs(config.model, model, dataset.num_classes,
+                             config.dataset)
       # A model registered without its task is known once built.
       models.check_task(config.model, segmentation.is_segmentation(dataset),
                         config.dataset, model)
@@ -168,7 +170,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
-  run_config = export.run_config(config)
+  run_config = export.run_config(config, model)
   if getattr(dataset, "generation", None):
     # Resuming on re-converted data (another content) is a config change.
     run_config["data_generation"] = dataset.generation
@@ -213,6 +215,7 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
           "(model_info.json records it as module:function so that "
           "evaluate.py, predict.py and the export rebuild it)")
     config = dataclasses.replace(config, model=path)
+    _warn_if_main(path)
   else:
     registry.get_builder(config.model)  # a bad --model fails before any work
   start_time = time.time()  # time_to_target counts from here
@@ -244,6 +247,44 @@ def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
                 start_time=start_time)
 
 
+def _config_changes(model_dir, controller):
+  """{"config_changes": [...]} for model_info.json: the earlier entries,
+  plus this resume's if `allow_config_change` let the configuration change
+  (which is then logged); {} if there never was one."""
+  previous = export.read_model_info_quietly(model_dir) or {}
+  history = list(previous.get("config_changes") or [])
+  changes = controller.checkpoints.config_changes
+  if changes:
+    step = controller.step
+    history.append({"step": step, **{
+        key: {"was": old, "now": new} for key, old, new in changes}})
+    logging.warning(
+        "%s now describes the changed configuration (%s) and records the "
+        "change at step %d under config_changes", export.MODEL_INFO_FILE,
+        ", ".join(key for key, _, _ in changes), step)
+  return {"config_changes": history} if history else {}
+
+
+def _warn_if_main(path):
+  """Warns that a `__main__:build` model cannot be imported by name again."""
+  if not path.startswith("__main__:"):
+    return
+  script = getattr(__import__("__main__"), "__file__", None)
+  function = path.partition(":")[2]
+  if script:
+    module = os.path.splitext(os.path.basename(script))[0]
+    how = (f"pass them --model={module}:{function} (importing {script} must "
+           "then not train again: keep that under if __name__ == "
+           "'__main__':)")
+  else:
+    how = (f"pass them --model=<module>:{function} naming a module file "
+           "that defines it")
+  logging.warning(
+      "build_model=%s is defined in __main__: evaluate.py, predict.py and "
+      "exports in other processes cannot import it from model_info.json; "
+      "%s, or move it to a module and train with that", path, how)
+
+
 def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
          build_model, train_input, eval_input, make_trainer, start_time):
   replicas = strategy.num_replicas_in_sync
@@ -257,6 +298,10 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name,
                dataset.num_train_examples, dataset.num_test_examples)
+  if train_input is None:
+    # Before anything is written: a batch larger than the data is no run.
+    inputs.steps_per_epoch(dataset.num_train_examples,
+                           config.global_batch_size)
   # Before the distribution check, which builds the model too.
   models.check_task(config.model, segmentation.is_segmentation(dataset),
                     config.dataset)
@@ -275,6 +320,7 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   chief = strategies.is_chief(strategy)
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps)
+  info.update(_config_changes(config.model_dir, controller))
   if chief:
     lock.record()
     # Written first, so a side-car evaluator can rebuild the model.
@@ -294,6 +340,7 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
     with averaged() if averaged else contextlib.nullcontext():
       export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
       if config.export_saved_model:
+        # This run's own config named the model: its code is trusted.
         export.export_saved_model(model, info, os.path.join(
-            config.model_dir, export.EXPORT_DIR))
+            config.model_dir, export.EXPORT_DIR), trust_model_code=True)
   return results

@@ -11,6 +11,7 @@ that trained them, so `build_inference_model(info)` + `load_weights` rebuilds
 the model on a CPU-only process.
 """
 
+import hashlib
 import inspect
 import json
 import os
@@ -21,7 +22,7 @@ import tensorflow as tf
 import models
 from models import registry
 from framework.core import atomic
-from framework.errors import CheckpointError
+from framework.errors import CheckpointError, ConfigError
 from framework.data.inputs import to_float
 
 MODEL_INFO_FILE = "model_info.json"
@@ -52,10 +53,12 @@ def model_info(config, dataset):
           "label_smoothing": getattr(config, "label_smoothing", 0.0)}
 
 
-def run_config(config):
+def run_config(config, model=None):
   """What a checkpoint must agree on with the run resuming from it.
 
   Only the options the model takes count (train.py passes every model's).
+  With the built `model`, also its `model_fingerprint`, so that a model
+  function edited to build other layers of the same shapes is noticed.
   """
   accepted = inspect.signature(models.get_builder(config.model)).parameters
   options = {k: v for k, v in _jsonable(config.model_options).items()
@@ -63,7 +66,48 @@ def run_config(config):
   return {"model": config.model, "model_options": options,
           "optimizer": config.optimizer.name,
           "global_batch_size": config.global_batch_size,
-          "dataset": config.dataset}
+          "dataset": config.dataset,
+          **({"model_fingerprint": model_fingerprint(model)}
+             if model is not None else {})}
+
+
+# Layer config keys that do not make another model: the auto-numbered
+# name, the compute dtype (--mixed_precision) and synchronized
+# (--sync_batch_norm: training only).
+_NOT_ARCHITECTURE = ("name", "dtype", "synchronized")
+
+
+def model_fingerprint(model):
+  """16 hex digits of sha256 over the model's layers, in order: each one's
+  class, its config (plain JSON values only, without `_NOT_ARCHITECTURE`)
+  and its weights' shapes. Equal code gives equal fingerprints in any
+  process; other activations, sizes or layers give another."""
+
+  def plain(value):
+    if isinstance(value, dict):
+      return {str(k): plain(v) for k, v in value.items()
+              if k not in _NOT_ARCHITECTURE}
+    if isinstance(value, (list, tuple)):
+      return [plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+      return value
+    return type(value).__name__  # no reprs with addresses
+
+  def layers(layer):
+    for sub in getattr(layer, "layers", ()):
+      yield sub
+      yield from layers(sub)
+
+  parts = []
+  for layer in layers(model):
+    try:
+      config = layer.get_config()
+    except (NotImplementedError, TypeError, ValueError):
+      config = None
+    parts.append([type(layer).__name__, plain(config),
+                  [list(w.shape) for w in layer.weights]])
+  text = json.dumps(parts, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _jsonable(options):
@@ -100,15 +144,63 @@ def read_model_info(model_dir):
   return info
 
 
-def build_inference_model(info):
-  """The model described by `info`, built without any strategy."""
+def read_model_info_quietly(model_dir):
+  """`read_model_info`, or None if it is missing or damaged (for a writer
+  about to replace it)."""
+  try:
+    return read_model_info(model_dir)
+  except CheckpointError:
+    return None
+
+
+def build_inference_model(info, *, trust_model_code=False):
+  """The model described by `info`, built without any strategy.
+
+  Safe by default, as Keras's `safe_mode`: a registered model name is
+  built; a `module:function` recorded in `info` is imported (which runs
+  that module's code) only with `trust_model_code=True`, which a caller
+  also implies by naming the model itself (`info = dict(info,
+  model=name)`: see `with_model`). Otherwise a ConfigError says how.
+  """
+  check_model_code(info, trust_model_code)
+  name = info["model"]
   options = dict(info.get("model_options") or {}, **_TRAINING_ONLY_OPTIONS)
   options = {k: tuple(v) if isinstance(v, list) else v
              for k, v in options.items()}
-  return models.build_model(info["model"], info["input_shape"],
-                            len(info["class_names"]),
-                            search_dir=info.get("model_import_dir"),
-                            **options)
+  model = models.build_model(name, info["input_shape"],
+                             len(info["class_names"]),
+                             search_dir=info.get("model_import_dir"),
+                             **options)
+  registry.check_outputs(name, model, len(info["class_names"]),
+                         info.get("dataset"))
+  return model
+
+
+def check_model_code(info, trust_model_code=False):
+  """ConfigError (saying how to go on) if building `info`'s model would
+  import code that neither the registry nor the user vouches for."""
+  name = info["model"]
+  if registry.is_import_path(name) and not (
+      trust_model_code or info.get(_NAMED_BY_USER) == name):
+    where = info.get("model_import_dir")
+    raise ConfigError(
+        f"{MODEL_INFO_FILE} names the model function {name!r}"
+        + (f" (in {where})" if where else "") + "; importing it runs that "
+        f"code, so it is not done by default: name it again with "
+        f"--model={name} (model=), or trust the run's code with "
+        "--trust_model_code (trust_model_code=True)")
+
+
+# In-memory only (never written): the model a caller named itself.
+_NAMED_BY_USER = "_model_named_by_user"
+
+
+def with_model(info, model):
+  """`info` with the model the user named (`--model`): trusted code, since
+  the user chose it; `model=None` leaves `info` as it is."""
+  if not model:
+    return info
+  return dict(info, model=model, **{_NAMED_BY_USER: model})
 
 
 class ServingModule(tf.Module):
@@ -129,15 +221,17 @@ class ServingModule(tf.Module):
             "class_name": tf.gather(self.class_names, predicted)}
 
 
-def export_saved_model(model, info, export_dir):
+def export_saved_model(model, info, export_dir, *, trust_model_code=False):
   """Writes a SavedModel of `model`'s weights under `export_dir`.
 
   A fresh copy of the model is built outside any strategy, so the export
   holds plain variables. Its `serving_default` signature takes uint8 images
   [N, H, W, C] and returns `probabilities` (softmax over the last axis, so
   per pixel for segmentation), `class_index` and `class_name`.
+  `trust_model_code`: see `build_inference_model` (the training process
+  passes True: its own config named the model).
   """
-  plain = build_inference_model(info)
+  plain = build_inference_model(info, trust_model_code=trust_model_code)
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
   module = ServingModule(plain, info["input_shape"], info["class_names"])
   return atomic.write_atomically(export_dir, lambda tmp: tf.saved_model.save(

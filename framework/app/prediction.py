@@ -17,7 +17,8 @@ import tensorflow as tf
 from framework.data import datasets
 from framework.errors import CheckpointError, ConfigError, DataError
 from framework.app.experiment import WEIGHTS_FILE
-from framework.app.export import MODEL_INFO_FILE, build_inference_model, read_model_info
+from framework.app.export import (MODEL_INFO_FILE, build_inference_model,
+                                  read_model_info, with_model)
 from framework.data.inputs import to_float
 
 CIFAR10_TEST_SIZE = 10000
@@ -43,8 +44,9 @@ def resolve_model(model_dir=None, weights=None, model=None):
   """(model info, weights path) for a run's `model_dir` or a `weights` file.
 
   The architecture comes from model_info.json in `model_dir` (or beside
-  `weights`); `model` overrides its name, and without any model_info.json
-  describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
+  `weights`); `model` overrides its name (and, being named by the user, is
+  trusted code: see `export.build_inference_model`), and without any
+  model_info.json describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
   """
   if not model_dir and not weights:
     raise ConfigError("set model_dir (a training run's directory) or "
@@ -70,14 +72,13 @@ def resolve_model(model_dir=None, weights=None, model=None):
     info = {"model": model, "input_shape": [32, 32, 3],
             "class_names": list(datasets.CIFAR10_CLASSES),
             "dataset": "cifar10"}
-  elif model:
-    info = dict(info, model=model)
-  return info, weights
+  return with_model(info, model), weights
 
 
-def load_model(info, weights):
-  """Builds `info`'s model without a strategy and loads `weights` into it."""
-  model = build_inference_model(info)
+def load_model(info, weights, *, trust_model_code=False):
+  """Builds `info`'s model without a strategy and loads `weights` into it
+  (`trust_model_code`: see `export.build_inference_model`)."""
+  model = build_inference_model(info, trust_model_code=trust_model_code)
   if len(model.output_shape) != 2:
     raise ConfigError(f"model={info['model']} predicts per-pixel classes "
                       f"(output shape {model.output_shape}); predict "

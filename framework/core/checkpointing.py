@@ -197,6 +197,8 @@ class CheckpointManager:
                                        RESTORE_POLICIES)
     self.run_config = run_config
     self.allow_config_change = bool(allow_config_change)
+    # [(key, old, new)] an allowed resume changed (see _check_run_config).
+    self.config_changes = []
 
   def _new_manager(self):
     return tf.train.CheckpointManager(
@@ -296,16 +298,22 @@ class CheckpointManager:
     if saved is None:
       return
     current = json.loads(json.dumps(self.run_config))
+    # A key the checkpoints' run_config.json lacks (written by an older
+    # version) is not a change.
     changes = [(k, saved.get(k), current.get(k))
                for k in sorted(set(saved) | set(current))
-               if saved.get(k) != current.get(k)]
+               if k in saved and saved.get(k) != current.get(k)]
     if not changes:
       return
     what = "; ".join(f"{k} was {_describe(old)}, now {_describe(new)}"
                      for k, old, new in changes)
+    if any(k == "model_fingerprint" for k, _, _ in changes):
+      what += (" (the model's layers differ from the checkpoint's, e.g. "
+               "other activations: the model's code changed)")
     if self.allow_config_change:
       logging.warning("Resuming %s with a changed configuration (allowed): "
                       "%s", path, what)
+      self.config_changes = changes
       return
     raise CheckpointError(
         f"checkpoint {path} was written with another configuration: {what}; "

@@ -27,6 +27,7 @@ import tensorflow as tf
 from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
+from framework.core import run_state
 from framework.core.checkpointing import CheckpointManager
 from framework.core.config import LoopConfig  # pylint: disable=unused-import
 from framework.data.inputs import MaskedBatch, pad_batches
@@ -130,6 +131,12 @@ class Controller:
       optimizer and global step.
     on_loop_end: callables `fn(step)` run after each loop's events (e.g.
       preemption checks); more can be appended to `self.on_loop_end`.
+    `self.on_train_end`: callables `fn(step)` run once training is over and
+      its final checkpoint saved, before the final evaluation (e.g. what a
+      preemption then does).
+
+  A run that stopped at `stop_at_accuracy` is finished: relaunched with
+  the same settings it trains nothing (see `framework/core/run_state.py`).
 
   Time to target (`config.stop_at_accuracy`): `time_to_target` is the wall
   time from `start_time` to the end of the first evaluation that reaches
@@ -176,8 +183,10 @@ class Controller:
     self._last_loop = None
     self.last_eval = None
     self.on_loop_end = list(on_loop_end)
+    self.on_train_end = []
     self.start_time = None
     self.time_to_target = None
+    self._measure_target = True
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
         config.profile_steps if chief else (),
@@ -262,7 +271,8 @@ class Controller:
   def _check_target(self, results, step):
     """Records the time to `stop_at_accuracy` at the first eval reaching it."""
     target = self.config.stop_at_accuracy
-    if target is None or self.time_to_target is not None:
+    if (target is None or self.time_to_target is not None
+        or not self._measure_target):
       return
     accuracy = results.get("accuracy", results.get("pixel_accuracy"))
     if accuracy is None:
@@ -298,9 +308,26 @@ class Controller:
       self.start_time = time.time()
     self.restore()
     step = self.step
+    record = run_state.read_target(self.model_dir)
+    if run_state.finished_at_target(record, step, c.train_steps,
+                                    c.stop_at_accuracy):
+      logging.info(
+          "Already finished: accuracy %.4f reached stop_at_accuracy=%.4f at "
+          "step %d (%s); nothing to train (raise train_steps or the target "
+          "to continue)", record["accuracy"], c.stop_at_accuracy, step,
+          run_state.TARGET_FILE)
+      self.last_eval = record.get("metrics") or None
+      for fn in self.on_train_end:
+        fn(step)
+      return self.last_eval
+    if record is not None and self._chief:
+      run_state.forget_target(self.model_dir)  # it trains on from here
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,
                    c.train_steps)
+      self._measure_target = False  # it was measured (or not) when trained
+      for fn in self.on_train_end:
+        fn(step)
       return self.evaluate()
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
     self.writer("").hparams(self.hparams)  # model_dir: train/, eval/ below.
@@ -318,13 +345,29 @@ class Controller:
           "train on from the last good checkpoint")
     if last_saved != step:
       self.save(step)
+    self._record_target(step)
+    for fn in self.on_train_end:
+      fn(step)
     if self.time_to_target is not None and self.last_eval is not None:
       return self.last_eval  # stopped at the target: just evaluated
     results = self.evaluate()
+    self._record_target(step)
     if c.stop_at_accuracy is not None and self.time_to_target is None:
       logging.info("target accuracy %.4f not reached in %d steps",
                    c.stop_at_accuracy, step)
     return results
+
+  def _record_target(self, step):
+    """The chief records a reached target beside the checkpoint at `step`."""
+    results = self.last_eval
+    if self.time_to_target is None or not self._chief or results is None:
+      return
+    run_state.record_target(
+        self.model_dir, step=step,
+        stop_at_accuracy=self.config.stop_at_accuracy,
+        accuracy=results.get("accuracy", results.get("pixel_accuracy")),
+        train_steps=self.config.train_steps,
+        time_to_target=self.time_to_target, metrics=results)
 
   def _distribute_train(self, data):
     """A plain dataset from `train_input`, checked and distributed."""

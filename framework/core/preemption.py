@@ -39,6 +39,9 @@ EXIT_PREEMPTED = 42
 # Exit status after a second Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 130
 
+# Exit status after a SIGTERM before training started (128 + SIGTERM).
+EXIT_TERMINATED = 143
+
 
 def _exit(step, saved=True, at_once=False):
   if saved:
@@ -99,12 +102,17 @@ class _Interrupts:
 
 class _LocalPreemption:
   """SIGTERM or SIGINT -> stop the in-graph loop after its current step;
-  the loop-end hook then saves and exits."""
+  the loop-end hook then saves and exits. Once training is over (its final
+  checkpoint saved: the final evaluation and export run), the process
+  exits at once with EXIT_PREEMPTED; relaunching does those again."""
 
   def __init__(self, controller):
     self.controller = controller
     self.received = None
+    self.finished_step = None
+    self._lock = threading.Lock()
     self._interrupts = _Interrupts()
+    controller.on_train_end.append(self.train_ended)
     _watch_signals(self._on_signal, (signal.SIGTERM, signal.SIGINT))
 
   def _on_signal(self, signum):  # in the watcher thread
@@ -112,13 +120,36 @@ class _LocalPreemption:
       self._interrupts.arrived()
     elif signum != signal.SIGTERM:
       return
-    if self.received is None:
+    with self._lock:
+      if self.received is not None:
+        return
       self.received = signal.Signals(signum).name
+      if self.finished_step is not None:
+        self._exit_after_training()
       logging.info("%s received: saving a checkpoint after the current step "
                    "(Ctrl-C again to quit without saving)", self.received)
       request_stop = getattr(self.controller.trainer, "request_stop", None)
       if request_stop is not None:
         request_stop()
+
+  def train_ended(self, step):
+    """Training is over and its checkpoint at `step` saved (or restored)."""
+    with self._lock:
+      self.finished_step = step
+      if self.received is not None:
+        self._exit_after_training()
+
+  def _exit_after_training(self):
+    logging.info(
+        "%s received after training ended: the final checkpoint (step %d) "
+        "is saved; exiting now with status %d, without the final "
+        "evaluation and export (relaunch to do them)", self.received,
+        self.finished_step, EXIT_PREEMPTED)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    run_lock.release_all()
+    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
 
   def __call__(self, step):
     if self.received:
@@ -147,6 +178,19 @@ class _MultiWorkerPreemption:
     # becomes a SIGTERM for it (all workers agree on a step and save).
     self._interrupts = _Interrupts()
     _watch_signals(self._on_signal, (signal.SIGINT,))
+    controller.on_train_end.append(self._stop_watching_peers)
+
+  def _stop_watching_peers(self, step):
+    """Ends the handler's peer-watcher thread while every task is still up.
+
+    Left to the handler's `__del__`, it was still blocked on the
+    coordination service when the chief exited, and printed
+    "Exception in thread PeerTerminationWatcher ... Socket closed"."""
+    del step
+    stop = getattr(self.handler,
+                   "_stop_cluster_wise_termination_watcher_thread", None)
+    if stop is not None:
+      stop()
 
   def _on_signal(self, signum):  # in the watcher thread
     if signum == signal.SIGINT:
@@ -159,6 +203,28 @@ class _MultiWorkerPreemption:
   def __call__(self, step):
     self._step = step
     self.handler.save_checkpoint_if_preempted(step)
+
+
+def guard_start(program):
+  """Until `install` takes over: SIGTERM -> one line on stderr, model_dir
+  as it was (a folder this run created and left empty is removed), exit
+  status EXIT_TERMINATED.
+
+  Call from the main thread before the run loads its data and builds its
+  model. Works while the main thread waits inside TensorFlow (the signal
+  is read by a thread); `install` later points the wakeup fd elsewhere,
+  which ends this guard.
+  """
+
+  def on_signal(signum):  # in the watcher thread
+    if signum != signal.SIGTERM:
+      return
+    print(f"{program}: terminated (SIGTERM) before training started; "
+          "nothing was saved", file=sys.stderr, flush=True)
+    run_lock.release_all()
+    os._exit(EXIT_TERMINATED)  # pylint: disable=protected-access
+
+  _watch_signals(on_signal, (signal.SIGTERM,))
 
 
 def install(controller):

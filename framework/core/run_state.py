@@ -1,0 +1,70 @@
+"""Whether a run already stopped at its target accuracy.
+
+A run that stops at `stop_at_accuracy` saves its checkpoint, then the chief
+writes `target_reached.json` beside it (atomically):
+
+    {"step": 5, "accuracy": 0.83, "stop_at_accuracy": 0.8, "train_steps": 40,
+     "time_to_target_seconds": 12.3, "metrics": {...the final eval...}}
+
+Relaunched with the same flags, the run restores that checkpoint and
+`finished_at_target` says it is done: nothing trains, no checkpoint is
+written, the time to target is not measured again. Raising `train_steps`
+(or `--epochs`) or the target above the accuracy reached, or dropping the
+target, continues the run, which then removes the record. A record of
+another step (a later checkpoint was restored) is ignored.
+"""
+
+import json
+import os
+
+from absl import logging
+import tensorflow as tf
+
+from framework.core import atomic
+
+TARGET_FILE = "target_reached.json"
+
+
+def record_target(model_dir, *, step, accuracy, stop_at_accuracy,
+                  train_steps, time_to_target, metrics):
+  """Writes the record (the chief, after the checkpoint at `step`)."""
+  record = {"step": int(step), "accuracy": float(accuracy),
+            "stop_at_accuracy": float(stop_at_accuracy),
+            "train_steps": int(train_steps),
+            "time_to_target_seconds": float(time_to_target),
+            "metrics": {k: float(v) for k, v in metrics.items()}}
+  atomic.write_text(os.path.join(model_dir, TARGET_FILE),
+                    json.dumps(record, indent=2, sort_keys=True))
+
+
+def read_target(model_dir):
+  """The record `record_target` wrote, or None (none, or unreadable: then
+  the run trains on, as without a record)."""
+  path = os.path.join(model_dir, TARGET_FILE)
+  try:
+    if not tf.io.gfile.exists(path):
+      return None
+    with tf.io.gfile.GFile(path) as f:
+      record = json.load(f)
+    int(record["step"]), float(record["accuracy"]), int(record["train_steps"])
+    return record
+  except (ValueError, TypeError, KeyError, UnicodeDecodeError,
+          tf.errors.OpError) as e:
+    logging.warning("Ignoring %s (%s)", path, e)
+    return None
+
+
+def forget_target(model_dir):
+  """Removes the record (a run that goes on from it is no longer done)."""
+  path = os.path.join(model_dir, TARGET_FILE)
+  if tf.io.gfile.exists(path):
+    tf.io.gfile.remove(path)
+
+
+def finished_at_target(record, step, train_steps, stop_at_accuracy):
+  """Whether `record` says a run restored at `step` with these settings has
+  nothing left to do."""
+  return (record is not None and stop_at_accuracy is not None
+          and int(record["step"]) == step
+          and train_steps <= int(record["train_steps"])
+          and stop_at_accuracy <= float(record["accuracy"]))
