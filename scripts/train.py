@@ -33,7 +33,8 @@ _FLAGS_BEFORE = set(FLAGS)
 # Every setting of a run: one flag per field of the config dataclasses
 # (framework/app/config.py and the configs it nests; see
 # scripts/config_flags.py). A new setting is a new field, not a flag here.
-config_flags.define_flags()
+for _name in config_flags.define_flags():
+  flags.declare_key_flag(_name)  # --helpshort lists them as train.py's own
 # Not settings of the run's config: they act before it exists.
 flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many "
                      "logical devices (replicas when there is no GPU).")

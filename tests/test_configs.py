@@ -375,9 +375,11 @@ def test_train_py_defines_no_flag_that_a_config_field_holds():
   assert not hand & held, (
       f"declare these as config fields (framework.settings.setting), not as "
       f"flags in scripts/train.py: {sorted(hand & held)}")
-  # Every setting is a flag of train.py.
+  # Every setting is a flag of train.py, and --helpshort lists it.
   generated = {f.name for f in config_flags.walk()}
   assert generated <= set(train.TRAIN_FLAGS)
+  assert generated <= {f.name for f in
+                       flags.FLAGS.get_key_flags_for_module(train)}
   assert len(generated) == len(list(config_flags.walk())), "a name twice"
 
 
