@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework.data import image_folder, integrity, tfrecords
+from framework.data import file_input, image_folder, integrity, tfrecords
 from framework.errors import DataError
 from tests.helpers import ROOT, run_script
 from tests.test_data_fuzz import _write, read_all
@@ -247,9 +247,10 @@ def test_converter_output_dir_a_file_is_one_line_before_converting(
     cifar, tmp_path, where):
   (tmp_path / "f").write_text("x")
   out = tmp_path / "f" if where == "file" else tmp_path / "f" / "out"
-  line = _one_line(_convert(cifar, out), "make_tfrecords.py")
+  proc = _convert(cifar, out)
+  line = _one_line(proc, "make_tfrecords.py")
   assert "output_dir=" in line and "file" in line
-  assert "writing train" not in _convert(cifar, out).stderr
+  assert "writing train" not in proc.stderr  # before converting
   assert (tmp_path / "f").read_text() == "x"
 
 
@@ -291,3 +292,16 @@ def test_verify_checks_every_shard(cifar, tmp_path):
   line = _one_line(run_script("make_tfrecords.py", f"--verify={out}",
                               check=False), "make_tfrecords.py")
   assert str(shard) in line and "sha256" in line
+
+
+def test_the_generation_is_a_digest_of_the_content(tmp_path):
+  a, b = _write(tmp_path / "a"), _write(tmp_path / "b")
+  assert _sidecar(a)["generation"] == _sidecar(b)["generation"]
+  data = framework.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
+                             num_classes=3, seed=6)
+  tfrecords.write_split(b, "train", lambda i: (data.train_x[i],
+                                               data.train_y[i]),
+                        24, num_shards=3, class_names=data.class_names)
+  assert _sidecar(a)["generation"] != _sidecar(b)["generation"]
+  assert (file_input.load_tfrecord(a).generation !=
+          file_input.load_tfrecord(b).generation)

@@ -124,7 +124,11 @@ def publish(staging, output_dir, generation, file_op=None):
   file_op = file_op or (lambda what: None)
   folder = f"gen-{generation}"
   target = os.path.join(output_dir, folder)
-  if resolve(output_dir) == target:
+  try:
+    current = resolve(output_dir)
+  except DataError:  # A damaged pointer: the new one replaces it.
+    current = None
+  if current == target:
     file_op("remove identical staging")
     shutil.rmtree(staging, ignore_errors=True)
     return target
