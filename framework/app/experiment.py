@@ -12,14 +12,13 @@ import os
 import time
 
 from absl import logging
-import keras
 import tensorflow as tf
 
 import models
 from models import registry
-from framework.core import losses, optimizers
 from framework.app import export
 from framework.app import check_run
+from framework.app import factory
 from framework.core import precision, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
@@ -27,7 +26,6 @@ from framework.tasks import segmentation
 from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
-from framework.core.optimizers import make_optimizer
 from framework.core.run_lock import RunLock
 from framework.core.trainer import Trainer
 
@@ -36,68 +34,11 @@ WEIGHTS_FILE = "model.weights.h5"
 RAW_WEIGHTS_FILE = "model.raw.weights.h5"
 
 
-def total_steps(config, num_train_examples):
-  if config.train_steps is not None:
-    return config.train_steps
-  return config.epochs * inputs.steps_per_epoch(num_train_examples,
-                                                config.global_batch_size)
-
-
-def default_trainer_cls(dataset):
-  """SegmentationTrainer for per-pixel labels, else the plain Trainer."""
-  if segmentation.is_segmentation(dataset):
-    return segmentation.SegmentationTrainer
-  return Trainer
-
-
-def build_model_and_optimizer(config, strategy, dataset, build_model=None):
-  """(model, optimizer, LoopConfig with the run's length) under `strategy`.
-
-  `build_model(input_shape, num_classes, **options)` builds the model
-  (default: the builder `config.model` names).
-  """
-  steps = total_steps(config, dataset.num_train_examples)
-  loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
-                             train_steps=steps)
-  if loop.profile_steps and loop.profile_steps[0] > steps:
-    raise ConfigError(
-        f"profile_steps={loop.profile_steps} starts after the run's last "
-        f"step (train_steps={steps}): nothing would be traced; choose steps "
-        f"in 1..{steps}")
-  optimizer_config = config.optimizer
-  if (optimizer_config.schedule in optimizers.DECAYING_SCHEDULES
-      and not optimizer_config.total_steps):
-    optimizer_config = dataclasses.replace(optimizer_config, total_steps=steps)
-  if optimizer_config.lr_scaling != "none":
-    scaled = optimizer_config.scaled(config.global_batch_size)
-    logging.info("lr_scaling=%s: learning_rate %g for batch %d -> %g for "
-                 "batch %d", optimizer_config.lr_scaling,
-                 optimizer_config.learning_rate,
-                 optimizer_config.base_batch_size, scaled.learning_rate,
-                 config.global_batch_size)
-    optimizer_config = scaled
-  keras.utils.set_random_seed(config.seed)
-  # Layers keep the dtype policy they are built with; restore the global one.
-  policy = keras.mixed_precision.global_policy()
-  precision.set_precision(config.mixed_precision)
-  try:
-    with strategy.scope():
-      if build_model is None:
-        model = models.build_model(config.model, dataset.input_shape,
-                                   dataset.num_classes, **config.model_options)
-      else:
-        model = registry.call_builder(build_model, dataset.input_shape,
-                                      dataset.num_classes,
-                                      config.model_options, name=config.model)
-      registry.check_outputs(config.model, model, dataset.num_classes,
-                             config.dataset)
-      # A model registered without its task is known once built.
-      models.check_task(config.model, segmentation.is_segmentation(dataset),
-                        config.dataset, model)
-      optimizer = make_optimizer(optimizer_config)
-  finally:
-    keras.mixed_precision.set_global_policy(policy)
-  return model, optimizer, loop
+# Built in one place for the run and its self-check (`factory`); these names
+# stay importable from here.
+total_steps = factory.total_steps
+default_trainer_cls = factory.default_trainer_cls
+build_model_and_optimizer = factory.build_model_and_optimizer
 
 
 def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
@@ -109,35 +50,10 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   keyword arguments replace the defaults; see `run`.
   """
   per_pixel = segmentation.is_segmentation(dataset)
-  trainer_cls = trainer_cls or default_trainer_cls(dataset)
-  model, optimizer, loop = build_model_and_optimizer(config, strategy,
-                                                     dataset, build_model)
-  # Only non-default options, so Trainer subclasses with their own
-  # constructor keep working when they are not used.
-  extra = {}
-  if config.grad_accum_steps != 1:
-    extra["grad_accum_steps"] = config.grad_accum_steps
-  if config.max_skipped_steps != ExperimentConfig.max_skipped_steps:
-    extra["max_skipped_steps"] = config.max_skipped_steps
-  if config.label_smoothing:
-    extra["loss_fn"] = losses.smoothed_sparse_categorical_loss(
-        config.label_smoothing)
-  if config.ema_decay is not None:
-    extra.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
-  if config.eval_tta != "none":
-    extra["eval_tta"] = config.eval_tta
-  if not config.all_reduce.is_default:
-    extra["all_reduce"] = config.all_reduce
-  loss_scale = None
-  if precision.needs_loss_scale(config.mixed_precision):
-    loss_scale = precision.LossScale(strategy)
-    extra["loss_scale"] = loss_scale
-  trainer_cls = make_trainer or config.model_parallel.trainer_factory(
-      trainer_cls)
-  trainer = trainer_cls(model, optimizer, strategy,
-                        global_batch_size=config.global_batch_size,
-                        clip_norm=config.clip_norm,
-                        nan_policy=config.nan_policy, **extra)
+  trainer, loop = factory.build_trainer(
+      config, strategy, dataset, trainer_cls, build_model=build_model,
+      make_trainer=make_trainer)
+  loss_scale = getattr(trainer, "loss_scale", None)
   augment_fn = augment.get_augmentation(config.augment)
 
   def default_train_input(start_step):
@@ -308,9 +224,9 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
-    check_run.check_experiment(
-        config, strategy, dataset,
-        make_trainer or trainer_cls or default_trainer_cls(dataset))
+    check_run.check_experiment(config, strategy, dataset, trainer_cls,
+                               build_model=build_model,
+                               make_trainer=make_trainer)
   trainer, controller = build(
       config, strategy, dataset, trainer_cls, build_model=build_model,
       train_input=train_input, eval_input=eval_input,

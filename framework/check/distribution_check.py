@@ -193,6 +193,16 @@ def _restore(variables, values):
 def _state_variables(trainer):
   state = list(trainer.model.variables) + list(trainer.optimizer.variables)
   step = getattr(trainer, "global_step", None)
+  # What a step of the run changes besides: the EMA, the float16 loss scale
+  # and the skip counters.
+  ema = getattr(trainer, "ema", None)
+  if ema is not None:
+    state += list(ema.averages) + [ema.num_updates]
+  loss_scale = getattr(trainer, "loss_scale", None)
+  if loss_scale is not None:
+    state += [loss_scale.scale, loss_scale.good_steps]
+  state += [getattr(trainer, name) for name in
+            ("skipped_steps", "consecutive_skips") if hasattr(trainer, name)]
   return state + ([step] if step is not None else [])
 
 
@@ -283,6 +293,23 @@ def _other_batch(batch):
   return tf.nest.map_structure(halve, batch)
 
 
+def _as_one_device(batch, replicas, micro_batches):
+  """`batch` reordered so that one device's K micro-batches hold the examples
+  of the N replicas' K micro-batches: micro-batch k on one device is replica
+  0's k-th, then replica 1's k-th, ... (gradient accumulation with BatchNorm
+  normalises over a micro-batch, so the sets must match; sums do not care
+  about the order)."""
+  if replicas == 1 or micro_batches == 1:
+    return batch
+
+  def reorder(x):
+    x = tf.convert_to_tensor(x)
+    parts = tf.reshape(x, [replicas, micro_batches, -1] + x.shape[1:].as_list())
+    return tf.reshape(tf.transpose(parts, [1, 0] + list(
+        range(2, parts.shape.rank))), tf.shape(x))
+  return tf.nest.map_structure(reorder, batch)
+
+
 def _regularisation_gradients(model):
   """d(sum of model.losses)/d(variable) at the current weights, or None."""
   variables = model.trainable_variables
@@ -371,12 +398,14 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     # The reference also runs on the batch in reverse order: the same math
     # with another float summation order, which measures the rounding noise
     # of this model (BatchNorm's backward pass, for one, amplifies it).
+    micro_batches = getattr(trainer, "grad_accum_steps", 1)
+    one_device = lambda b: _as_one_device(b, replicas, micro_batches)
     reversed_batch = tf.nest.map_structure(lambda x: tf.reverse(x, [0]),
-                                           batch)
+                                           one_device(batch))
     # Random ops draw their mean on both sides while the steps are traced.
     with distribution_randomness.neutralised() as draws:
-      ref_out, noise_out = _run_steps(reference, [batch, reversed_batch],
-                                      draws)
+      ref_out, noise_out = _run_steps(reference, [one_device(batch),
+                                                  reversed_batch], draws)
       dist_out, = _run_steps(trainer, [batch], draws)
       rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
                              atol, reg_grads, clip_norm, probe_optimizer)
@@ -384,7 +413,7 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
         # Unexplained: does the difference depend on the data at all?
         other = _other_batch(batch)
         other_out = (_run_steps(trainer, [other], draws)[0],
-                     _run_steps(reference, [other], draws)[0])
+                     _run_steps(reference, [one_device(other)], draws)[0])
         rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
                                atol, reg_grads, clip_norm, probe_optimizer,
                                other=other_out)

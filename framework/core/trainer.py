@@ -2,22 +2,28 @@
 
 The outer loop (checkpoints, summaries, evaluation schedule, logging) lives in
 `framework.core.controller`. A Trainer subclass changes the math by overriding
-`train_step` (and `eval_step`); the helpers below keep it correct under every
-strategy.
+`compute_loss` (the loss of one batch); `train_step` then does everything else
+for it, under every strategy. One training step, per replica, inside
+`strategy.run` inside a `tf.function`:
 
-One training step, per replica, inside `strategy.run` inside a `tf.function`:
-
-    for each of grad_accum_steps micro-batches (x, y) of this replica's batch:
-      logits  = model(x)                            # forward
-      per_ex  = loss_fn(y, logits)                  # per-example loss
+    for each of grad_accum_steps micro-batches b of this replica's batch:
+      per_ex, metrics = compute_loss(b)             # the override point
       loss    = sum(per_ex) / global_batch_size     # this replica's share of
-                                                    # the global-batch mean
+                + regularisers / (replicas * K)     # the global-batch mean
       grads  += d (loss * loss_scale) / d weights   # local gradients
     grads     = all_reduce_sum(grads) / loss_scale  # = grad of the global mean
     grads     = clip_by_global_norm(grads)          # on the reduced gradient
-    apply(grads)                                    # exactly one update
-    return {"loss": loss, "accuracy": ...}          # shares; the trainer sums
+    apply(grads)     # exactly one update; skipped if not finite (nan_policy=
+                     # skip, float16 overflow); then the EMA of the weights
+    return {"loss": loss, **metrics}                # shares; the trainer sums
                                                     # them over replicas
+
+A step that needs the whole thing (two optimizers, a GAN) overrides
+`train_step` and uses the helpers (`all_reduce`, `clip_by_global_norm`,
+`apply_gradients`, which also does the NaN skip and the EMA); the features
+only the default `train_step` has (gradient accumulation, float16 loss
+scaling) are then a `ConfigError` at construction unless the subclass lists
+them in `train_step_handles`.
 
 `steps_per_loop` such steps run inside one `tf.function` call, so Python is not
 on the per-step path. The loop also ends early, at the next step boundary,
@@ -42,6 +48,9 @@ from framework.errors import ConfigError, check_choice, check_positive
 from framework.core.fused_updates import fused_update
 
 SUM = tf.distribute.ReduceOp.SUM
+# What only the default `train_step` does, by the argument that turns it on.
+STEP_FEATURES = {"grad_accum_steps": "gradient accumulation",
+                 "loss_scale": "float16 loss scaling"}
 
 
 def sparse_categorical_loss(labels, logits):
@@ -52,6 +61,24 @@ def sparse_categorical_loss(labels, logits):
 
 class Trainer:
   """Trains `model` with `optimizer` under `strategy`, explicitly.
+
+  To change the loss, override `compute_loss(batch) -> (loss, metrics)`:
+
+      def compute_loss(self, batch):
+        images, labels = batch
+        logits = self.model(images, training=True)
+        return self.loss_fn(labels, logits), {
+            "accuracy": self.correct(labels, logits)}
+
+  `loss` is per-example ([batch] or [batch, ...], each example's mean is
+  taken), averaged by the trainer over the GLOBAL batch; or a scalar that is
+  already this replica's share (`self.average(...)`). Metrics are per-example
+  values (averaged alike) or scalar shares. The trainer adds the layer
+  regularisers (`model.losses`) and reports the total as `loss`. Options of
+  a subclass are constructor keyword arguments, not class attributes.
+
+  Overriding `train_step` instead takes over the whole step; see the module
+  docstring for what it must then do and what it may not be combined with.
 
   Args:
     model: a built Keras model, created inside `strategy.scope()`.
@@ -141,15 +168,46 @@ class Trainer:
     with tf.device("CPU:0"):
       self.stop_requested = tf.Variable(False, trainable=False,
                                         name="stop_requested")
+    self._check_step_features()
+    # Set by `apply_gradients` while a step is traced (see `_one_step`).
+    self._applied_in_trace = False
+    self._trace_error = None
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
+
+  # Features of STEP_FEATURES that a `train_step` override implements itself.
+  train_step_handles = ()
 
   @property
   def num_replicas(self):
     return self.strategy.num_replicas_in_sync
 
+  def _check_step_features(self):
+    """A `train_step` override would drop accumulation or loss scaling."""
+    cls = type(self)
+    if cls.train_step is Trainer.train_step:
+      return
+    on = {"grad_accum_steps": self.grad_accum_steps > 1,
+          "loss_scale": self.loss_scale is not None}
+    for name, feature in STEP_FEATURES.items():
+      if on[name] and name not in self.train_step_handles:
+        value = (self.grad_accum_steps if name == "grad_accum_steps"
+                 else "float16")
+        raise ConfigError(
+            f"{name}={value}: {cls.__name__} overrides train_step, which "
+            f"does the {feature}; override compute_loss instead (the default "
+            f"train_step then does it) or turn {feature} off")
+
   # --- The math: override these. -------------------------------------------
+
+  def compute_loss(self, batch):
+    """(loss, metrics) of one (micro-)batch on this replica: the override
+    point. See the class docstring; runs under the gradient tape."""
+    features, labels = batch
+    logits = self.model(features, training=True)
+    return self.loss_fn(labels, logits), {
+        "accuracy": self.correct(labels, logits)}
 
   def train_step(self, batch):
     """One step on this replica's part of the global batch.
@@ -172,21 +230,33 @@ class Trainer:
 
   def compute_gradients(self, batch):
     """(d loss_share / d weights, metric shares) for one (micro-)batch."""
-    features, labels = batch
     with tf.GradientTape() as tape:
-      logits = self.model(features, training=True)
-      # Mean over the *global* batch, so that summing replicas gives the mean.
-      loss = self.average(self.loss_fn(labels, logits))
-      # Layer regularisers are per model, not per example: split them evenly
-      # over replicas and micro-batches.
-      if self.model.losses:
-        loss += tf.nn.scale_regularization_loss(
-            tf.add_n(self.model.losses)) / self.grad_accum_steps
+      loss, metrics = self.loss_share(batch)
       # float16: scale up so that small gradients do not underflow.
       scaled_loss = self.scale_loss(loss)
     grads = tape.gradient(scaled_loss, self.model.trainable_variables)
-    return grads, {"loss": loss,
-                   "accuracy": self.average(self.correct(labels, logits))}
+    return grads, {"loss": loss, **metrics}
+
+  def loss_share(self, batch):
+    """(this replica's share of the loss, metric shares) of one (micro-)
+    batch: `compute_loss` averaged over the global batch, plus the layer
+    regularisers split over replicas and micro-batches."""
+    loss, metrics = self.compute_loss(batch)
+    loss = self._share(loss)
+    # Layer regularisers are per model, not per example: split them evenly
+    # over replicas and micro-batches.
+    if self.model.losses:
+      loss += tf.nn.scale_regularization_loss(
+          tf.add_n(self.model.losses)) / self.grad_accum_steps
+    return loss, {name: self._share(value)
+                  for name, value in (metrics or {}).items()}
+
+  def _share(self, value):
+    """A scalar as it is (a share already); per-example values averaged."""
+    value = tf.convert_to_tensor(value)
+    if value.shape.rank == 0:
+      return tf.cast(value, tf.float32)
+    return self.average(value)
 
   def eval_step(self, batch, mask=None):
     """Sums over this replica's part of an evaluation batch.
@@ -328,6 +398,7 @@ class Trainer:
     and advances `optimizer.iterations` once.
     """
     variables = list(variables or self.model.trainable_variables)
+    self._applied_in_trace = True
     if len(grads) != len(variables):
       raise ValueError(f"apply_gradients got {len(grads)} gradients for "
                        f"{len(variables)} variables")
@@ -453,8 +524,18 @@ class Trainer:
             for k, v in per_replica.items()}
 
   def _one_step(self, iterator):
-    metrics = self._reduce(self.strategy.run(self.train_step,
-                                             args=(next(iterator),)))
+    self._applied_in_trace = False
+    per_replica = self.strategy.run(self.train_step, args=(next(iterator),))
+    if not self._applied_in_trace and (self.ema is not None
+                                       or self.nan_policy == "skip"):
+      # Raised by `train` once traced (autograph would re-wrap it here).
+      feature = ("ema_decay (the EMA of the weights)" if self.ema is not None
+                 else "nan_policy=skip")
+      self._trace_error = (
+          f"{feature}: {type(self).__name__}.train_step never calls "
+          "self.apply_gradients, which does it; call it for the update or "
+          "override compute_loss instead")
+    metrics = self._reduce(per_replica)
     self.global_step.assign_add(1)
     return metrics
 
@@ -483,7 +564,13 @@ class Trainer:
     `max_skipped_steps` steps in a row were skipped: `global_step` tells how
     many ran.
     """
-    return self._train_loop(iterator, tf.constant(num_steps, tf.int32))
+    num_steps = tf.constant(num_steps, tf.int32)
+    # Traced before it runs, so that a step that would drop a feature
+    # fails before it trains (the call reuses this trace).
+    self._train_loop.get_concrete_function(iterator, num_steps)
+    if self._trace_error:
+      raise ConfigError(self._trace_error)
+    return self._train_loop(iterator, num_steps)
 
   def _eval_totals(self, batch):
     totals = self._reduce(self.strategy.run(self.run_eval_step,

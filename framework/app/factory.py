@@ -1,0 +1,143 @@
+"""One place that builds a run's model, optimizer and trainer from its config.
+
+The run (`experiment.build`) and its self-check (`check_run`, i.e.
+`--check_distribution`) both build through `build_trainer`, so the check
+checks the trainer that trains: the same schedule length, label smoothing,
+gradient accumulation, float16 loss scale, EMA and NaN policy.
+"""
+
+import dataclasses
+
+from absl import logging
+import keras
+
+import models
+from models import registry
+from framework.core import losses, optimizers, precision
+from framework.core.controller import LoopConfig
+from framework.core.trainer import Trainer
+from framework.data import inputs
+from framework.errors import ConfigError
+from framework.tasks import segmentation
+
+# Trainer defaults that are only passed when a config changes them, so that
+# Trainer subclasses with their own constructor keep working.
+_MAX_SKIPPED_STEPS = 10
+
+
+def total_steps(config, num_train_examples):
+  """The run's length in steps (`train_steps`, or `epochs` in steps)."""
+  if config.train_steps is not None:
+    return config.train_steps
+  return config.epochs * inputs.steps_per_epoch(num_train_examples,
+                                                config.global_batch_size)
+
+
+def default_trainer_cls(dataset):
+  """SegmentationTrainer for per-pixel labels, else the plain Trainer."""
+  if segmentation.is_segmentation(dataset):
+    return segmentation.SegmentationTrainer
+  return Trainer
+
+
+def optimizer_config(config, steps):
+  """`config.optimizer` for a run of `steps` steps: a decaying schedule
+  (cosine, linear, onecycle) without `total_steps` gets the run's length,
+  and `lr_scaling` is applied to the learning rate."""
+  result = config.optimizer
+  if (result.schedule in optimizers.DECAYING_SCHEDULES
+      and not result.total_steps):
+    result = dataclasses.replace(result, total_steps=steps)
+  if result.lr_scaling != "none":
+    scaled = result.scaled(config.global_batch_size)
+    logging.info("lr_scaling=%s: learning_rate %g for batch %d -> %g for "
+                 "batch %d", result.lr_scaling, result.learning_rate,
+                 result.base_batch_size, scaled.learning_rate,
+                 config.global_batch_size)
+    result = scaled
+  return result
+
+
+def build_model_and_optimizer(config, strategy, dataset, build_model=None):
+  """(model, optimizer, LoopConfig with the run's length) under `strategy`.
+
+  `build_model(input_shape, num_classes, **options)` builds the model
+  (default: the builder `config.model` names).
+  """
+  steps = total_steps(config, dataset.num_train_examples)
+  loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
+                             train_steps=steps)
+  if loop.profile_steps and loop.profile_steps[0] > steps:
+    raise ConfigError(
+        f"profile_steps={loop.profile_steps} starts after the run's last "
+        f"step (train_steps={steps}): nothing would be traced; choose steps "
+        f"in 1..{steps}")
+  optimizer_cfg = optimizer_config(config, steps)
+  keras.utils.set_random_seed(config.seed)
+  # Layers keep the dtype policy they are built with; restore the global one.
+  policy = keras.mixed_precision.global_policy()
+  precision.set_precision(config.mixed_precision)
+  try:
+    with strategy.scope():
+      if build_model is None:
+        model = models.build_model(config.model, dataset.input_shape,
+                                   dataset.num_classes, **config.model_options)
+      else:
+        model = registry.call_builder(build_model, dataset.input_shape,
+                                      dataset.num_classes,
+                                      config.model_options, name=config.model)
+      registry.check_outputs(config.model, model, dataset.num_classes,
+                             config.dataset)
+      # A model registered without its task is known once built.
+      models.check_task(config.model, segmentation.is_segmentation(dataset),
+                        config.dataset, model)
+      optimizer = optimizers.make_optimizer(optimizer_cfg)
+  finally:
+    keras.mixed_precision.set_global_policy(policy)
+  return model, optimizer, loop
+
+
+def trainer_options(config, strategy):
+  """The Trainer keyword arguments of a run of `config` under `strategy`
+  (a float16 run gets a new `LossScale` for that strategy)."""
+  options = dict(global_batch_size=config.global_batch_size,
+                 clip_norm=config.clip_norm, nan_policy=config.nan_policy)
+  if config.grad_accum_steps != 1:
+    options["grad_accum_steps"] = config.grad_accum_steps
+  if config.max_skipped_steps != _MAX_SKIPPED_STEPS:
+    options["max_skipped_steps"] = config.max_skipped_steps
+  if config.label_smoothing:
+    options["loss_fn"] = losses.smoothed_sparse_categorical_loss(
+        config.label_smoothing)
+  if config.ema_decay is not None:
+    options.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
+  if config.eval_tta != "none":
+    options["eval_tta"] = config.eval_tta
+  if not config.all_reduce.is_default:
+    options["all_reduce"] = config.all_reduce
+  if precision.needs_loss_scale(config.mixed_precision):
+    options["loss_scale"] = precision.LossScale(strategy)
+  return options
+
+
+def build_trainer(config, strategy, dataset, trainer_cls=None, *,
+                  build_model=None, make_trainer=None, model_parallel=True):
+  """(trainer, LoopConfig) of a run of `config` under `strategy`.
+
+  Args:
+    trainer_cls: default: the dataset's task decides (`default_trainer_cls`).
+    build_model: as for `experiment.run` (default: `config.model`).
+    make_trainer: `(model, optimizer, strategy, **trainer_options) ->
+      trainer`, replacing `trainer_cls` and the model split.
+    model_parallel: bind `trainer_cls` to `config.model_parallel`'s split
+      (False: the unsplit trainer, the self-check's reference).
+  """
+  trainer_cls = trainer_cls or default_trainer_cls(dataset)
+  model, optimizer, loop = build_model_and_optimizer(config, strategy,
+                                                     dataset, build_model)
+  if make_trainer is None:
+    make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
+                    if model_parallel else trainer_cls)
+  trainer = make_trainer(model, optimizer, strategy,
+                         **trainer_options(config, strategy))
+  return trainer, loop

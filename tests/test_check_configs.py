@@ -1,0 +1,92 @@
+"""`--check_distribution` passes on every scripts/configs/*.cfg, tiny size.
+
+Each flag file is parsed as `scripts/train.py` parses it, shrunk (steps,
+batch, image and model sizes; CIFAR-10 from a small file this test writes)
+and checked the way `--check_distribution` checks a run: the trainer the run
+would train with (schedule length, label smoothing, EMA, precision, ...)
+under MirroredStrategy on the 2 logical CPU devices against one device.
+"""
+
+import dataclasses
+import glob
+import os
+
+from absl import flags
+from absl.testing import flagsaver
+import pytest
+import tensorflow as tf
+
+import framework
+from framework.app import check_run, factory
+from framework.check import distribution_check
+from framework.core import precision
+from framework.data import datasets
+from scripts import train
+from tests import shared_strategy
+from tests.helpers import ROOT
+
+CONFIGS = os.path.join(ROOT, "scripts", "configs")
+TINY = ["--global_batch_size=8", "--epochs=0", "--train_steps=4",
+        "--strategy=mirrored"]
+# What else each flag file needs to be tiny (a warm-up longer than 4 steps
+# would not be a schedule).
+SHRINK = {
+    "cifar10_recipe.cfg": ["--warmup_steps=1"],
+    "mlp.cfg": ["--hidden_units=16"],
+    "unet_shapes.cfg": ["--image_size=32", "--unet_depth=2",
+                        "--unet_width=8"],
+}
+
+
+def test_every_flag_file_is_covered():
+  names = sorted(os.path.basename(p) for p in
+                 glob.glob(os.path.join(CONFIGS, "*.cfg")))
+  assert names == ["cifar10_fast.cfg", "cifar10_recipe.cfg",
+                   "cifar10_reference.cfg", "mlp.cfg", "unet_shapes.cfg"]
+
+
+@pytest.fixture(scope="module")
+def cifar_dir(tmp_path_factory):
+  small = framework.synthetic(num_train=32, num_test=8, seed=1)
+  data_dir = str(tmp_path_factory.mktemp("cifar10"))
+  framework.write_cifar10(data_dir, small.train_x, small.train_y,
+                          small.test_x, small.test_y)
+  return data_dir
+
+
+def _config(name, *extra):
+  with flagsaver.flagsaver():
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["train.py", f"--flagfile={os.path.join(CONFIGS, name)}",
+                 *extra])
+    config = train.config_from_flags()
+  # As `experiment.run` does before the check.
+  return dataclasses.replace(config, mixed_precision=precision.resolve_precision(
+      config.mixed_precision))
+
+
+@pytest.mark.parametrize("name", sorted(
+    os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.cfg"))))
+def test_check_distribution_passes(name, cifar_dir, tmp_path, monkeypatch):
+  config = _config(name, *TINY, *SHRINK.get(name, []),
+                   f"--data_dir={cifar_dir}", f"--model_dir={tmp_path}")
+  dataset = datasets.load_dataset(config.dataset, config.data_dir,
+                                  seed=config.seed, **config.dataset_options)
+  built, original = [], factory.build_trainer
+
+  def build_trainer(*args, **kwargs):
+    built.append(original(*args, **kwargs)[0])
+    return built[-1], None
+
+  monkeypatch.setattr(check_run.factory, "build_trainer", build_trainer)
+  report = check_run.check_experiment(config, shared_strategy.mirrored(),
+                                      dataset, print_fn=None)
+  assert report.verdict != distribution_check.FAIL, report.table()
+  # Both sides are the run's trainer: its EMA and loss, on 2 replicas vs 1.
+  assert [t.num_replicas for t in built] == [2, 1]
+  for trainer in built:
+    assert (trainer.ema is not None) == (config.ema_decay is not None)
+    assert trainer.loss_fn(tf.constant([0]), tf.constant([[0.0, 1.0]])
+                           ).numpy() == pytest.approx(
+                               built[0].loss_fn(tf.constant([0]), tf.constant(
+                                   [[0.0, 1.0]])).numpy())
