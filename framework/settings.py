@@ -89,3 +89,41 @@ def check_settings(config):
     elif (isinstance(value, bool) or not isinstance(value, numbers.Integral)
           or value < 0):
       raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+
+
+def _default(field):
+  if field.default is not dataclasses.MISSING:
+    return field.default
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return dataclasses.MISSING
+
+
+def hparams(config):
+  """{flag name: value} of `config`'s settings that are key or not at their
+  default, nested configs and option dicts included: what TensorBoard's
+  HParams dashboard shows of a run (a sweep's columns are what changed).
+
+  An option dict's entries without a flag (e.g. `--model_options` of a
+  model of one's own) are named `<dict>.<key>`.
+  """
+  found = {}
+  for field in dataclasses.fields(config):
+    meta, value = info(field), getattr(config, field.name)
+    if meta is None:
+      if dataclasses.is_dataclass(value):
+        found.update(hparams(value))
+      continue
+    if meta["options"] is not None:
+      fields = {f.name: f for f in dataclasses.fields(meta["options"])}
+      for key, item in (value or {}).items():
+        option = fields.get(key)
+        if option is None:
+          found[f"{flag_name(field) or field.name}.{key}"] = item
+        elif info(option)["key"] or item != _default(option):
+          found[flag_name(option)] = item
+      continue
+    name = flag_name(field)
+    if name is not None and (meta["key"] or value != _default(field)):
+      found[name] = value
+  return found

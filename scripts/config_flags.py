@@ -174,20 +174,15 @@ def config_from_flags(flag_values=flags.FLAGS, hparam_flags=()):
       import models  # pylint: disable=g-import-not-at-top
       values[flag.path] = dict(values[flag.path], **models.registry.
                                parse_options(values[("model",)], text))
-  values[("hparams",)] = hparams(
-      flag_values, [f.name for f in all_flags] + list(hparam_flags))
-  return _build(ExperimentConfig, (), values)
+  config = _build(ExperimentConfig, (), values)
+  # The program's own flags (e.g. --cpu_devices) where they were changed.
+  own = {name: flag_values[name].value for name in hparam_flags
+         if name not in {f.name for f in all_flags}
+         and flag_values[name].value != flag_values[name].default}
+  return dataclasses.replace(config,
+                             hparams=dict(settings.hparams(config), **own))
 
 
 def key_flags():
   """The flags TensorBoard's HParams dashboard always shows."""
   return [f.name for f in walk() if f.meta["key"]]
-
-
-def hparams(flag_values, names):
-  """{flag: value} of the `names` that are key settings or not at their
-  default: what the HParams dashboard shows for this run."""
-  key = set(key_flags())
-  return {name: flag_values[name].value for name in names
-          if name in key
-          or flag_values[name].value != flag_values[name].default}

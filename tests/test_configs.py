@@ -23,6 +23,7 @@ from framework import settings
 from framework.app import config as app_config
 from framework.app import experiment
 from framework.core.controller import LoopConfig
+from framework.core.optimizers import OptimizerConfig
 from framework.errors import ConfigError
 from framework.app.experiment import ExperimentConfig
 from scripts import cli, config_flags, train
@@ -409,8 +410,24 @@ def test_hparams_are_the_key_settings_and_those_not_at_their_default():
   # --seed=0 is the default: not shown.
   assert set(config.hparams) == key | {"keep_checkpoints", "hidden_units",
                                        "cpu_devices"}
-  assert config.hparams["hidden_units"] == ["8"]
+  assert config.hparams["hidden_units"] == (8,)
   assert config.hparams["epochs"] is None
+  assert config.hparams["cpu_devices"] == 2
+
+
+def test_hparams_of_a_config_built_in_python():
+  # What experiment.run shows for a config without hparams (no flags).
+  config = ExperimentConfig(
+      model="mlp", train_steps=3, model_options={"hidden_units": (8,),
+                                                 "dropout": True, "blocks": 2},
+      optimizer=OptimizerConfig(learning_rate=0.1, name="sgd"),
+      loop=LoopConfig(train_steps=3, eval_every=2))
+  assert settings.hparams(config) == {
+      "model": "mlp", "dataset": "cifar10", "strategy": "default",
+      "global_batch_size": 128, "train_steps": 3, "epochs": None,
+      "optimizer": "sgd", "learning_rate": 0.1, "lr_schedule": "constant",
+      "mixed_precision": "float32", "hidden_units": (8,), "eval_every": 2,
+      "model_options.blocks": 2}
 
 
 USER_MODEL = '''

@@ -27,6 +27,7 @@ from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
 from framework.core.run_lock import RunLock
+from framework import settings
 from framework.core.trainer import Trainer
 
 WEIGHTS_FILE = "model.weights.h5"
@@ -78,7 +79,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   if getattr(trainer, "ema", None) is not None:
     checkpoint_items.update(trainer.ema.checkpoint_items())
   kwargs = dict(train_input=train_input, eval_input=eval_input,
-                hparams=config.hparams,
+                hparams=config.hparams or settings.hparams(config),
                 checkpoint_items=checkpoint_items or None)
   if per_pixel:
     controller = segmentation.SegmentationController(
