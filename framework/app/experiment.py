@@ -54,6 +54,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   trainer, loop = factory.build_trainer(
       config, strategy, dataset, trainer_cls, build_model=build_model,
       make_trainer=make_trainer)
+  model = trainer.model  # before a parameter-server coordinator wraps it
   loss_scale = getattr(trainer, "loss_scale", None)
   augment_fn = augment.get_augmentation(config.augment)
 
