@@ -1,7 +1,7 @@
 """Classifies one image on the CPU with the weights of any training run.
 
-    python scripts/predict.py --model_dir=runs/cifar --index=111 \
-        --data_dir=.../cifar-10-batches-py
+    python scripts/predict.py --model_dir=runs/cifar --index=111
+        # the run's own test split (any dataset); --data_dir if it moved
     python scripts/predict.py --model_dir=runs/cifar --image=cat.png \
         --output_json=cat.json
 
@@ -35,11 +35,15 @@ flags.DEFINE_string("model", None, "Model name or package.module:function; "
 flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
                   "that model_info.json names (runs that module's code; off "
                   "by default, as Keras's safe_mode).")
-flags.DEFINE_integer("index", None, "Index into the CIFAR-10 test set.")
+flags.DEFINE_integer("index", None, "Index into the run's own test split "
+                     "(its dataset from model_info.json: cifar10, "
+                     "synthetic, tfrecord, image_folder, tfds:NAME); prints "
+                     "the true label too.")
 flags.DEFINE_string("image", None, "A PNG or JPEG file, resized to the "
                     "model's input.")
-flags.DEFINE_string("data_dir", None, "CIFAR-10 python directory for "
-                    "--index (default: the run's, else Keras's cache).")
+flags.DEFINE_string("data_dir", None, "The dataset's directory for --index "
+                    "(default: the run's; CIFAR-10 without one: Keras's "
+                    "cache).")
 flags.DEFINE_string("output_json", None, "Also write the result here.")
 flags.DEFINE_string("save_image", None, "Write the classified image (as "
                     "fed to the model) to this PNG.")
@@ -52,8 +56,9 @@ def run():
   from framework.app import export, prediction
   prediction.use_cpu_only()
   if (FLAGS.index is None) == (FLAGS.image is None):
-    raise errors.ConfigError("set exactly one of --index (CIFAR-10 test "
-                             "image) and --image (a PNG/JPEG file)")
+    raise errors.ConfigError("set exactly one of --index (an image of the "
+                             "run's test split) and --image (a PNG/JPEG "
+                             "file)")
   _check_outputs(errors)
   info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
                                            FLAGS.model)
@@ -64,15 +69,12 @@ def run():
     image = prediction.load_image(FLAGS.image, info["input_shape"])
     source = FLAGS.image
   else:
-    data_dir = FLAGS.data_dir
-    if data_dir is None and info.get("dataset") == "cifar10":
-      data_dir = info.get("data_dir")
-    image, true_label = prediction.cifar10_test_image(FLAGS.index, data_dir)
-    source = f"CIFAR-10 test #{FLAGS.index}"
+    image, true_label, source = prediction.test_example(
+        info, FLAGS.index, FLAGS.data_dir)
     if tuple(image.shape) != tuple(info["input_shape"]):
       raise errors.ConfigError(
           f"model={info['model']} takes {tuple(info['input_shape'])} inputs; "
-          f"CIFAR-10 images are {image.shape}: use --image")
+          f"{source} is {image.shape}: use --image")
   model = prediction.load_model(info, weights,
                                 trust_model_code=FLAGS.trust_model_code)
   probabilities = prediction.predict(model, image)

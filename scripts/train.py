@@ -120,7 +120,8 @@ def _run_config(config, trainer_cls):
       def prepare_ps(controller):
         # The coordinator copes with missing workers, but a missing ps
         # blocks the first loop: the cluster is up once a loop ran.
-        controller.on_loop_end.append(lambda step: watchdog.started())
+        controller.train_actions.append(
+            lambda step, outputs: watchdog.started())
         # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
         preemption.install(controller)
 

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import framework
+import framework.core.trainer  # noqa: F401  (the attribute chain below)
 import models
 
 STRATEGY = tf.distribute.get_strategy()  # one replica, as model parallelism
@@ -36,7 +37,7 @@ def unsplit_gradients(model, x, y, global_batch_size, num_microbatches=1):
   for xs, ys in zip(tf.split(x, num_microbatches),
                     tf.split(y, num_microbatches)):
     with tf.GradientTape() as tape:
-      per_example = framework.sparse_categorical_loss(
+      per_example = framework.core.trainer.sparse_categorical_loss(
           ys, model(xs, training=True))
       if per_example.shape.rank > 1:  # per pixel: each example's mean
         per_example = tf.reduce_mean(

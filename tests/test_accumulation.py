@@ -5,6 +5,9 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 from tests import shared_strategy
 
@@ -15,12 +18,12 @@ def _train(strategy, data, grad_accum_steps, steps=3, global_batch_size=32):
   with strategy.scope():
     model = models.build_model("mlp", data.input_shape, 10,
                                hidden_units=(16,))
-    optimizer = framework.make_optimizer(
+    optimizer = framework.core.optimizers.make_optimizer(
         framework.OptimizerConfig(name="momentum", learning_rate=0.1))
   trainer = framework.Trainer(model, optimizer, strategy,
                               global_batch_size=global_batch_size,
                               grad_accum_steps=grad_accum_steps)
-  iterator = iter(framework.distribute_train(strategy, data,
+  iterator = iter(framework.data.inputs.distribute_train(strategy, data,
                                              global_batch_size))
   metrics = trainer.train(iterator, steps)
   return ([w.numpy() for w in model.trainable_variables],
@@ -30,7 +33,7 @@ def _train(strategy, data, grad_accum_steps, steps=3, global_batch_size=32):
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=128, num_test=8, image_shape=(4, 4, 3))
+  return framework.data.datasets.synthetic(num_train=128, num_test=8, image_shape=(4, 4, 3))
 
 
 def test_accumulation_equals_the_whole_batch(data):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.distribute import launcher, tf_config
 from framework.errors import ConfigError
 from tests.helpers import (ROOT, assert_one_line_error, free_port, run_script,
@@ -52,11 +53,11 @@ def test_hidden_units_not_positive(model_dir, units):
 @pytest.mark.parametrize("split,label", [("train", 10), ("test", -1)])
 def test_labels_out_of_range_fail_before_writing(model_dir, tmp_path, split,
                                                  label):
-  data = framework.synthetic(num_train=64, num_test=16, seed=1)
+  data = framework.data.datasets.synthetic(num_train=64, num_test=16, seed=1)
   train_y, test_y = data.train_y.copy(), data.test_y.copy()
   (train_y if split == "train" else test_y)[5] = label
   data_dir = str(tmp_path / "cifar-10-batches-py")
-  framework.write_cifar10(data_dir, data.train_x, train_y, data.test_x,
+  framework.data.datasets.write_cifar10(data_dir, data.train_x, train_y, data.test_x,
                           test_y)
   line = train_fails(model_dir, *TINY, "--dataset=cifar10",
                      f"--data_dir={data_dir}",

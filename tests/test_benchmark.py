@@ -171,13 +171,14 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from absl import flags
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import augment
 from scripts.benchmarks import common
 flags.FLAGS(["x", "--recipe=fast", "--global_batch_size=512"])
 recipe = common._fast_recipe()
 assert recipe["optimizer"] == "momentum" and "nesterov" in recipe, recipe
 strategy = framework.make_strategy("default")
-setup = common.Setup(strategy, framework.synthetic(num_train=64, num_test=8))
+setup = common.Setup(strategy, framework.data.datasets.synthetic(num_train=64, num_test=8))
 trainer = common.make_trainer(setup, strategy, 512)
 assert setup.optimizer.nesterov
 assert float(setup.optimizer.momentum) == float(recipe["momentum"])

@@ -16,6 +16,7 @@ from tensorflow.python.distribute import cross_device_ops  # pylint: disable=g-d
 from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-direct-tensorflow-import
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 import models
 from framework.core.communication import AllReduceConfig
 from framework.errors import ConfigError
@@ -40,7 +41,7 @@ def make_trainer(strategy, all_reduce=None):
   with strategy.scope():
     net = models.build_model("mlp", (4, 4, 3), 10, hidden_units=(16, 16),
                              dropout=False)
-    opt = framework.make_optimizer(
+    opt = framework.core.optimizers.make_optimizer(
         framework.OptimizerConfig(name="momentum", learning_rate=0.05))
   return framework.Trainer(net, opt, strategy, global_batch_size=GLOBAL_BATCH,
                            all_reduce=all_reduce)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import datasets
 
 
@@ -15,13 +16,13 @@ def tiny_cifar(path, num_train=50, num_test=20):
   test_x = rng.integers(0, 256, (num_test, 32, 32, 3), dtype=np.uint8)
   train_y = rng.integers(0, 10, num_train)
   test_y = rng.integers(0, 10, num_test)
-  framework.write_cifar10(str(path), train_x, train_y, test_x, test_y)
+  framework.data.datasets.write_cifar10(str(path), train_x, train_y, test_x, test_y)
   return train_x, train_y, test_x, test_y
 
 
 def test_reads_the_official_layout(tmp_path):
   train_x, train_y, test_x, test_y = tiny_cifar(tmp_path)
-  data = framework.load_cifar10(str(tmp_path))
+  data = framework.data.datasets.load_cifar10(str(tmp_path))
   np.testing.assert_array_equal(data.train_x, train_x)
   np.testing.assert_array_equal(data.train_y, train_y)
   np.testing.assert_array_equal(data.test_x, test_x)
@@ -34,7 +35,7 @@ def test_channel_order_is_the_official_one(tmp_path):
   # Rows are 1024 red, 1024 green, 1024 blue values.
   tiny_cifar(tmp_path)
   raw = datasets._unpickle(os.path.join(tmp_path, "test_batch"))  # pylint: disable=protected-access
-  data = framework.load_cifar10(str(tmp_path))
+  data = framework.data.datasets.load_cifar10(str(tmp_path))
   assert data.test_x[0, 0, 1, 0] == raw["data"][0][1]
   assert data.test_x[0, 0, 0, 2] == raw["data"][0][2048]
 
@@ -43,23 +44,23 @@ def test_missing_files_are_named(tmp_path):
   tiny_cifar(tmp_path)
   os.remove(tmp_path / "data_batch_3")
   with pytest.raises(framework.DataError, match="missing data_batch_3"):
-    framework.load_cifar10(str(tmp_path))
+    framework.data.datasets.load_cifar10(str(tmp_path))
   with pytest.raises(framework.DataError, match="nowhere"):
-    framework.load_cifar10(str(tmp_path / "nowhere"))
+    framework.data.datasets.load_cifar10(str(tmp_path / "nowhere"))
 
 
 def test_malformed_file_is_named(tmp_path):
   tiny_cifar(tmp_path)
   (tmp_path / "data_batch_2").write_bytes(b"not a pickle")
   with pytest.raises(framework.DataError, match="data_batch_2"):
-    framework.load_cifar10(str(tmp_path))
+    framework.data.datasets.load_cifar10(str(tmp_path))
 
 
 def test_synthetic_is_learnable_and_seeded():
-  a = framework.synthetic(num_train=64, num_test=16, seed=3)
-  b = framework.synthetic(num_train=64, num_test=16, seed=3)
+  a = framework.data.datasets.synthetic(num_train=64, num_test=16, seed=3)
+  b = framework.data.datasets.synthetic(num_train=64, num_test=16, seed=3)
   np.testing.assert_array_equal(a.train_x, b.train_x)
-  assert not np.array_equal(a.train_x, framework.synthetic(
+  assert not np.array_equal(a.train_x, framework.data.datasets.synthetic(
       num_train=64, num_test=16, seed=4).train_x)
   # Nearest class mean (from the train split) classifies the test split.
   flat = lambda x: x.reshape(len(x), -1).astype(np.float32)
@@ -72,4 +73,4 @@ def test_synthetic_is_learnable_and_seeded():
 
 def test_unknown_dataset():
   with pytest.raises(framework.ConfigError, match="dataset='mnist'"):
-    framework.load_dataset("mnist")
+    framework.data.datasets.load_dataset("mnist")

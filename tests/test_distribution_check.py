@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.check.distribution_check  # noqa: F401  (the attribute chain below)
 import framework.app.experiment  # noqa: F401  (the attribute chain below)
 from framework.check import distribution_check
 from framework.model_parallel import ModelParallelConfig
@@ -54,7 +55,7 @@ def mirrored():
 
 
 def check(trainer_cls, strategy, batch, build=build_mlp, **kwargs):
-  return framework.check_trainer_class(
+  return framework.check.distribution_check.check_trainer_class(
       trainer_cls, build, lambda: keras.optimizers.Adam(1e-3), strategy,
       batch, global_batch_size=GLOBAL_BATCH, **kwargs)
 
@@ -250,7 +251,7 @@ def test_a_split_trainer_under_the_default_strategy_passes(batch):
                             global_batch_size=GLOBAL_BATCH)
     return factory
 
-  report = framework.check_distribution(make(None), make("/cpu:0"), batch)
+  report = framework.check.distribution_check.check_distribution(make(None), make("/cpu:0"), batch)
   assert report.verdict == "pass", report.table()
 
 
@@ -286,7 +287,7 @@ def test_a_trainer_instance_is_restored_exactly(batch, mirrored):
       return NoAllReduce(build_bn_dropout(), keras.optimizers.Adam(1e-3), one,
                          global_batch_size=GLOBAL_BATCH)
 
-  report = framework.check_distribution(trainer, reference, batch)
+  report = framework.check.distribution_check.check_distribution(trainer, reference, batch)
   assert "not_all_reduced" in report.cause_codes, report.table()
   assert trainer.optimizer is optimizer
   assert model.layers[3].rate == 0.5 and not model.layers[1].synchronized
@@ -545,6 +546,6 @@ def test_model_parallel_splits_pass(batch, split):
   else:
     reference = factory(framework.make_strategy("one_device"), Trainer)
   keras.utils.set_random_seed(0)
-  report = framework.check_distribution(
+  report = framework.check.distribution_check.check_distribution(
       factory(tf.distribute.get_strategy(), split_cls), reference, batch)
   assert report.verdict == "pass", report.table()

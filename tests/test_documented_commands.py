@@ -284,10 +284,10 @@ def _run(cwd, script, args, to_root):
 @pytest.mark.slow
 def test_readme_flow_from_other_folders(tmp_path):
   sys.path.insert(0, ROOT)
-  import framework  # pylint: disable=g-import-not-at-top
+  from framework.data import datasets  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   data = tmp_path / "data" / "cifar10"
-  framework.write_cifar10(
+  datasets.write_cifar10(
       str(data), rng.integers(0, 256, (64, 32, 32, 3)), rng.integers(0, 10, 64),
       rng.integers(0, 256, (128, 32, 32, 3)), rng.integers(0, 10, 128))
   work, third = tmp_path / "work", tmp_path / "third"

@@ -6,6 +6,10 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
+import framework.core.trainer  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 from tests.shared_strategy import mirrored
 
@@ -14,7 +18,7 @@ GLOBAL_BATCH = 32
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
+  return framework.data.datasets.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
                              seed=1)
 
 
@@ -23,7 +27,7 @@ def make_trainer(strategy, **kwargs):
   with strategy.scope():
     net = models.build_model("mlp", (4, 4, 3), 10, hidden_units=(16,),
                              dropout=False)
-    opt = framework.make_optimizer(framework.OptimizerConfig(
+    opt = framework.core.optimizers.make_optimizer(framework.OptimizerConfig(
         name="momentum", learning_rate=0.05))
   return framework.Trainer(net, opt, strategy, global_batch_size=GLOBAL_BATCH,
                            **kwargs)
@@ -39,7 +43,7 @@ def copies(variable):
 
 
 def iterator_for(trainer, data):
-  return iter(framework.distribute_train(trainer.strategy, data, GLOBAL_BATCH,
+  return iter(framework.data.inputs.distribute_train(trainer.strategy, data, GLOBAL_BATCH,
                                          seed=3))
 
 
@@ -85,7 +89,7 @@ def test_evaluation_uses_the_average_and_restores_the_weights(data):
   trainer = make_trainer(strategy, ema_decay=0.5)
   trainer.train(iterator_for(trainer, data), 3)
   raw = weights(trainer)
-  results = trainer.evaluate(framework.distribute_eval(
+  results = trainer.evaluate(framework.data.inputs.distribute_eval(
       strategy, data.test_x, data.test_y, GLOBAL_BATCH))
   assert [np.array_equal(a, b) for a, b in zip(raw, weights(trainer))] == [
       True] * len(raw)
@@ -95,7 +99,7 @@ def test_evaluation_uses_the_average_and_restores_the_weights(data):
       var.assign(value)
     logits = trainer.model(framework.data.inputs.to_float(data.test_x),
                            training=False)
-    return float(tf.reduce_mean(framework.sparse_categorical_loss(
+    return float(tf.reduce_mean(framework.core.trainer.sparse_categorical_loss(
         data.test_y, logits)))
 
   averaged = [copies(a)[0] for a in trainer.ema.averages]
@@ -146,9 +150,9 @@ def test_resumed_run_continues_the_same_average(tmp_path):
 def test_evaluate_py_reports_what_training_reported(tmp_path):
   # pylint: disable=g-import-not-at-top
   from framework.app import evaluation, experiment
-  small = framework.synthetic(num_train=64, num_test=21, seed=2)
+  small = framework.data.datasets.synthetic(num_train=64, num_test=21, seed=2)
   data_dir = str(tmp_path / "cifar")
-  framework.write_cifar10(data_dir, small.train_x, small.train_y,
+  framework.data.datasets.write_cifar10(data_dir, small.train_x, small.train_y,
                           small.test_x, small.test_y)
   model_dir = str(tmp_path / "run")
   config = framework.ExperimentConfig(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.app import evaluation, export, experiment
 from tests.helpers import ROOT, run_script, snapshot
 from tests.shared_strategy import mirrored
@@ -18,9 +19,9 @@ from tests.shared_strategy import mirrored
 def run_dir(tmp_path_factory):
   """An MLP trained 6 steps on 2 replicas on a tiny CIFAR-format set."""
   root = tmp_path_factory.mktemp("evaluate")
-  data = framework.synthetic(num_train=64, num_test=21, seed=2)
+  data = framework.data.datasets.synthetic(num_train=64, num_test=21, seed=2)
   data_dir = str(root / "cifar")
-  framework.write_cifar10(data_dir, data.train_x, data.train_y, data.test_x,
+  framework.data.datasets.write_cifar10(data_dir, data.train_x, data.train_y, data.test_x,
                           data.test_y)
   model_dir = str(root / "run")
   config = framework.ExperimentConfig(

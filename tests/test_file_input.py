@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import augment, file_input, inputs, tfrecords
 from tests.helpers import run_script
 
@@ -18,7 +19,7 @@ NUM_TRAIN, NUM_TEST, BATCH = 240, 50, 16  # 15 steps per epoch
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=NUM_TRAIN, num_test=NUM_TEST,
+  return framework.data.datasets.synthetic(num_train=NUM_TRAIN, num_test=NUM_TEST,
                              image_shape=(8, 8, 3), seed=1)
 
 
@@ -84,7 +85,7 @@ def test_global_shuffle_breaks_key_ties_as_the_arrays_do(tmp_path):
   # 30,000 float32 keys hold ~50 equal pairs; the converter deals examples
   # to shards out of index order, so ties must still fall as in the arrays.
   n = 30000
-  big = framework.ArrayDataset(
+  big = framework.data.datasets.ArrayDataset(
       "big", np.arange(n, dtype=np.int64).view(np.uint8).reshape(n, 2, 1, 4),
       np.zeros(n, np.int32), np.zeros((1, 2, 1, 4), np.uint8),
       np.zeros(1, np.int32), ("a",))

@@ -17,6 +17,7 @@ import re
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import tfrecords
 from tests import cluster_utils as cu
 
@@ -33,7 +34,7 @@ TEST_PLAN = re.compile(r"^\[(\w+):(\d)\] .*tiny test: input pipeline "
 def files(tmp_path_factory):
   """A TFRecord directory: 6 train shards of 40, 4 test shards (13,13,13,12)."""
   path = str(tmp_path_factory.mktemp("tiny_tfr"))
-  data = framework.synthetic(num_train=NUM_TRAIN, num_test=NUM_TEST,
+  data = framework.data.datasets.synthetic(num_train=NUM_TRAIN, num_test=NUM_TEST,
                              image_shape=(8, 8, 3), seed=1)
   for split, x, y, shards in (
       ("train", data.train_x, data.train_y, TRAIN_SHARDS),

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from tests.helpers import run_script
 
 
 @pytest.mark.slow
 def test_files_vs_arrays_reports_both_curves(tmp_path):
   rng = np.random.default_rng(0)
-  framework.write_cifar10(
+  framework.data.datasets.write_cifar10(
       str(tmp_path / "src"), rng.integers(0, 256, (64, 32, 32, 3), np.uint8),
       rng.integers(0, 10, 64), rng.integers(0, 256, (20, 32, 32, 3), np.uint8),
       rng.integers(0, 10, 20))

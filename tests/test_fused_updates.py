@@ -72,11 +72,12 @@ def test_the_update_follows_the_trainer_s_current_optimizer(data):
   # The distribution check traces a step with a probe SGD swapped in, then
   # restores the trainer's Adam: training afterwards must use Adam's kernel
   # and slots, exactly as a trainer that was never checked.
-  import framework  # pylint: disable=g-import-not-at-top
+  from framework.check import distribution_check  # pylint: disable=g-import-not-at-top
+  from framework.data import inputs  # pylint: disable=g-import-not-at-top
   plain, checked = [make_trainer("one_device", optimizer="adam",
                                  learning_rate=1e-3) for _ in range(2)]
-  batch = next(iter(framework.train_dataset(data, 32)))
-  framework.check_distribution(
+  batch = next(iter(inputs.train_dataset(data, 32)))
+  distribution_check.check_distribution(
       checked, lambda: make_trainer("one_device", optimizer="adam",
                                     learning_rate=1e-3), batch, print_fn=None)
   assert max_diff(train(plain, data)[0], train(checked, data)[0]) == 0.0

@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Lowest first. A module may import its own layer and the ones before it.
-LAYERS = ("errors", "settings", "distribute", "data", "perf", "core", "model_parallel",
+LAYERS = ("_tf_internal", "errors", "settings", "distribute", "data", "perf", "core", "model_parallel",
           "tasks", "models", "check", "app")
 
 

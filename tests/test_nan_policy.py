@@ -9,6 +9,8 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 from framework.errors import ConfigError
 from test_trainer import GLOBAL_BATCH, make_trainer
 
@@ -29,12 +31,12 @@ class NanGradientsTrainer(framework.Trainer):
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
+  return framework.data.datasets.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
                              seed=1)
 
 
 def _iterator(trainer, data):
-  return iter(framework.distribute_train(trainer.strategy, data,
+  return iter(framework.data.inputs.distribute_train(trainer.strategy, data,
                                          GLOBAL_BATCH, seed=3))
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 from framework.core import optimizers
 
 
@@ -32,7 +33,7 @@ def test_step_schedule():
                                       ("adam", keras.optimizers.Adam),
                                       ("adamw", keras.optimizers.AdamW)])
 def test_optimizers_by_name(name, cls):
-  optimizer = framework.make_optimizer(framework.OptimizerConfig(name=name))
+  optimizer = framework.core.optimizers.make_optimizer(framework.OptimizerConfig(name=name))
   assert isinstance(optimizer, cls)
   if name == "momentum":
     assert optimizer.momentum == pytest.approx(0.9)

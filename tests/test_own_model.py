@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.app import experiment
 from models import registry
 from helpers import ROOT, run_script
@@ -133,7 +134,7 @@ def build_tiny(input_shape, num_classes, hidden_units=(4,)):
 
 
 def test_experiment_run_with_own_model_and_data(tmp_path):
-  data = framework.synthetic(num_train=64, num_test=16, seed=3)
+  data = framework.data.datasets.synthetic(num_train=64, num_test=16, seed=3)
 
   def train_input(start_step):
     ds = tf.data.Dataset.from_tensor_slices(

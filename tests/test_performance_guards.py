@@ -4,6 +4,9 @@ import numpy as np
 import tensorflow as tf
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 from tests import shared_strategy
 
@@ -11,16 +14,16 @@ from tests import shared_strategy
 def _mlp_trainer(strategy, global_batch_size=16):
   with strategy.scope():
     model = models.build_model("mlp", (4, 4, 3), 10, hidden_units=(8,))
-    optimizer = framework.make_optimizer(framework.OptimizerConfig())
+    optimizer = framework.core.optimizers.make_optimizer(framework.OptimizerConfig())
   return framework.Trainer(model, optimizer, strategy,
                            global_batch_size=global_batch_size)
 
 
 def test_train_loop_traces_once_over_many_loops():
   strategy = shared_strategy.mirrored()
-  data = framework.synthetic(num_train=64, num_test=20, image_shape=(4, 4, 3))
+  data = framework.data.datasets.synthetic(num_train=64, num_test=20, image_shape=(4, 4, 3))
   trainer = _mlp_trainer(strategy)
-  iterator = iter(framework.distribute_train(strategy, data, 16))
+  iterator = iter(framework.data.inputs.distribute_train(strategy, data, 16))
   # Loops of different lengths, as the controller runs them between events.
   for num_steps in (1, 3, 2, 5, 1, 4, 7, 2):
     metrics = trainer.train(iterator, num_steps)
@@ -28,12 +31,12 @@ def test_train_loop_traces_once_over_many_loops():
   assert int(trainer.global_step.numpy()) == 25
   assert trainer._train_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
   # A fresh iterator over the same pipeline (a resumed run) reuses the trace.
-  trainer.train(iter(framework.distribute_train(strategy, data, 16,
+  trainer.train(iter(framework.data.inputs.distribute_train(strategy, data, 16,
                                                 start_step=25)), 3)
   assert trainer._train_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
   # Evaluation: one trace for every pass over the eval set.
   for _ in range(3):
-    trainer.evaluate(framework.distribute_eval(strategy, data.test_x,
+    trainer.evaluate(framework.data.inputs.distribute_eval(strategy, data.test_x,
                                                data.test_y, 16))
   assert trainer._eval_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
 

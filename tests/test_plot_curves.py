@@ -13,8 +13,8 @@ from tests.helpers import run_script
 
 def test_plot_curves_reads_events_and_writes_png(tmp_path):
   model_dir = str(tmp_path)
-  train = framework.SummaryWriter(model_dir, "train")
-  test = framework.SummaryWriter(model_dir, "eval")
+  train = framework.core.summaries.SummaryWriter(model_dir, "train")
+  test = framework.core.summaries.SummaryWriter(model_dir, "eval")
   train.text(0, "flags", framework.core.summaries.markdown_table(
       {"global_batch_size": 100, "model": "cifar_cnn"}))
   # 10 steps per epoch (1000 examples / 100); two train points per epoch.

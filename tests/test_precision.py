@@ -6,6 +6,9 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 from tests import shared_strategy
 from framework.core import precision
@@ -23,7 +26,7 @@ def _one_step(data, precision_name, loss_scale_kwargs=None, steps=1,
     with strategy.scope():
       model = models.build_model("mlp", data.input_shape, 10,
                                  hidden_units=(32,))
-      optimizer = framework.make_optimizer(
+      optimizer = framework.core.optimizers.make_optimizer(
           framework.OptimizerConfig(name="sgd", learning_rate=0.5))
   finally:
     precision.set_precision("float32")
@@ -33,7 +36,7 @@ def _one_step(data, precision_name, loss_scale_kwargs=None, steps=1,
   trainer = framework.Trainer(model, optimizer, strategy, global_batch_size=32,
                               loss_scale=loss_scale)
   before = [w.numpy() for w in model.trainable_variables]
-  results = trainer.train(iter(framework.distribute_train(strategy, data, 32)),
+  results = trainer.train(iter(framework.data.inputs.distribute_train(strategy, data, 32)),
                           steps)
   if metrics is not None:
     metrics.update({k: float(v) for k, v in results.items()})
@@ -43,7 +46,7 @@ def _one_step(data, precision_name, loss_scale_kwargs=None, steps=1,
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=96, num_test=8, image_shape=(4, 4, 3))
+  return framework.data.datasets.synthetic(num_train=96, num_test=8, image_shape=(4, 4, 3))
 
 
 def test_float16_update_matches_float32(data):

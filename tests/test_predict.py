@@ -30,9 +30,9 @@ class RecordingTrainer(framework.Trainer):
 def trained(tmp_path_factory):
   """A cifar_cnn trained 4 steps on 2 replicas, plus its own predictions."""
   root = tmp_path_factory.mktemp("predict")
-  data = framework.synthetic(num_train=64, num_test=NUM_TEST, seed=1)
+  data = framework.data.datasets.synthetic(num_train=64, num_test=NUM_TEST, seed=1)
   data_dir = str(root / "cifar")
-  framework.write_cifar10(data_dir, data.train_x, data.train_y, data.test_x,
+  framework.data.datasets.write_cifar10(data_dir, data.train_x, data.train_y, data.test_x,
                           data.test_y)
   model_dir = str(root / "run")
   config = framework.ExperimentConfig(
@@ -66,7 +66,7 @@ def test_run_writes_weights_info_and_saved_model(trained):
   assert info["class_names"] == list(framework.data.datasets.CIFAR10_CLASSES)
   assert info["input_shape"] == [32, 32, 3]
   loaded = tf.saved_model.load(os.path.join(model_dir, export.EXPORT_DIR))
-  images = framework.load_cifar10(trained["data_dir"]).test_x[:6]
+  images = framework.data.datasets.load_cifar10(trained["data_dir"]).test_x[:6]
   out = loaded.signatures["serving_default"](images=tf.constant(images))
   np.testing.assert_allclose(out["probabilities"].numpy(),
                              trained["expected"], atol=1e-5)

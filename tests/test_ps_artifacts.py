@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.app import experiment, export
 from framework.distribute import launcher
 from tests import cluster_utils as cu
@@ -98,7 +99,7 @@ def test_parameter_server_run_has_every_artifact_for_evaluate_and_predict(
 
   # predict.py in a fresh process (model_info.json + model.weights.h5)
   # agrees with the SavedModel export on a test image.
-  image = framework.load_dataset("synthetic", seed=0).test_x[7]
+  image = framework.data.datasets.load_dataset("synthetic", seed=0).test_x[7]
   png, out_json = str(tmp_path / "7.png"), str(tmp_path / "7.json")
   from PIL import Image  # pylint: disable=g-import-not-at-top
   Image.fromarray(image).save(png)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 from framework import ConfigError
 from framework.core import optimizers
 
@@ -59,10 +60,10 @@ def test_schedules_need_the_run_length(schedule):
 
 
 def test_nesterov_momentum():
-  optimizer = framework.make_optimizer(framework.OptimizerConfig(
+  optimizer = framework.core.optimizers.make_optimizer(framework.OptimizerConfig(
       name="momentum", learning_rate=0.1, nesterov=True))
   assert isinstance(optimizer, keras.optimizers.SGD) and optimizer.nesterov
-  plain = framework.make_optimizer(framework.OptimizerConfig(name="momentum"))
+  plain = framework.core.optimizers.make_optimizer(framework.OptimizerConfig(name="momentum"))
   assert not plain.nesterov
   with pytest.raises(ConfigError, match="nesterov=True needs"):
     framework.OptimizerConfig(name="adam", nesterov=True)

@@ -6,6 +6,8 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.distribute.strategies  # noqa: F401  (the attribute chain below)
+import framework.distribute.tf_config  # noqa: F401  (the attribute chain below)
 from framework.distribute import strategies
 
 
@@ -15,7 +17,7 @@ from framework.distribute import strategies
 def test_local_strategies(name, replicas):
   strategy = framework.make_strategy(name)
   assert strategy.num_replicas_in_sync == replicas
-  assert framework.is_chief(strategy)
+  assert framework.distribute.strategies.is_chief(strategy)
   assert framework.make_strategy(name) is strategy  # one per process
 
 
@@ -62,14 +64,14 @@ def cluster(**roles):
 ])
 def test_malformed_tf_config_names_the_field(config, match):
   with pytest.raises(framework.ConfigError, match=match):
-    framework.parse_tf_config(config)
+    framework.distribute.tf_config.parse_tf_config(config)
 
 
 def test_valid_tf_config_parses_and_unset_is_none():
   config = {"cluster": cluster(chief=1, worker=2, ps=1),
             "task": {"type": "worker", "index": 1}}
-  assert framework.parse_tf_config(json.dumps(config)) == config
-  assert framework.parse_tf_config("") is None
+  assert framework.distribute.tf_config.parse_tf_config(json.dumps(config)) == config
+  assert framework.distribute.tf_config.parse_tf_config("") is None
 
 
 def test_parameter_server_needs_ps_tasks(monkeypatch):

@@ -8,6 +8,7 @@ from PIL import Image
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
 from framework.data import file_input, image_folder, segmentation_data, tfrecords
 from tests.helpers import run_script
@@ -23,7 +24,7 @@ def _write(path, data, num_shards=3):
 
 def test_round_trip_classification_and_masks(tmp_path):
   for name, data in (
-      ("cls", framework.synthetic(num_train=40, num_test=9,
+      ("cls", framework.data.datasets.synthetic(num_train=40, num_test=9,
                                   image_shape=(5, 6, 3), seed=2)),
       ("seg", segmentation_data.shapes(num_train=6, num_test=3,
                                        image_size=16))):
@@ -43,7 +44,7 @@ def test_round_trip_classification_and_masks(tmp_path):
 
 
 def test_shards_hold_a_shuffled_share(tmp_path):
-  data = framework.synthetic(num_train=40, num_test=9, image_shape=(4, 4, 3))
+  data = framework.data.datasets.synthetic(num_train=40, num_test=9, image_shape=(4, 4, 3))
   _write(tmp_path, data, num_shards=4)
   sidecar = tfrecords.read_sidecar(str(tmp_path), "train")
   assert sidecar["examples_per_shard"] == [10, 10, 10, 10]
@@ -60,7 +61,7 @@ def test_converter_cifar10_round_trip(tmp_path):
   train_x = rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8)
   test_x = rng.integers(0, 256, (11, 32, 32, 3), dtype=np.uint8)
   train_y, test_y = rng.integers(0, 10, 30), rng.integers(0, 10, 11)
-  framework.write_cifar10(str(tmp_path / "src"), train_x, train_y, test_x,
+  framework.data.datasets.write_cifar10(str(tmp_path / "src"), train_x, train_y, test_x,
                           test_y)
   out = tmp_path / "out"
   proc = run_script("make_tfrecords.py", "--dataset=cifar10",

@@ -6,6 +6,8 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import models
 
@@ -16,7 +18,7 @@ GLOBAL_BATCH = 32
 def data():
   # Prototype-plus-noise images: large, non-degenerate gradients, so Adam's
   # first steps do not turn round-off in near-zero gradients into sign flips.
-  return framework.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
+  return framework.data.datasets.synthetic(num_train=256, num_test=37, image_shape=(4, 4, 3),
                              seed=1)
 
 
@@ -30,14 +32,14 @@ def make_trainer(strategy_name, *, optimizer="momentum", learning_rate=0.05,
     net = models.build_model(model, input_shape, 10, hidden_units=(16,),
                              dropout=False,
                              sync_batch_norm=trainer_kwargs.pop("sync", False))
-    opt = framework.make_optimizer(
+    opt = framework.core.optimizers.make_optimizer(
         framework.OptimizerConfig(name=optimizer, learning_rate=learning_rate))
   return trainer_cls(net, opt, strategy, global_batch_size=GLOBAL_BATCH,
                      **trainer_kwargs)
 
 
 def train(trainer, data, steps=5, input_mode="global"):
-  iterator = iter(framework.distribute_train(
+  iterator = iter(framework.data.inputs.distribute_train(
       trainer.strategy, data, GLOBAL_BATCH, seed=3, input_mode=input_mode))
   metrics = trainer.train(iterator, steps)
   return [v.numpy() for v in trainer.model.trainable_variables], {
@@ -141,7 +143,7 @@ def test_clipping_acts_on_the_reduced_gradient(data):
 
 
 def test_sync_batch_norm_matches_single_device():
-  images = framework.synthetic(num_train=128, num_test=8, image_shape=(8, 8, 3))
+  images = framework.data.datasets.synthetic(num_train=128, num_test=8, image_shape=(8, 8, 3))
 
   def run(name, sync):
     trainer = make_trainer(name, model="cifar_cnn", optimizer="sgd",
@@ -161,7 +163,7 @@ def test_sync_batch_norm_matches_single_device():
 def test_evaluation_counts_every_example(data, strategy):
   trainer = make_trainer(strategy)
   # 37 examples in batches of 8: the last batch has 5, split over replicas.
-  results = trainer.evaluate(framework.distribute_eval(
+  results = trainer.evaluate(framework.data.inputs.distribute_eval(
       trainer.strategy, data.test_x, data.test_y, 8))
   assert results["examples"] == 37
   logits = trainer.model(framework.data.inputs.to_float(data.test_x)).numpy()
@@ -211,7 +213,7 @@ def test_trainer_rejects_bad_arguments():
 
 
 def test_batch_norm_statistics_are_averaged_over_replicas():
-  images = framework.synthetic(num_train=128, num_test=8, image_shape=(8, 8, 3))
+  images = framework.data.datasets.synthetic(num_train=128, num_test=8, image_shape=(8, 8, 3))
   trainer = make_trainer("mirrored", model="cifar_cnn", optimizer="sgd",
                          learning_rate=0.01, input_shape=(8, 8, 3))
   train(trainer, images, steps=3)

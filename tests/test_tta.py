@@ -7,6 +7,10 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.core.trainer  # noqa: F401  (the attribute chain below)
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
+import framework.tasks.metrics  # noqa: F401  (the attribute chain below)
 import models
 from framework.core import tta
 from framework.data.inputs import to_float
@@ -24,9 +28,9 @@ def build(strategy):
 
 
 @pytest.mark.parametrize("trainer_cls", [framework.Trainer,
-                                         framework.ConfusionTrainer])
+                                         framework.tasks.metrics.ConfusionTrainer])
 def test_flip_tta_equals_the_mean_of_both_views(trainer_cls):
-  data = framework.synthetic(num_train=64, num_test=37, image_shape=(8, 8, 3),
+  data = framework.data.datasets.synthetic(num_train=64, num_test=37, image_shape=(8, 8, 3),
                              seed=2)
   strategy = mirrored()
   net = build(strategy)
@@ -34,7 +38,7 @@ def test_flip_tta_equals_the_mean_of_both_views(trainer_cls):
     opt = keras.optimizers.SGD()
   trainer = trainer_cls(net, opt, strategy, global_batch_size=GLOBAL_BATCH,
                         eval_tta="flip")
-  results = trainer.evaluate(framework.distribute_eval(
+  results = trainer.evaluate(framework.data.inputs.distribute_eval(
       strategy, data.test_x, data.test_y, GLOBAL_BATCH))
   images = to_float(tf.constant(data.test_x))
   plain = net(images, training=False).numpy()
@@ -46,8 +50,8 @@ def test_flip_tta_equals_the_mean_of_both_views(trainer_cls):
   assert results["accuracy"] == pytest.approx(
       float(np.mean(mean.argmax(-1) == labels)), abs=1e-9)
   assert results["loss"] == pytest.approx(float(np.mean(
-      framework.sparse_categorical_loss(labels, mean))), rel=1e-5)
-  plain_loss = float(np.mean(framework.sparse_categorical_loss(labels, plain)))
+      framework.core.trainer.sparse_categorical_loss(labels, mean))), rel=1e-5)
+  plain_loss = float(np.mean(framework.core.trainer.sparse_categorical_loss(labels, plain)))
   assert results["loss"] != pytest.approx(plain_loss, rel=1e-4)
 
 

@@ -9,6 +9,9 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
+import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
 import models
 from framework.data import segmentation_data
 from framework.tasks import segmentation
@@ -30,7 +33,7 @@ def test_unet_outputs_logits_per_pixel():
 
 
 def test_shapes_dataset():
-  data = framework.load_dataset("shapes", seed=3, image_size=32)
+  data = framework.data.datasets.load_dataset("shapes", seed=3, image_size=32)
   assert data.train_x.shape[1:] == (32, 32, 3)
   assert data.train_x.dtype == np.uint8
   assert data.train_y.shape[1:] == (32, 32)
@@ -65,7 +68,7 @@ def _write_pet(root, names, split_files):
 def test_oxford_pet_reader(tmp_path):
   names = ["Abyssinian_1", "beagle_2", "pug_3", "yorkie_4", "boxer_5"]
   _write_pet(tmp_path / "a", names, split_files=True)
-  data = framework.load_dataset("oxford_pet", str(tmp_path / "a"),
+  data = framework.data.datasets.load_dataset("oxford_pet", str(tmp_path / "a"),
                                 image_size=16)
   assert data.train_x.shape == (3, 16, 16, 3)
   assert data.test_x.shape == (1, 16, 16, 3)
@@ -75,11 +78,11 @@ def test_oxford_pet_reader(tmp_path):
   assert mask[8, 2] == 0 and mask[8, 14] == 1 and mask[0, 2] == 2
   # Without split files, every fifth image by name is a test image.
   _write_pet(tmp_path / "b", names, split_files=False)
-  data = framework.load_dataset("oxford_pet", str(tmp_path / "b"),
+  data = framework.data.datasets.load_dataset("oxford_pet", str(tmp_path / "b"),
                                 image_size=16)
   assert (len(data.train_x), len(data.test_x)) == (4, 1)
   with pytest.raises(framework.DataError, match="trimaps"):
-    framework.load_dataset("oxford_pet", str(tmp_path))
+    framework.data.datasets.load_dataset("oxford_pet", str(tmp_path))
 
 
 def test_segmentation_eval_is_reduced_over_replicas():
@@ -92,9 +95,9 @@ def test_segmentation_eval_is_reduced_over_replicas():
   with strategy.scope():
     model = models.build_model("unet", (16, 16, 3), 3, depth=1, width=4)
     optimizer = tf.keras.optimizers.SGD()
-  trainer = framework.SegmentationTrainer(model, optimizer, strategy,
+  trainer = framework.tasks.segmentation.SegmentationTrainer(model, optimizer, strategy,
                                           global_batch_size=4)
-  results = trainer.evaluate(framework.distribute_eval(
+  results = trainer.evaluate(framework.data.inputs.distribute_eval(
       strategy, data.test_x, data.test_y, 4))
   logits = model(data.test_x.astype(np.float32) / 255.0).numpy()
   predicted = logits.argmax(-1)
@@ -125,7 +128,7 @@ def test_per_pixel_loss_is_the_mean_over_all_pixels_of_the_global_batch():
   logits = model(data.train_x.astype(np.float32) / 255.0).numpy()
   log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   expected = -np.take_along_axis(log_probs, data.train_y[..., None], -1).mean()
-  batches = iter(framework.distribute_train(strategy, data, 8))
+  batches = iter(framework.data.inputs.distribute_train(strategy, data, 8))
   metrics = trainer.train(batches, 1)
   assert float(metrics["loss"]) == pytest.approx(expected, abs=1e-5)
 

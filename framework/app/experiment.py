@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from typing import Any, Callable, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -98,15 +99,19 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   return trainer, controller
 
 
-def run(config, trainer_cls=None, strategy=None, prepare_controller=None, *,
-        build_model=None, train_input=None, eval_input=None,
-        make_trainer=None):
+def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
+        strategy: Optional[tf.distribute.Strategy] = None,
+        prepare_controller: Optional[Callable[[Controller], Any]] = None, *,
+        build_model: Optional[Callable[..., keras.Model]] = None,
+        train_input: Optional[Callable[[int], Any]] = None,
+        eval_input: Optional[Callable[[], Any]] = None,
+        make_trainer: Optional[Callable[..., Any]] = None) -> Optional[dict]:
   """Trains and evaluates per `config`; returns the final eval metrics.
 
   The chief also writes model_dir/model_info.json (before training), the
   final weights (model.weights.h5) and, if `export_saved_model`, a
   SavedModel (export/). `prepare_controller(controller)`, if given, runs
-  before training starts (e.g. to add `on_loop_end` hooks such as
+  before training starts (e.g. to add `train_actions` such as
   preemption handling).
 
   Every keyword below replaces a default; `config.dataset` still gives the

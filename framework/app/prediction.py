@@ -2,7 +2,8 @@
 
     info, weights = resolve_model(model_dir=...)     # model_info.json
     model = load_model(info, weights)                # no strategy
-    probabilities = predict(model, cifar10_test_image(111, data_dir)[0])
+    image, label, source = test_example(info, 3)     # the run's test split
+    probabilities = predict(model, image)
 
 The weights file holds values only (no strategy, no replica count), so the
 same builder that trained the model under 8 replicas rebuilds it here.
@@ -123,6 +124,56 @@ def cifar10_test_image(index, data_dir=None):
     raise DataError(f"index={index} is out of range: the CIFAR-10 test set in "
                     f"{data_dir} has {len(images)} images (0..{len(images) - 1})")
   return images[index], int(labels[index])
+
+
+def test_example(info, index, data_dir=None):
+  """(uint8 image [H, W, C], label, source text) of test example `index` of
+  the run's own dataset (`info`: its model_info.json), as numbered by the
+  dataset: CIFAR-10's and arrays' order, a TFRecord's or image folder's
+  example index (its order before sharding).
+
+  `data_dir` replaces the run's (e.g. after moving the data); CIFAR-10
+  without either reads Keras's cache.
+  """
+  name = info.get("dataset") or "cifar10"
+  if data_dir is None:
+    data_dir = info.get("data_dir")
+  if name == "cifar10":
+    image, label = cifar10_test_image(index, data_dir)
+    return image, label, f"CIFAR-10 test #{index}"
+  dataset = datasets.load_dataset(name, data_dir, seed=info.get("seed", 0),
+                                  **(info.get("dataset_options") or {}))
+  size = dataset.num_test_examples
+  if isinstance(index, bool) or not 0 <= index < size:
+    raise DataError(f"index={index} is out of range: the test split of "
+                    f"dataset={name} has {size} examples (0..{size - 1})")
+  if hasattr(dataset, "test_x"):  # in memory
+    image, label = dataset.test_x[index], dataset.test_y[index]
+  else:
+    image, label = _file_test_example(dataset.test, index)
+  if np.ndim(label):
+    raise ConfigError(f"dataset={name} has per-pixel labels; predict "
+                      "classifies whole images")
+  return np.asarray(image, np.uint8), int(label), f"{name} test #{index}"
+
+
+def _file_test_example(split, index):
+  """(image, label) of the record whose example index is `index`, found
+  without decoding the other images where the split can tell indices."""
+  records = split.read(tf.range(len(split.counts), dtype=tf.int64))
+  if split.index is not None:
+    for batch in records.batch(1024):
+      hits = np.flatnonzero(split.index(batch).numpy() == index)
+      if hits.size:
+        record = tf.nest.map_structure(lambda r: r[int(hits[0])], batch)
+        _, image, label = split.decode(record)
+        return image.numpy(), label.numpy()
+  else:
+    for record in records:
+      number, image, label = split.decode(record)
+      if int(number) == index:
+        return image.numpy(), label.numpy()
+  raise DataError(f"the test split has no example with index {index}")
 
 
 def load_image(path, input_shape):

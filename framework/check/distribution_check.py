@@ -73,6 +73,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.check import distribution_randomness
 from framework.distribute import strategies
 from framework.check.distribution_diagnosis import Finding, Outcome, compare
@@ -128,7 +129,7 @@ class CheckReport:
 
 
 def _layers(model):
-  return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+  return _tf_internal.flatten_layers(model)
 
 
 # Keras layers that only add noise in training, and the attribute that turns

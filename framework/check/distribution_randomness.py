@@ -38,12 +38,18 @@ import threading
 import traceback
 
 import tensorflow as tf
+
+from framework import _tf_internal
+
 # The generated op wrappers: TensorFlow's own random functions call them
 # through these modules, so replacing a module attribute replaces the op.
-from tensorflow.python.ops import gen_random_ops  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import gen_stateful_random_ops  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import gen_stateless_random_ops  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import gen_stateless_random_ops_v2  # pylint: disable=g-direct-tensorflow-import
+gen_random_ops = _tf_internal.random_op_module("gen_random_ops")
+gen_stateful_random_ops = _tf_internal.random_op_module(
+    "gen_stateful_random_ops")
+gen_stateless_random_ops = _tf_internal.random_op_module(
+    "gen_stateless_random_ops")
+gen_stateless_random_ops_v2 = _tf_internal.random_op_module(
+    "gen_stateless_random_ops_v2")
 
 NORMAL, UNIFORM = 0.0, 0.5
 

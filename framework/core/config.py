@@ -7,6 +7,7 @@ them (`controller`, `optimizers`, `trainer`, ...) import them from here.
 
 import dataclasses
 
+from framework.core.stop_condition import StopCondition
 from framework.errors import ConfigError
 from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
 
@@ -48,7 +49,14 @@ class LoopConfig:
       `pixel_accuracy`) reaches this value in (0, 1]; a checkpoint is saved
       and the run ends as at its last step. The time it took goes to the
       log and to TensorBoard as `eval/time_to_target_seconds` (see
-      `Controller.time_to_target`). None: train to `train_steps`.
+      `Controller.time_to_target`). None: train to `train_steps`. The same
+      as `stop_when="eval/accuracy>=VALUE"`.
+    stop_when: early stopping on any metric and direction,
+      `SPLIT/METRIC OP VALUE` (`framework.core.stop_condition`): e.g.
+      `eval/loss<0.1` (checked after each evaluation) or `train/loss<=0.05`
+      (after each loop, on the loop's mean). The run ends as with
+      `stop_at_accuracy`; `time_to_target_seconds` goes under the
+      condition's split. None: off.
     eval_start_step: periodic evaluations (`eval_every`) only from this
       step on: a time-to-accuracy run skips evaluations that cannot reach
       its target yet. The final evaluation always happens.
@@ -80,6 +88,12 @@ class LoopConfig:
   eval_start_step: int = setting(
       0, "Periodic evaluations (--eval_every) only from this step on.",
       minimum=NON_NEGATIVE)
+  stop_when: str | None = setting(
+      None, "Early stopping on any metric: SPLIT/METRIC OP VALUE with SPLIT "
+      "train (each loop's mean) or eval (each evaluation) and OP one of < "
+      "<= > >=, e.g. eval/loss<0.1; the run ends as at its last step and "
+      "writes SPLIT/time_to_target_seconds. --stop_at_accuracy=X is "
+      "eval/accuracy>=X.")
 
   def __post_init__(self):
     from framework.perf import profiling  # pylint: disable=g-import-not-at-top
@@ -87,9 +101,24 @@ class LoopConfig:
         0 < self.stop_at_accuracy <= 1):
       raise ConfigError(f"stop_at_accuracy={self.stop_at_accuracy} must be "
                         "in (0, 1] (a fraction, e.g. 0.8079)")
+    if self.stop_when is not None:
+      if self.stop_at_accuracy is not None:
+        raise ConfigError(
+            f"stop_at_accuracy={self.stop_at_accuracy} and stop_when="
+            f"{self.stop_when!r}: set one (stop_at_accuracy=X is "
+            "stop_when=eval/accuracy>=X)")
+      StopCondition.parse(self.stop_when)
     object.__setattr__(self, "profile_steps",
                        profiling.check_profile_steps(self.profile_steps))
     check_settings(self)
+
+  def stop_condition(self) -> "StopCondition | None":
+    """`stop_when` (or `stop_at_accuracy`) parsed; None when neither."""
+    if self.stop_when is not None:
+      return StopCondition.parse(self.stop_when)
+    if self.stop_at_accuracy is not None:
+      return StopCondition("eval", "accuracy", ">=", self.stop_at_accuracy)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

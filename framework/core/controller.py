@@ -1,24 +1,30 @@
-"""The outer loop: steps, checkpoints, summaries, evaluation and progress.
+"""The outer loop: steps, checkpoints, summaries, evaluation and actions.
 
     restore the latest checkpoint (model, optimizer, global step)
     iterator = batches from the restored step on
     while step < train_steps:
       n = steps to the next event (summary, log, checkpoint, eval, end),
           at most steps_per_loop
-      metrics = trainer.train(iterator, n)      # n steps in one graph call
-                                                # (fewer when asked to stop)
-      stop if the loss is not finite, or under nan_policy=skip after
-          max_skipped_steps skipped steps in a row (nothing saved)
-      write summaries / log / save / evaluate when their interval is reached
+      outputs = trainer.train(iterator, n)      # n steps in one graph call
+                                                # (fewer when asked to stop);
+                                                # tf.summary calls inside the
+                                                # step go to train/
+      write summaries / log when their interval is reached
+      train actions(step, outputs)              # NaN policy, stop_when,
+                                                # profiler, preemption, yours
+      save / evaluate (+ eval actions) when their interval is reached
+      end here if an action asked to stop
     save and evaluate at the end
 
-The trainer owns the math of a step; this class owns everything around it.
+The trainer owns the math of a step (`framework.core.protocols` says what
+the Controller reads of it); this class owns everything around it.
 """
 
 import math
 import os
 import re
 import time
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import keras
@@ -28,6 +34,9 @@ from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core import run_state
+from framework.core import actions as actions_lib
+from framework.core import progress
+from framework.core import protocols
 from framework.core.checkpointing import CheckpointManager
 from framework.core.config import LoopConfig  # pylint: disable=unused-import
 from framework.data.inputs import MaskedBatch, pad_batches
@@ -36,7 +45,7 @@ from framework.errors import (CheckpointError, ConfigError, DataError,
 from framework.core.summaries import SummaryWriter, markdown_table
 
 
-def learning_rate(optimizer):
+def learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
   """The optimizer's current learning rate as a float, whatever it holds: a
   constant, a (mirrored) variable, or a schedule evaluated at its step."""
   return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
@@ -87,15 +96,28 @@ def _format_seconds(seconds):
 
 
 class Controller:
-  """Runs a Trainer for `config.train_steps` with checkpoints and summaries.
+  """Runs a trainer for `config.train_steps` with checkpoints and summaries.
 
-  The trainer: a `framework.Trainer` (or subclass), or any object with
-  `model`, `optimizer` (any Keras optimizer: constant, variable or schedule
-  learning rate), `strategy`, `global_step` (an int64 variable the steps
-  advance), `train(iterator, n) -> dict of scalars` (the mean of `n` steps;
-  every entry is logged and summarised under its own name),
-  `evaluate(distributed_dataset) -> dict of floats`, `sync_replica_state()`
-  (may do nothing), and `global_batch_size` and `nan_policy` as Trainer's.
+  The trainer: a `framework.Trainer` (or subclass), or any object that
+  implements `framework.core.protocols.LoopTrainer` (and `LoopEvaluator`
+  to evaluate); the Controller reads nothing else of it:
+
+      model: keras.Model                    # checkpointed
+      optimizer: keras.optimizers.Optimizer # checkpointed; rate logged
+      strategy: tf.distribute.Strategy
+      global_step: tf.Variable              # int64, advanced by the steps
+      train(iterator, num_steps) -> {name: scalar}  # the mean of the steps
+                                                    # that ran; any names
+      sync_replica_state() -> None          # may do nothing
+      evaluate(distributed_dataset) -> {name: float}  # LoopEvaluator
+
+  Optional, each its own protocol there (default when absent):
+  `global_batch_size` (no batch check, no examples/s), `nan_policy`
+  ("stop"), the skip counters (no skipped-step limit), `request_stop` /
+  `stop_requested` (no in-graph stop), `distribute_dataset` (the
+  strategy's). Every returned metric is logged and summarised under its own
+  name; the NaN policy watches `loss` if the trainer returns one, else every
+  returned value.
 
   Input contract:
     train_input(start_step) returns endless global batches for steps
@@ -119,8 +141,25 @@ class Controller:
     that every replica gets a full batch) or an already distributed dataset
     (used as is: pad it yourself).
 
+  Actions (`framework.core.actions`): `fn(step, outputs)`. Train actions
+  run after each loop's summaries and log line, before its checkpoint and
+  evaluation, with the loop's outputs; eval actions after each evaluation,
+  with its results. `request_stop(reason)` (from an action or another
+  thread) ends the run after the current loop's events with the same
+  artifacts as a normal end: a final checkpoint and evaluation.
+
+  Summaries from inside the step: `tf.summary.*` calls in the trainer's
+  step are written to `model_dir/train` at the step they ran in, on the
+  steps that `summary_every` divides (`framework.Trainer` records the step
+  a step ends at; another trainer records `global_step` as it reads it);
+  in the evaluator's step, to `model_dir/eval` at the evaluated step.
+
+  Progress: from a plain Python process where nobody configured logging,
+  `run()` turns absl's INFO on so the progress lines show
+  (`framework.core.progress`; `framework.enable_logging(level)` sets it).
+
   Args:
-    trainer: a `framework.Trainer` (or an object as above).
+    trainer: a `LoopTrainer` (e.g. `framework.Trainer`).
     config: a `LoopConfig`.
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
     train_input: `start_step -> dataset` of global batches (see above).
@@ -129,8 +168,13 @@ class Controller:
       to TensorBoard's HParams dashboard (`model_dir` is the session).
     checkpoint_items: extra trackables to checkpoint besides model,
       optimizer and global step.
-    on_loop_end: callables `fn(step)` run after each loop's events (e.g.
-      preemption checks); more can be appended to `self.on_loop_end`.
+    train_actions: callables `fn(step, outputs)` run after each loop, after
+      the built-in ones (NaN policy, profiler report); more can be appended
+      to `self.train_actions`.
+    eval_actions: callables `fn(step, results)` run after each evaluation;
+      `self.eval_actions` likewise.
+    evaluator: a `LoopEvaluator` (default: the trainer).
+    on_loop_end: deprecated: callables `fn(step)`, run as train actions.
     `self.on_train_end`: callables `fn(step)` run once training is over and
       its final checkpoint saved, before the final evaluation (e.g. what a
       preemption then does).
@@ -138,19 +182,42 @@ class Controller:
   A run that stopped at `stop_at_accuracy` is finished: relaunched with
   the same settings it trains nothing (see `framework/core/run_state.py`).
 
-  Time to target (`config.stop_at_accuracy`): `time_to_target` is the wall
-  time from `start_time` to the end of the first evaluation that reaches
-  the target: everything in between counts (building the input pipeline,
-  tracing, every step, every evaluation, checkpoints and summaries).
-  `start_time` defaults to the start of `run()`; `experiment.run` sets it
-  to its own start, so loading the dataset and building the model count
-  too. A resumed run counts from its own start.
+  Time to target (`config.stop_when` / `stop_at_accuracy`): `time_to_target`
+  is the wall time from `start_time` to the end of the first evaluation (or
+  loop, for a train/ condition) that meets the condition: everything in
+  between counts (building the input pipeline, tracing, every step, every
+  evaluation, checkpoints and summaries). `start_time` defaults to the
+  start of `run()`; `experiment.run` sets it to its own start, so loading
+  the dataset and building the model count too. A resumed run counts from
+  its own start.
   """
 
-  def __init__(self, trainer, config, model_dir, *, train_input,
-               eval_input=None, hparams=None, checkpoint_items=None,
-               on_loop_end=()):
+  def __init__(self, trainer: protocols.LoopTrainer, config: LoopConfig,
+               model_dir: str, *, train_input: Callable[[int], Any],
+               eval_input: Optional[Callable[[], Any]] = None,
+               hparams: Optional[dict] = None,
+               checkpoint_items: Optional[dict] = None,
+               train_actions: Sequence[actions_lib.Action] = (),
+               eval_actions: Sequence[actions_lib.Action] = (),
+               evaluator: Optional[protocols.LoopEvaluator] = None,
+               on_loop_end: Sequence[Callable[[int], Any]] = ()):
+    if not isinstance(trainer, protocols.LoopTrainer):
+      missing = [name for name in ("model", "optimizer", "strategy",
+                                   "global_step", "train",
+                                   "sync_replica_state")
+                 if not hasattr(trainer, name)]
+      raise ConfigError(
+          f"trainer={type(trainer).__name__} lacks {', '.join(missing)}: a "
+          "Controller needs framework.core.protocols.LoopTrainer")
+    if evaluator is None and isinstance(trainer, protocols.LoopEvaluator):
+      evaluator = trainer
+    if eval_input is not None and not isinstance(
+        evaluator, protocols.LoopEvaluator):
+      raise ConfigError(
+          f"eval_input is set but trainer={type(trainer).__name__} has no "
+          "evaluate(distributed_dataset) and no evaluator= was given")
     self.trainer = trainer
+    self.evaluator = evaluator
     self.config = config
     # Absolute once, here: checkpoints, summaries and the profiler join paths
     # onto it, and TensorFlow joins a relative one twice.
@@ -177,22 +244,37 @@ class Controller:
     self._writers = {}
     self._restored = False
     self.restored_from = None  # the checkpoint restore() restored, if any
-    # Whether the last loop's loss was finite: a loop that was not saves no
-    # checkpoint (the restored state counts as finite).
+    # Whether the last loop's watched metrics were finite: a loop that was
+    # not saves no checkpoint (the restored state counts as finite).
     self.loss_finite = True
     self._last_loop = None
     self.last_eval = None
-    self.on_loop_end = list(on_loop_end)
     self.on_train_end = []
+    self._last_eval_step = None
+    self.stop_reason = None
     self.start_time = None
     self.time_to_target = None
-    self._measure_target = True
+    self.measure_target = True
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
         config.profile_steps if chief else (),
         os.path.join(model_dir, "train"))
+    self.train_actions = [actions_lib.NanGuard(self),
+                          actions_lib.ProfileReport(self),
+                          *train_actions]
+    self.eval_actions = list(eval_actions)
+    condition = config.stop_condition()
+    if condition is not None:
+      stop = actions_lib.StopWhen(
+          self, condition, description=(
+              f"accuracy {config.stop_at_accuracy:.4f}"
+              if config.stop_when is None else None))
+      (self.eval_actions if condition.split == "eval"
+       else self.train_actions).append(stop)
+    # Deprecated: run after the train actions, each as `fn(step)`.
+    self.on_loop_end = list(on_loop_end)
 
-  def writer(self, name):
+  def writer(self, name: str) -> SummaryWriter:
     """The SummaryWriter for `model_dir/<name>`, created on first use (so a
     run that fails while restoring leaves no new event files)."""
     if name not in self._writers:
@@ -201,8 +283,18 @@ class Controller:
     return self._writers[name]
 
   @property
-  def step(self):
+  def step(self) -> int:
     return int(self.trainer.global_step.numpy())
+
+  def request_stop(self, reason: str = "requested") -> None:
+    """Ends the run after the current loop's checkpoint and evaluation, as
+    at `train_steps` (final checkpoint and evaluation). Under a
+    multi-worker strategy every worker must ask at the same loop (an
+    action deciding on eval results, which all workers share, does)."""
+    if self.stop_reason is None:
+      self.stop_reason = reason
+      logging.info("stop requested (%s): ending the run after this loop",
+                   reason)
 
   def _steps_to_next_event(self, step):
     c = self.config
@@ -217,24 +309,31 @@ class Controller:
   def _due(self, every, step):
     return bool(every) and step % every == 0
 
-  def save(self, step):
+  def save(self, step: int) -> Optional[str]:
     """Checkpoints at `step` (every worker must call it); returns the path,
     or None without saving when the last loop's loss was not finite."""
     if not self.loss_finite:
       logging.warning("Not saving a checkpoint at step %d: %s", step,
-                      self._non_finite_text())
+                      self.non_finite_text())
       return None
     self.trainer.sync_replica_state()
     return self.checkpoints.save(step)
 
-  def _non_finite_text(self):
-    first, last, loss = self._last_loop
-    return (f"loss is {loss} in steps {first}..{last} (latest good "
-            f"checkpoint: {self.checkpoints.latest or 'none'})")
+  def non_finite_text(self, checkpoint: bool = True) -> str:
+    """What was not finite in the last loop (and the latest checkpoint)."""
+    first, last, watched = self._last_loop
+    bad = ", ".join(f"{k} is {v}" for k, v in sorted(watched.items())
+                    if not math.isfinite(v))
+    text = f"{bad} in steps {first}..{last}"
+    if checkpoint:
+      text += (f" (latest good checkpoint: "
+               f"{self.checkpoints.latest or 'none'})")
+    return text
 
-  def evaluate(self):
-    """Evaluates on the whole eval set and writes `eval/` summaries, with
-    `elapsed_seconds` (wall time since `start_time`) once `run()` set it.
+  def evaluate(self) -> Optional[dict]:
+    """Evaluates on the whole eval set, writes `eval/` summaries (with
+    `elapsed_seconds`, the wall time since `start_time`, once `run()` set
+    it) and runs the eval actions.
 
     A Controller that has not restored yet (a fresh one) restores the
     latest checkpoint first; with none, it is a CheckpointError (the
@@ -253,8 +352,9 @@ class Controller:
     data = self.eval_input()
     if isinstance(data, tf.data.Dataset):
       data = self._distribute(self._pad_eval(data))
-    results = self.trainer.evaluate(data)
     step = self.step
+    with self.writer("eval").as_default(step), tf.summary.record_if(True):
+      results = dict(self.evaluator.evaluate(data))
     scalars = {k: v for k, v in results.items() if k != "examples"}
     if self.start_time is not None:
       # The wall-clock position of each evaluation on the run's time axis
@@ -264,30 +364,14 @@ class Controller:
     logging.info("eval  step %d: %s", step, ", ".join(
         f"{k}={v:.4f}" if k != "examples" else f"{k}={int(v)}"
         for k, v in sorted(results.items())))
-    self.last_eval = results
-    self._check_target(results, step)
+    self.last_eval, self._last_eval_step = results, step
+    for action in self.eval_actions:
+      action(step, results)
     return results
 
-  def _check_target(self, results, step):
-    """Records the time to `stop_at_accuracy` at the first eval reaching it."""
-    target = self.config.stop_at_accuracy
-    if (target is None or self.time_to_target is not None
-        or not self._measure_target):
-      return
-    accuracy = results.get("accuracy", results.get("pixel_accuracy"))
-    if accuracy is None:
-      raise ConfigError(f"stop_at_accuracy={target}: the evaluation reports "
-                        f"no accuracy (only {', '.join(sorted(results))})")
-    if accuracy < target:
-      return
-    self.time_to_target = time.time() - (self.start_time or time.time())
-    self.writer("eval").scalars(
-        step, {"time_to_target_seconds": self.time_to_target})
-    logging.info("target accuracy %.4f reached at step %d: accuracy=%.4f "
-                 "time_to_target_seconds=%.1f", target, step, accuracy,
-                 self.time_to_target)
-
-  def _report_profile(self, table, step):
+  def report_profile(self, table: Optional[profiling.OpTable],
+                     step: int) -> None:
+    """Logs and summarises a profiler window's op table (if any)."""
     if table is None:
       return
     first, last = self.config.profile_steps
@@ -295,15 +379,17 @@ class Controller:
                  table.trace_path, table.markdown(top=10))
     self.writer("train").text(step, "profile/op_time", table.markdown())
 
-  def restore(self):
+  def restore(self) -> None:
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
     if not self._restored:
       self.restored_from = self.checkpoints.restore_latest()
       self._restored = True
 
-  def run(self):
-    """Trains to `train_steps`, resuming from the latest checkpoint."""
+  def run(self) -> Optional[dict]:
+    """Trains to `train_steps` (or a stop request), resuming from the latest
+    checkpoint; the final evaluation's results (None without eval_input)."""
     c = self.config
+    progress.show_progress_by_default()
     if self.start_time is None:
       self.start_time = time.time()
     self.restore()
@@ -325,7 +411,7 @@ class Controller:
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,
                    c.train_steps)
-      self._measure_target = False  # it was measured (or not) when trained
+      self.measure_target = False  # it was measured (or not) when trained
       for fn in self.on_train_end:
         fn(step)
       return self.evaluate()
@@ -336,11 +422,11 @@ class Controller:
       step, last_saved = self._train_loops(iterator, step)
     finally:
       # A window past the last step, or a run that stopped inside it.
-      self._report_profile(self.profiler.maybe_stop(self.step, force=True),
-                           self.step)
+      self.report_profile(self.profiler.maybe_stop(self.step, force=True),
+                          self.step)
     if not self.loss_finite:
       raise NonFiniteLossError(
-          f"{self._non_finite_text()}; the run ended without saving a final "
+          f"{self.non_finite_text()}; the run ended without saving a final "
           "checkpoint or weights: lower learning_rate, set clip_norm, or "
           "train on from the last good checkpoint")
     if last_saved != step:
@@ -348,19 +434,23 @@ class Controller:
     self._record_target(step)
     for fn in self.on_train_end:
       fn(step)
-    if self.time_to_target is not None and self.last_eval is not None:
-      return self.last_eval  # stopped at the target: just evaluated
-    results = self.evaluate()
+    if self._last_eval_step == step and self.last_eval is not None:
+      results = self.last_eval  # stopped right after an evaluation
+    else:
+      results = self.evaluate()
     self._record_target(step)
-    if c.stop_at_accuracy is not None and self.time_to_target is None:
-      logging.info("target accuracy %.4f not reached in %d steps",
-                   c.stop_at_accuracy, step)
+    condition = c.stop_condition()
+    if condition is not None and self.time_to_target is None:
+      logging.info("target %s not reached in %d steps",
+                   f"accuracy {c.stop_at_accuracy:.4f}"
+                   if c.stop_when is None else condition, step)
     return results
 
   def _record_target(self, step):
     """The chief records a reached target beside the checkpoint at `step`."""
     results = self.last_eval
-    if self.time_to_target is None or not self._chief or results is None:
+    if (self.time_to_target is None or not self._chief or results is None
+        or self.config.stop_at_accuracy is None):
       return
     run_state.record_target(
         self.model_dir, step=step,
@@ -373,44 +463,81 @@ class Controller:
     """A plain dataset from `train_input`, checked and distributed."""
     if not isinstance(data, tf.data.Dataset):
       return data
-    batch_size = getattr(self.trainer, "global_batch_size", None)
-    if batch_size:
-      data = _check_batch_size(data, batch_size)
+    if isinstance(self.trainer, protocols.BatchSized):
+      data = _check_batch_size(data, self.trainer.global_batch_size)
     return self._distribute(data)
 
   def _pad_eval(self, data):
     """A plain eval dataset re-batched to the trainer's global batch, the
     last batch padded (`MaskedBatch`), for trainers that take masks."""
-    batch_size = getattr(self.trainer, "global_batch_size", None)
-    if (not batch_size or not hasattr(self.trainer, "run_eval_step")
+    evaluator = self.evaluator
+    if (not isinstance(evaluator, protocols.MaskedEvaluator)
         or isinstance(data.element_spec, MaskedBatch)):
       return data
+    batch_size = evaluator.global_batch_size
     return pad_batches(data.rebatch(batch_size), batch_size)
 
   def _distribute(self, data):
     """The trainer's `distribute_dataset` if it has one (a parameter-server
     coordinator evaluates plain datasets itself), else the strategy's."""
-    distribute = getattr(self.trainer, "distribute_dataset", None)
-    if distribute is None:
-      distribute = self.trainer.strategy.experimental_distribute_dataset
-    return distribute(data)
+    if isinstance(self.trainer, protocols.DatasetDistributing):
+      return self.trainer.distribute_dataset(data)
+    return self.trainer.strategy.experimental_distribute_dataset(data)
+
+  def _record_step_summaries(self):
+    """Whether a tf.summary call inside the step records (read in-graph,
+    at the step's default summary step)."""
+    every = self.config.summary_every
+    if not every:
+      return False
+    step = tf.summary.experimental.get_step()
+    return tf.equal(tf.math.floormod(tf.cast(step, tf.int64), every), 0)
 
   def _train(self, iterator, num_steps):
     """`trainer.train` as floats; a partial batch becomes a DataError."""
     try:
-      return {k: float(v) for k, v in
-              self.trainer.train(iterator, num_steps).items()}
+      with self.writer("train").as_default(self.trainer.global_step), (
+          tf.summary.record_if(self._record_step_summaries)):
+        return {k: float(v) for k, v in
+                self.trainer.train(iterator, num_steps).items()}
     except tf.errors.InvalidArgumentError as e:
       # A damaged shard or record (framework/data/integrity.py) first.
       error = integrity.data_error(e) or _partial_batch_error(
-          e, getattr(self.trainer, "global_batch_size", None))
+          e, self.trainer.global_batch_size
+          if isinstance(self.trainer, protocols.BatchSized) else None)
       if error is None:
         raise
       raise error from None
 
+  def _stop_requested_in_trainer(self):
+    """Whether `trainer.request_stop()` was called; clears it, so that the
+    trainer's later calls run their steps again."""
+    trainer = self.trainer
+    if not isinstance(trainer, protocols.Stoppable):
+      return False
+    if not bool(trainer.stop_requested.numpy()):
+      return False
+    trainer.stop_requested.assign(False)
+    return True
+
+  def _loop_outputs(self, metrics, num_steps, elapsed):
+    """The loop's metrics plus learning rate, speed and skipped steps."""
+    trainer = self.trainer
+    outputs = dict(metrics)
+    outputs["learning_rate"] = learning_rate(trainer.optimizer)
+    outputs["steps_per_second"] = num_steps / elapsed
+    if isinstance(trainer, protocols.BatchSized):
+      outputs["examples_per_second"] = (
+          num_steps * trainer.global_batch_size / elapsed)
+    if isinstance(trainer, protocols.SkipCounting) and (
+        protocols.nan_policy(trainer) == "skip"
+        or trainer.loss_scale is not None):
+      outputs["skipped_steps"] = float(trainer.skipped_steps.numpy())
+    return outputs
+
   def _train_loops(self, iterator, step):
     """Loops from `step` to `train_steps`; (last step, last saved step)."""
-    c, trainer = self.config, self.trainer
+    c = self.config
     last_saved = start_step = step
     start_time = time.time()
     while step < c.train_steps:
@@ -421,63 +548,39 @@ class Controller:
       elapsed = time.time() - loop_start
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
-      self._report_profile(self.profiler.maybe_stop(step), step)
-      self.loss_finite = math.isfinite(metrics["loss"])
-      self._last_loop = (step - num_steps + 1, step, metrics["loss"])
-      self._check_skipped_steps(step)
-      if not math.isfinite(metrics["loss"]) and trainer.nan_policy == "stop":
-        raise NonFiniteLossError(
-            f"loss is {metrics['loss']} in steps {step - num_steps + 1}.."
-            f"{step}; stopped without saving (latest good checkpoint: "
-            f"{self.checkpoints.latest or 'none'}); lower learning_rate, set "
-            "clip_norm, or use nan_policy=skip")
-      step_metrics = dict(metrics)
-      metrics["learning_rate"] = learning_rate(trainer.optimizer)
-      metrics["steps_per_second"] = num_steps / elapsed
-      if getattr(trainer, "global_batch_size", None):
-        metrics["examples_per_second"] = (
-            num_steps * trainer.global_batch_size / elapsed)
-      if getattr(trainer, "skipped_steps", None) is not None and (
-          trainer.nan_policy == "skip" or trainer.loss_scale is not None):
-        metrics["skipped_steps"] = float(trainer.skipped_steps.numpy())
+      watched = protocols.watched_metrics(metrics)
+      self.loss_finite = all(math.isfinite(v) for v in watched.values())
+      self._last_loop = (step - num_steps + 1, step, watched)
+      outputs = self._loop_outputs(metrics, num_steps, elapsed)
       if self._due(c.summary_every, step) or step == c.train_steps:
-        self.writer("train").scalars(step, metrics)
+        self.writer("train").scalars(step, outputs)
       if self._due(c.log_every, step) or step == c.train_steps:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: %s examples/s=%.1f ETA %s%s", step,
-            c.train_steps, " ".join(f"{k}={v:.4f}" for k, v in
-                                    sorted(step_metrics.items(),
-                                           key=lambda kv: kv[0] != "loss")),
-            metrics.get("examples_per_second", float("nan")),
+            "train step %d/%d: %s%s ETA %s%s", step, c.train_steps,
+            " ".join(f"{k}={v:.4f}" for k, v in
+                     sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
+            (f" examples/s={outputs['examples_per_second']:.1f}"
+             if "examples_per_second" in outputs else
+             f" steps/s={outputs['steps_per_second']:.2f}"),
             _format_seconds(eta),
-            f" skipped_steps={int(metrics['skipped_steps'])}"
-            if "skipped_steps" in metrics else "")
+            f" skipped_steps={int(outputs['skipped_steps'])}"
+            if "skipped_steps" in outputs else "")
+      for action in self.train_actions:
+        action(step, outputs)
+      for fn in self.on_loop_end:
+        fn(step)
       if self._due(c.checkpoint_every, step):
         self.save(step)  # skipped with a warning after a non-finite loss
         last_saved = step if self.loss_finite else last_saved
       if (self._due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
-      for fn in self.on_loop_end:
-        fn(step)
-      if self.time_to_target is not None:
+      if self._stop_requested_in_trainer():  # during the loop or after it
+        self.request_stop("trainer.request_stop()")
+      if self.stop_reason is not None:
+        logging.info("run ends at step %d of %d: %s", step, c.train_steps,
+                     self.stop_reason)
         break
     return step, last_saved
-
-  def _check_skipped_steps(self, step):
-    """NonFiniteLossError after `max_skipped_steps` skipped steps in a row
-    (nan_policy=skip), before anything of the diverged state is saved."""
-    trainer = self.trainer
-    if trainer.nan_policy != "skip":
-      return
-    in_a_row = int(trainer.consecutive_skips.numpy())
-    if in_a_row >= trainer.max_skipped_steps:
-      raise NonFiniteLossError(
-          f"{in_a_row} steps in a row were skipped (steps "
-          f"{step - in_a_row + 1}..{step}: non-finite loss or gradient; "
-          f"max_skipped_steps={trainer.max_skipped_steps}); stopped without "
-          f"saving (latest good checkpoint: "
-          f"{self.checkpoints.latest or 'none'}); lower learning_rate or "
-          "set clip_norm")

@@ -17,6 +17,8 @@ The state stays the optimizer's own slot variables, so checkpoints, Keras's
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
+
 
 def _handle(variable):
   """The resource handle of a Keras or tf variable (inside
@@ -27,14 +29,14 @@ def _handle(variable):
 def _adam(optimizer):
   def update(grad, var, learning_rate):
     dtype = var.dtype
-    index = optimizer._get_variable_index(var)  # pylint: disable=protected-access
+    index = _tf_internal.optimizer_variable_index(optimizer, var)
+    m, v = _tf_internal.adam_slots(optimizer, index)
     step = tf.cast(optimizer.iterations + 1, dtype)
     beta_1 = tf.cast(optimizer.beta_1, dtype)
     beta_2 = tf.cast(optimizer.beta_2, dtype)
     return tf.raw_ops.ResourceApplyAdam(
         var=var.handle,
-        m=_handle(optimizer._momentums[index]),  # pylint: disable=protected-access
-        v=_handle(optimizer._velocities[index]),  # pylint: disable=protected-access
+        m=_handle(m), v=_handle(v),
         beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step),
         lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
         epsilon=tf.cast(optimizer.epsilon, dtype),
@@ -49,7 +51,7 @@ def _sgd(optimizer):
     if optimizer.momentum == 0:
       return tf.raw_ops.ResourceApplyGradientDescent(
           var=var.handle, alpha=learning_rate, delta=grad)
-    index = optimizer._get_variable_index(var)  # pylint: disable=protected-access
+    index = _tf_internal.optimizer_variable_index(optimizer, var)
     # accum = momentum * accum - lr * grad; var += accum (Keras's SGD).
     return tf.raw_ops.ResourceApplyKerasMomentum(
         var=var.handle, accum=_handle(optimizer.momentums[index]),

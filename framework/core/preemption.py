@@ -10,7 +10,7 @@ nothing.
   training loop when the signal comes, where no Python signal handler can
   run. A watcher thread, woken through `signal.set_wakeup_fd`, sets the
   trainer's stop flag, which the in-graph loop reads before every step: the
-  loop ends after the current step, and the loop-end hook saves and exits.
+  loop ends after the current step, and the train action saves and exits.
 - MultiWorkerMirroredStrategy: the save is a collective, so all workers must
   save at the same step although only one got the signal (TensorFlow's
   collective runtime keeps the other workers unaware). TensorFlow's
@@ -18,18 +18,20 @@ nothing.
   service, at a loop end (a loop is not cut short: its collectives need every
   worker); distloop's checkpoint manager does the save. Ctrl-C is turned
   into a SIGTERM for that handler.
-- Parameter server: the coordinator's loop-end hook saves and exits.
+- Parameter server: the coordinator's train action saves and exits.
 """
 
 import os
 import signal
 import sys
 import threading
+from typing import Any, Callable
 
 from absl import logging
 import tensorflow as tf
 
 from framework.distribute import strategies
+from framework.core import protocols
 from framework.core import run_lock
 
 # Exit status after a preemption checkpoint: "relaunch me to resume".
@@ -102,7 +104,7 @@ class _Interrupts:
 
 class _LocalPreemption:
   """SIGTERM or SIGINT -> stop the in-graph loop after its current step;
-  the loop-end hook then saves and exits. Once training is over (its final
+  the train action then saves and exits. Once training is over (its final
   checkpoint saved: the final evaluation and export run), the process
   exits at once with EXIT_PREEMPTED; relaunching does those again."""
 
@@ -128,9 +130,8 @@ class _LocalPreemption:
         self._exit_after_training()
       logging.info("%s received: saving a checkpoint after the current step "
                    "(Ctrl-C again to quit without saving)", self.received)
-      request_stop = getattr(self.controller.trainer, "request_stop", None)
-      if request_stop is not None:
-        request_stop()
+      if isinstance(self.controller.trainer, protocols.Stoppable):
+        self.controller.trainer.request_stop()
 
   def train_ended(self, step):
     """Training is over and its checkpoint at `step` saved (or restored)."""
@@ -151,7 +152,7 @@ class _LocalPreemption:
     run_lock.release_all()
     os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
 
-  def __call__(self, step):
+  def __call__(self, step, outputs=None):
     if self.received:
       # Controller.save skips the save after a non-finite loss.
       _exit(step, saved=self.controller.save(step) is not None, at_once=True)
@@ -200,7 +201,7 @@ class _MultiWorkerPreemption:
   def _save(self, step):
     self.controller.checkpoints.save(step)
 
-  def __call__(self, step):
+  def __call__(self, step, outputs=None):
     self._step = step
     self.handler.save_checkpoint_if_preempted(step)
 
@@ -227,12 +228,13 @@ def guard_start(program):
   _watch_signals(on_signal, (signal.SIGTERM,))
 
 
-def install(controller):
+def install(controller: Any) -> Callable[[int, Any], None]:
   """Makes `controller` save and exit with EXIT_PREEMPTED on SIGTERM or a
   first SIGINT (a second SIGINT exits at once with EXIT_INTERRUPTED).
 
   Call after creating the controller and before `controller.run()`.
-  Returns the loop-end hook (also appended to `controller.on_loop_end`).
+  Returns the train action `fn(step, outputs)` (also appended to
+  `controller.train_actions`).
   """
   strategy = controller.trainer.strategy
   if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
@@ -240,5 +242,9 @@ def install(controller):
     hook = _MultiWorkerPreemption(controller)
   else:
     hook = _LocalPreemption(controller)
-  controller.on_loop_end.append(hook)
+  controller.train_actions.append(hook)
   return hook
+
+
+# The public name (`framework.install_preemption_handler`).
+install_preemption_handler = install

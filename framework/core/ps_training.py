@@ -26,6 +26,7 @@ Evaluation runs on the coordinator.
 
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.data import inputs
 from framework.errors import ConfigError
 
@@ -205,7 +206,7 @@ def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
   if hasattr(dataset, "per_worker_train_dataset_fn"):
     # Files (framework/data/file_input.py): worker i streams its own shards.
     # Set when the strategy connects (its public `cluster_resolver` is None).
-    num_workers = trainer.strategy._num_workers  # pylint: disable=protected-access
+    num_workers = _tf_internal.num_workers(trainer.strategy)
 
     def train_input(start_step):
       return coordinated.per_worker_dataset(

@@ -1,8 +1,8 @@
 """TensorBoard writers: only the chief writes; values arrive already reduced."""
 
-import os
-
+import contextlib
 import numbers
+import os
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
@@ -15,6 +15,11 @@ class SummaryWriter:
     self.logdir = os.path.join(model_dir, name)
     self._writer = (tf.summary.create_file_writer(self.logdir) if enabled
                     else tf.summary.create_noop_writer())
+
+  def as_default(self, step=None):
+    """A context with this writer as the default for `tf.summary` calls
+    (e.g. those inside a train step), at `step` (an int or a variable)."""
+    return self._writer.as_default(step=step)
 
   def scalars(self, step, values):
     with self._writer.as_default(step=step):
@@ -50,6 +55,21 @@ class SummaryWriter:
 
   def close(self):
     self._writer.close()
+
+
+@contextlib.contextmanager
+def default_step(step):
+  """`step` as the default step of `tf.summary` calls inside the context
+  (restored after it, so that a traced tensor never leaks out), and their
+  tags as written: without the name scope of an enclosing in-graph loop
+  (`while/`), which `tf.summary` would otherwise put in front."""
+  previous = tf.summary.experimental.get_step()
+  tf.summary.experimental.set_step(step)
+  try:
+    with tf.compat.v1.name_scope(None):
+      yield
+  finally:
+    tf.summary.experimental.set_step(previous)
 
 
 def markdown_table(values):

@@ -39,7 +39,9 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.core import communication
+from framework.core import summaries
 from framework.core import tta
 from framework.core.config import NAN_POLICIES
 from framework.data.inputs import MaskedBatch
@@ -461,7 +463,7 @@ class Trainer:
     """
     optimizer = self.optimizer
     weight_decay = getattr(optimizer, "weight_decay", None)
-    if weight_decay and optimizer._use_weight_decay(var):  # pylint: disable=protected-access
+    if weight_decay and _tf_internal.uses_weight_decay(optimizer, var):
       var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
     # One kernel per variable instead of Keras's chain of element-wise ops.
     # Chosen while tracing, from the optimizer the trainer has now (the
@@ -525,7 +527,11 @@ class Trainer:
 
   def _one_step(self, iterator):
     self._applied_in_trace = False
-    per_replica = self.strategy.run(self.train_step, args=(next(iterator),))
+    # tf.summary calls inside the step record at the step it ends at (the
+    # Controller's train/ scalars use the same numbering).
+    with summaries.default_step(self.global_step + 1):
+      per_replica = self.strategy.run(self.train_step,
+                                      args=(next(iterator),))
     if not self._applied_in_trace and (self.ema is not None
                                        or self.nan_policy == "skip"):
       # Raised by `train` once traced (autograph would re-wrap it here).

@@ -40,25 +40,17 @@ def configure_coordination_service(config=None, *,
   `heartbeat_timeout` seconds to notice a dead peer. A no-op without
   TF_CONFIG or when TensorFlow is already configured.
   """
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-  from tensorflow.python.distribute import multi_worker_util
-  from tensorflow.python.eager import context
-  # pylint: enable=g-import-not-at-top
+  from framework import _tf_internal  # pylint: disable=g-import-not-at-top
   config = config or parse_tf_config()
-  if config is None or context.context().coordination_service is not None:
+  if config is None or _tf_internal.coordination_service_configured():
     return
   spec = _cluster_spec(config)
   if config["task"]["type"] not in ("chief", "worker"):
     return
-  jobs = [coordination_config_pb2.CoordinatedJob(
-      name=job, num_tasks=spec.num_tasks(job))
-          for job in ("chief", "worker") if job in spec.jobs]
-  context.context().configure_coordination_service(
-      service_type="standalone",
-      service_leader=multi_worker_util.coordination_leader(spec),
-      heartbeat_timeout_in_ms=int(heartbeat_timeout * 1000),
-      coordinated_jobs=jobs)
+  jobs = {job: spec.num_tasks(job)
+          for job in ("chief", "worker") if job in spec.jobs}
+  _tf_internal.configure_coordination_service(
+      spec, jobs, int(heartbeat_timeout * 1000))
 
 
 def run_server(config=None):

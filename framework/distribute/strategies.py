@@ -8,6 +8,7 @@ of hanging in gRPC.
 """
 
 import os
+from typing import Optional
 
 import tensorflow as tf
 
@@ -17,7 +18,7 @@ from framework.distribute.tf_config import parse_tf_config, require_tf_config
 from framework.errors import ConfigError, check_choice, check_positive
 
 
-def configure_cpu_devices(num_devices):
+def configure_cpu_devices(num_devices: int) -> None:
   """Splits the host CPU into `num_devices` logical devices.
 
   Must run before TensorFlow initialises its devices (before any op runs or
@@ -48,7 +49,8 @@ def tpu_cluster_resolver(tpu):
 _LOCAL_STRATEGIES = {}
 
 
-def make_strategy(name, *, tpu=None):
+def make_strategy(name: str, *,
+                  tpu: Optional[str] = None) -> tf.distribute.Strategy:
   """Returns the `tf.distribute.Strategy` called `name`.
 
   Local strategies are created once per process and reused: two

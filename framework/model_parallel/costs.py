@@ -17,6 +17,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.model_parallel.choices import BALANCES  # pylint: disable=unused-import
 from framework.perf.flops import call_training_flops
 
@@ -85,5 +86,5 @@ def layer_costs(layers, balance="flops"):
   """Per-layer cost of a built `keras.Sequential`'s layers, in order."""
   # Keras 3: a layer's node 0 is its call in the Sequential's functional
   # graph (built on an Input).
-  return node_costs([layer._inbound_nodes[0] for layer in layers],  # pylint: disable=protected-access
+  return node_costs([_tf_internal.inbound_nodes(layer)[0] for layer in layers],
                     balance)

@@ -20,6 +20,7 @@ model.
 
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.errors import ConfigError
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
@@ -50,8 +51,9 @@ def graph_nodes(model):
         f"pipeline parallelism needs a model with one input and one output; "
         f"{model.name} has {len(model.inputs)} and {len(model.outputs)}")
   nodes = []
-  for depth in sorted(model._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
-    for node in model._nodes_by_depth[depth]:  # pylint: disable=protected-access
+  by_depth = _tf_internal.nodes_by_depth(model)
+  for depth in sorted(by_depth, reverse=True):
+    for node in by_depth[depth]:
       if node.operation is not None and not node.is_input:
         nodes.append(node)
   seen = {}
@@ -101,8 +103,7 @@ def place_variables(layers, device):
       seen.add(id(variable))
       value = variable.value
       with tf.init_scope(), tf.device(device):
-        # pylint: disable-next=protected-access
-        variable._initialize(tf.identity(value))
+        _tf_internal.initialize_variable(variable, tf.identity(value))
 
 
 class GraphStage:

@@ -9,6 +9,7 @@ device.
 
 import re
 
+from framework import _tf_internal
 from framework.model_parallel.devices import short_device
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
@@ -19,7 +20,7 @@ def _operations(graph):
   for op in graph.get_operations():
     yield op
     if op.type in _CALL_OPS:
-      function = graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+      function = _tf_internal.graph_function(graph, op.get_attr("f").name)
       if function is not None and hasattr(function, "graph"):
         yield from _operations(function.graph)
 

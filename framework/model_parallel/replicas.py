@@ -15,13 +15,11 @@ on its device) and every copy applies the same update.
 """
 
 import tensorflow as tf
+
 # TensorFlow's collective all-reduce as a cross-device op (what
 # MultiWorkerMirroredStrategy uses; not exported under tf.distribute), its
 # keys, and PerReplica, the input type of tf.distribute's cross-device ops.
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.distribute import values as values_lib  # pylint: disable=g-direct-tensorflow-import
-
+from framework import _tf_internal
 from framework.errors import ConfigError
 from framework.model_parallel.devices import short_device
 
@@ -78,7 +76,7 @@ def _unpack(vector, like):
 
 # One set of keys per process: each stage's group of devices gets its own
 # group key, each all-reduce its own instance key.
-_COLLECTIVE_KEYS = cross_device_utils.CollectiveKeys()
+_COLLECTIVE_KEYS = _tf_internal.collective_keys()
 _COLLECTIVES = {}
 
 
@@ -86,10 +84,8 @@ def collective_all_reduce(devices):
   """TensorFlow's collective all-reduce over `devices` (one per group)."""
   key = tuple(devices)
   if key not in _COLLECTIVES:
-    _COLLECTIVES[key] = cross_device_ops_lib.CollectiveAllReduce(
-        devices=list(devices), group_size=len(devices),
-        options=tf.distribute.experimental.CommunicationOptions(),
-        collective_keys=_COLLECTIVE_KEYS)
+    _COLLECTIVES[key] = _tf_internal.collective_all_reduce(
+        devices, _COLLECTIVE_KEYS)
   return _COLLECTIVES[key]
 
 
@@ -114,8 +110,8 @@ def all_reduce_copies(per_copy, devices):
   # logical CPU devices of one process in TF 2.21; through
   # CollectiveAllReduce they complete.)
   summed = collective_all_reduce(devices).reduce(
-      SUM, values_lib.PerReplica(tuple(vectors)),
-      destinations=values_lib.PerReplica(tuple(vectors)))
+      SUM, _tf_internal.per_replica(vectors),
+      destinations=_tf_internal.per_replica(vectors))
   results = []
   for vector, device, grads in zip(summed.values, devices, per_copy):
     with tf.device(device), tf.name_scope("unpack_gradients/"):

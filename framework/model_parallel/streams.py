@@ -26,6 +26,8 @@ import contextlib
 
 import tensorflow as tf
 
+from framework import _tf_internal
+
 
 class _Block:
   """The ops of one `DeviceStreams.on` block; `first` marks urgent outputs."""
@@ -91,6 +93,6 @@ class DeviceStreams:
       if last is not None:
         # No public API adds a control input to an op that already exists
         # (the gradient ops are made inside tape.gradient).
-        op._add_control_input(last)  # pylint: disable=protected-access
+        _tf_internal.add_control_input(op, last)
       last = op
     self._last[(graph, key)] = last

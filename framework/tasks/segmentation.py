@@ -59,8 +59,24 @@ class SegmentationTrainer(ConfusionTrainer):
     return results
 
 
+class MaskSummaries:
+  """An eval action: writes (image, true mask, predicted mask) triplets of
+  `samples` under `eval/image_true_predicted` after each evaluation."""
+
+  def __init__(self, controller, samples):
+    self.controller = controller
+    self.samples = samples
+
+  def __call__(self, step, results):
+    images, masks = self.samples
+    self.controller.writer("eval").images(
+        step, TRIPLETS_TAG, triplets(self.controller.trainer.model, images,
+                                     masks), max_outputs=len(images))
+
+
 class SegmentationController(Controller):
-  """A Controller that also writes mask triplets with each evaluation.
+  """A Controller that also writes mask triplets with each evaluation (the
+  `MaskSummaries` eval action).
 
   Args:
     samples: (images uint8 [k, H, W, C], masks [k, H, W]) shown in
@@ -71,12 +87,5 @@ class SegmentationController(Controller):
   def __init__(self, *args, samples=None, **kwargs):
     super().__init__(*args, **kwargs)
     self.samples = samples
-
-  def evaluate(self):
-    results = super().evaluate()
-    if results is not None and self.samples is not None:
-      images, masks = self.samples
-      self.writer("eval").images(self.step, TRIPLETS_TAG,
-                              triplets(self.trainer.model, images, masks),
-                              max_outputs=len(images))
-    return results
+    if samples is not None:
+      self.eval_actions.insert(0, MaskSummaries(self, samples))

@@ -35,6 +35,7 @@ FLAGS = flags.FLAGS
 def measure():
   """One process: where a Trainer step's time goes, stage by stage."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework.data import inputs  # pylint: disable=g-import-not-at-top
   from framework.perf import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = common.load()
   batch, spl = FLAGS.global_batch_size, FLAGS.steps_per_loop
@@ -43,9 +44,9 @@ def measure():
   trainer = common.make_trainer(setup, strategy, batch)
   model, variables = setup.model, setup.model.trainable_variables
   augment = common.augmentation()
-  images, labels = next(iter(framework.train_dataset(dataset, batch,
+  images, labels = next(iter(inputs.train_dataset(dataset, batch,
                                                      augment=augment)))
-  source = framework.train_dataset(dataset, batch, augment=augment)
+  source = inputs.train_dataset(dataset, batch, augment=augment)
 
   @tf.function
   def input_only(iterator, n):
@@ -74,7 +75,7 @@ def measure():
     return total
 
   iterator = iter(source)
-  dist_iterator = iter(framework.distribute_train(strategy, dataset, batch,
+  dist_iterator = iter(inputs.distribute_train(strategy, dataset, batch,
                                                   augment=augment))
   stages = {
       "input pipeline": lambda: input_only(iterator, spl),

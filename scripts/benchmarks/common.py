@@ -84,14 +84,15 @@ def strategy_spec():
 def load():
   """This measurement process's framework, strategy and dataset."""
   import framework  # pylint: disable=g-import-not-at-top
+  from framework.data import datasets  # pylint: disable=g-import-not-at-top
   name, cpu_devices = strategy_spec()
   if cpu_devices:
     framework.configure_cpu_devices(cpu_devices)
   strategy = framework.make_strategy(name)
   if FLAGS.data_dir:
-    dataset = framework.load_cifar10(FLAGS.data_dir)
+    dataset = datasets.load_cifar10(FLAGS.data_dir)
   else:
-    dataset = framework.synthetic(num_train=8192, num_test=16)
+    dataset = datasets.synthetic(num_train=8192, num_test=16)
   return framework, strategy, dataset
 
 

@@ -61,6 +61,7 @@ def measure():
   """One process: Keras fit vs Trainer, alternating, plus FLOPs and peak."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework.data import inputs  # pylint: disable=g-import-not-at-top
   from framework.perf import flops, profiling  # pylint: disable=g-import-not-at-top
   framework, strategy, dataset = common.load()
   name, cpu_devices = common.strategy_spec()
@@ -80,7 +81,7 @@ def measure():
     return steps_per_execution
 
   fit_spe = compile_fit(spl)
-  fit_data = framework.train_dataset(dataset, batch)
+  fit_data = inputs.train_dataset(dataset, batch)
   fit_steps = (loops + 1) * spl  # +1: the first `spl` steps are not timed
 
   def run_fit():
@@ -96,11 +97,11 @@ def measure():
   if FLAGS.xla:
     trainer.compute_gradients = tf.function(trainer.compute_gradients,
                                             jit_compile=True)
-  iterator = iter(framework.distribute_train(strategy, dataset, batch))
+  iterator = iter(inputs.distribute_train(strategy, dataset, batch))
   # (C) the Trainer before fused updates: Keras's `update_step` per variable.
   unfused_side = common.Setup(strategy, dataset)
   unfused = common.make_trainer(unfused_side, strategy, batch, fused_updates=False)
-  unfused_iterator = iter(framework.distribute_train(strategy, dataset,
+  unfused_iterator = iter(inputs.distribute_train(strategy, dataset,
                                                      batch))
 
   # Warm-up: tracing, pipeline start, thread pools.

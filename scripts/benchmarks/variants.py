@@ -58,7 +58,8 @@ def _variant_trainer(framework, strategy, dataset, variant):
   batch = FLAGS.global_batch_size
   setup = common.Setup(strategy, dataset, precision, int(accum or 1))
   trainer = common.make_trainer(setup, strategy, batch)
-  return trainer, iter(framework.distribute_train(strategy, dataset, batch))
+  from framework.data import inputs  # pylint: disable=g-import-not-at-top
+  return trainer, iter(inputs.distribute_train(strategy, dataset, batch))
 
 
 def measure_memory():

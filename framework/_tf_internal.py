@@ -1,0 +1,159 @@
+"""Every private TensorFlow / Keras API distloop uses, in one place.
+
+Each function below reaches into TensorFlow 2.21 / Keras 3.15 internals
+because the public API lacks what it needs (the comment names what is
+missing). tests/test_tf_internal.py checks each against the pinned versions
+and fails naming the function when an upgrade moves one. Nothing else in
+framework/ imports `tensorflow.python`, `keras.src` or a private attribute of
+a TensorFlow or Keras object.
+"""
+
+# pylint: disable=protected-access,g-direct-tensorflow-import
+import importlib
+
+import tensorflow as tf
+
+# --- Keras optimizers (framework/core/fused_updates.py, trainer.py). ---------
+
+
+def optimizer_variable_index(optimizer, variable):
+  """The index of `variable` in the optimizer's per-variable slot lists.
+  Missing publicly: a slot lookup by variable (Keras 3's `variables` is one
+  flat list)."""
+  return optimizer._get_variable_index(variable)
+
+
+def adam_slots(optimizer, index):
+  """(first moment, second moment) of variable `index` of an Adam/AdamW.
+  Missing publicly: named slots (Keras 3 keeps them in private lists)."""
+  return optimizer._momentums[index], optimizer._velocities[index]
+
+
+def uses_weight_decay(optimizer, variable):
+  """Whether `optimizer`'s weight decay applies to `variable` (its
+  `exclude_from_weight_decay` lists). Missing publicly: the query."""
+  return optimizer._use_weight_decay(variable)
+
+
+# --- tf.distribute (core/ps_training.py, model_parallel/replicas.py). ---------
+
+
+def num_workers(strategy):
+  """The worker count of a connected ParameterServerStrategy. Missing
+  publicly: its `cluster_resolver` is None once connected."""
+  return strategy._num_workers
+
+
+def _distribute_module(name):
+  return importlib.import_module(f"tensorflow.python.distribute.{name}")
+
+
+def collective_all_reduce(devices, collective_keys):
+  """TensorFlow's CollectiveAllReduce over `devices` (one per group).
+  Missing publicly: a cross-device all-reduce over chosen devices outside a
+  strategy's replicas (tf.distribute only reduces over its own replicas)."""
+  return _distribute_module("cross_device_ops").CollectiveAllReduce(
+      devices=list(devices), group_size=len(devices),
+      options=tf.distribute.experimental.CommunicationOptions(),
+      collective_keys=collective_keys)
+
+
+def collective_keys():
+  """A fresh CollectiveKeys (group and instance keys of collectives).
+  Missing publicly: as for `collective_all_reduce`."""
+  return _distribute_module("cross_device_utils").CollectiveKeys()
+
+
+def per_replica(values):
+  """`values` as a PerReplica (one per device). Missing publicly: building
+  one outside a strategy's `run`."""
+  return _distribute_module("values").PerReplica(tuple(values))
+
+
+# --- Graphs (model_parallel/streams.py, placement.py). ------------------------
+
+
+def add_control_input(op, dependency):
+  """Makes the existing `op` run after `dependency`. Missing publicly:
+  `tf.control_dependencies` only applies to ops created inside it (the
+  gradient ops are created inside `tape.gradient`)."""
+  op._add_control_input(dependency)
+
+
+def graph_function(graph, name):
+  """The function `name` defined in `graph` (that a call op calls), or
+  None. Missing publicly: a FuncGraph's library lookup."""
+  return graph._get_function(name)
+
+
+# --- Keras functional models (model_parallel/, check/). -----------------------
+
+
+def nodes_by_depth(model):
+  """{depth: [keras node]} of a functional model (inputs deepest).
+  Missing publicly: the graph of layer calls (`model.operations` has no
+  edges)."""
+  return model._nodes_by_depth
+
+
+def inbound_nodes(layer):
+  """The layer's calls (keras nodes) in the functional graphs it is in.
+  Missing publicly: as for `nodes_by_depth`."""
+  return layer._inbound_nodes
+
+
+def flatten_layers(model):
+  """Every layer inside `model`, nested ones included (not the model).
+  Missing publicly: `model.layers` lists only the top level."""
+  return list(model._flatten_layers(include_self=False))
+
+
+def initialize_variable(variable, value):
+  """(Re)creates a Keras variable's backing tf.Variable from `value` under
+  the current device scope (to place it). Missing publicly: placing an
+  existing Keras variable on a device."""
+  variable._initialize(value)
+
+
+# --- Random ops (check/distribution_randomness.py). ---------------------------
+
+# The generated op modules whose functions the self-check wraps to make
+# random draws equal on N replicas and one device. Missing publicly: a hook
+# on op creation (tf.random and Keras call these module functions).
+_RANDOM_OP_MODULES = ("gen_random_ops", "gen_stateful_random_ops",
+                      "gen_stateless_random_ops",
+                      "gen_stateless_random_ops_v2")
+
+
+def random_op_module(name):
+  """The `tensorflow.python.ops.<name>` module (one of the random ones)."""
+  if name not in _RANDOM_OP_MODULES:
+    raise ValueError(f"{name} is not one of {_RANDOM_OP_MODULES}")
+  return importlib.import_module(f"tensorflow.python.ops.{name}")
+
+
+# --- The coordination service (distribute/cluster.py). ------------------------
+
+
+def coordination_service_configured():
+  """Whether this process's eager context has a coordination service.
+  Missing publicly: `tf.config` does not expose it."""
+  from tensorflow.python.eager import context
+  return context.context().coordination_service is not None
+
+
+def configure_coordination_service(spec, jobs, heartbeat_timeout_ms):
+  """Configures MultiWorkerMirroredStrategy's coordination service for
+  `jobs` (name -> task count) of cluster `spec`, as the strategy would, with
+  another heartbeat timeout. Missing publicly: the timeout (the strategy
+  hard-codes its own)."""
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+  from tensorflow.python.distribute import multi_worker_util
+  from tensorflow.python.eager import context
+  coordinated = [coordination_config_pb2.CoordinatedJob(name=n, num_tasks=k)
+                 for n, k in jobs.items()]
+  context.context().configure_coordination_service(
+      service_type="standalone",
+      service_leader=multi_worker_util.coordination_leader(spec),
+      heartbeat_timeout_in_ms=heartbeat_timeout_ms,
+      coordinated_jobs=coordinated)

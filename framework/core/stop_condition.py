@@ -1,0 +1,66 @@
+"""Early-stopping conditions: `SPLIT/METRIC OP VALUE` (TensorFlow-free, so
+that `LoopConfig` checks `stop_when` before TensorFlow loads)."""
+
+import dataclasses
+import math
+import operator
+import re
+from typing import Mapping
+
+from framework.errors import ConfigError
+
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt,
+        ">=": operator.ge}
+_CONDITION = re.compile(
+    r"^\s*(train|eval)/(\S+?)\s*(<=|>=|<|>)\s*([-+0-9.eEinfINFnaN]+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopCondition:
+  """`split/metric OP value`, e.g. `eval/loss<0.1`, `train/mae<=0.05`.
+
+  Attributes:
+    split: "train" (checked after every loop) or "eval" (after every
+      evaluation).
+    metric: a name the trainer returns (`accuracy` falls back to
+      `pixel_accuracy` for segmentation).
+    op: one of <, <=, >, >=.
+    value: the threshold.
+  """
+  split: str
+  metric: str
+  op: str
+  value: float
+
+  @classmethod
+  def parse(cls, text: str, name: str = "stop_when") -> "StopCondition":
+    """`text` as a condition; ConfigError naming `name` if it is not one."""
+    match = _CONDITION.match(text) if isinstance(text, str) else None
+    value = None
+    if match:
+      try:
+        value = float(match.group(4))
+      except ValueError:
+        pass
+    if value is None or not math.isfinite(value):
+      raise ConfigError(
+          f"{name}={text!r} must be SPLIT/METRIC OP VALUE with SPLIT train "
+          "or eval, OP one of < <= > >= and a finite VALUE (e.g. "
+          "eval/loss<0.1, eval/accuracy>=0.9)")
+    return cls(match.group(1), match.group(2), match.group(3), value)
+
+  def __str__(self):
+    return f"{self.split}/{self.metric}{self.op}{self.value:g}"
+
+  def metric_value(self, outputs: Mapping[str, float]) -> float:
+    """The watched value in `outputs`; ConfigError if there is none."""
+    for name in (self.metric, "pixel_accuracy") if (
+        self.metric == "accuracy") else (self.metric,):
+      if name in outputs:
+        return float(outputs[name])
+    raise ConfigError(
+        f"stop_when={self}: the {self.split} outputs have no "
+        f"{self.metric!r} (only {', '.join(sorted(outputs))})")
+
+  def met(self, outputs: Mapping[str, float]) -> bool:
+    return _OPS[self.op](self.metric_value(outputs), self.value)
