@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from absl import logging
+import keras
 import tensorflow as tf
 
 import models
