@@ -181,3 +181,26 @@ def test_train_py_on_tfrecords_whose_last_step_leaves_a_replica_empty(
       "--global_batch_size=16", "--train_steps=2", "--onednn=on",
       "--noexport_saved_model", f"--model_dir={tmp_path / 'run'}")
   assert re.findall(r"eval  step 2: .*examples=(\d+)", proc.stderr) == ["33"]
+
+
+@pytest.mark.slow
+def test_ten_thousand_tfrecord_examples_on_two_replicas_from_another_folder(
+    tmp_path):
+  # The reported case at its real size: 10,000 test examples in 8 shards,
+  # --global_batch_size=128 on 2 replicas (157 per-replica batches of 64,
+  # the last one of 16, so the last step had nothing for replica 1), with
+  # relative paths from a folder that is not the repository.
+  from framework.data.datasets import synthetic, write_cifar10
+  data = synthetic(num_train=256, num_test=10_000, seed=7)
+  write_cifar10(str(tmp_path / "cifar"), data.train_x, data.train_y,
+                data.test_x, data.test_y)
+  run_script("make_tfrecords.py", "--dataset=cifar10", "--data_dir=cifar",
+             "--output_dir=records", "--num_shards=8", cwd=tmp_path)
+  proc = run_script(
+      "train.py", "--model=cifar_cnn", "--dataset=tfrecord",
+      "--data_dir=records", "--strategy=mirrored", "--cpu_devices=2",
+      "--global_batch_size=128", "--train_steps=2", "--onednn=on",
+      "--noexport_saved_model", "--model_dir=runs/tfr", cwd=tmp_path,
+      timeout=600)
+  assert re.findall(r"eval  step 2: .*examples=(\d+)",
+                    proc.stderr) == ["10000"], proc.stderr[-3000:]
