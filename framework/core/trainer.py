@@ -32,8 +32,11 @@ when `request_stop` was called (preemption) or, under `nan_policy=skip`, once
 steps that ran.
 """
 
+from __future__ import annotations
+
 import contextlib
 import inspect
+from typing import Any, Callable, Mapping, Sequence
 
 from absl import logging
 import keras
@@ -55,7 +58,8 @@ STEP_FEATURES = {"grad_accum_steps": "gradient accumulation",
                  "loss_scale": "float16 loss scaling"}
 
 
-def sparse_categorical_loss(labels, logits):
+def sparse_categorical_loss(labels: tf.Tensor,
+                            logits: tf.Tensor) -> tf.Tensor:
   """Per-example (or per-pixel) cross-entropy from logits, in float32."""
   return keras.losses.sparse_categorical_crossentropy(
       labels, tf.cast(logits, tf.float32), from_logits=True)
@@ -113,11 +117,16 @@ class Trainer:
       implementation, wire dtype of the gradient all-reduce); None: defaults.
   """
 
-  def __init__(self, model, optimizer, strategy, *, global_batch_size,
-               loss_fn=sparse_categorical_loss, clip_norm=None,
-               nan_policy="stop", grad_accum_steps=1, loss_scale=None,
-               fused_updates=True, max_skipped_steps=10, ema_decay=None,
-               ema_warmup=False, eval_tta="none", all_reduce=None):
+  def __init__(self, model: keras.Model,
+               optimizer: keras.optimizers.Optimizer,
+               strategy: tf.distribute.Strategy, *, global_batch_size: int,
+               loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = (
+                   sparse_categorical_loss),
+               clip_norm: float | None = None, nan_policy: str = "stop",
+               grad_accum_steps: int = 1, loss_scale: Any = None,
+               fused_updates: bool = True, max_skipped_steps: int = 10,
+               ema_decay: float | None = None, ema_warmup: bool = False,
+               eval_tta: str = "none", all_reduce: Any = None) -> None:
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
@@ -182,7 +191,7 @@ class Trainer:
   train_step_handles = ()
 
   @property
-  def num_replicas(self):
+  def num_replicas(self) -> int:
     return self.strategy.num_replicas_in_sync
 
   def _check_step_features(self):
@@ -203,7 +212,8 @@ class Trainer:
 
   # --- The math: override these. -------------------------------------------
 
-  def compute_loss(self, batch):
+  def compute_loss(
+      self, batch: Any) -> tuple[tf.Tensor, Mapping[str, tf.Tensor]]:
     """(loss, metrics) of one (micro-)batch on this replica: the override
     point. See the class docstring; runs under the gradient tape."""
     features, labels = batch
@@ -211,7 +221,7 @@ class Trainer:
     return self.loss_fn(labels, logits), {
         "accuracy": self.correct(labels, logits)}
 
-  def train_step(self, batch):
+  def train_step(self, batch: Any) -> dict[str, tf.Tensor]:
     """One step on this replica's part of the global batch.
 
     Returns:
@@ -260,7 +270,8 @@ class Trainer:
       return tf.cast(value, tf.float32)
     return self.average(value)
 
-  def eval_step(self, batch, mask=None):
+  def eval_step(self, batch: Any,
+                mask: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
     """Sums over this replica's part of an evaluation batch.
 
     The one eval step of every task: `eval_logits` gives the outputs (TTA,
@@ -285,7 +296,8 @@ class Trainer:
       labels, logits = real_rows((labels, logits), mask)
     return self.eval_sums(labels, logits)
 
-  def eval_sums(self, labels, logits, mask=None):
+  def eval_sums(self, labels: tf.Tensor, logits: tf.Tensor,
+                mask: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
     """Loss and accuracy summed over the real examples (a per-pixel value
     is first averaged over its example's pixels), and their count.
 
@@ -317,11 +329,11 @@ class Trainer:
     _warn_no_mask(self.eval_step)
     return self.eval_step(batch if mask is None else real_rows(batch, mask))
 
-  def eval_logits(self, features):
+  def eval_logits(self, features: Any) -> tf.Tensor:
     """The model's outputs for evaluation (with `eval_tta` applied)."""
     return tta.eval_logits(self.model, features, self.eval_tta)
 
-  def eval_results(self, totals):
+  def eval_results(self, totals: Mapping[str, Any]) -> dict[str, float]:
     """Turns the summed `eval_step` outputs into the reported metrics."""
     count = totals["examples"]
     results = {k: v / count for k, v in totals.items() if k != "examples"}
@@ -350,15 +362,15 @@ class Trainer:
       metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
     return grads, metrics
 
-  def scale_loss(self, loss):
+  def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
     """`loss` times the float16 loss scale (unchanged without one)."""
     return loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
 
-  def unscale(self, grads):
+  def unscale(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """Reduced gradients divided by the loss scale (unchanged without one)."""
     return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
 
-  def average(self, values):
+  def average(self, values: tf.Tensor) -> tf.Tensor:
     """This replica's share of the global-batch mean of `values` [batch, ...]."""
     values = tf.cast(values, tf.float32)
     if values.shape.rank and values.shape.rank > 1:
@@ -367,24 +379,25 @@ class Trainer:
     return tf.nn.compute_average_loss(
         values, global_batch_size=self.global_batch_size)
 
-  def replica_share(self, value):
+  def replica_share(self, value: tf.Tensor) -> tf.Tensor:
     """`value / replicas`: a value equal on all replicas, as a SUM-able share."""
     return tf.cast(value, tf.float32) / self.num_replicas
 
   @staticmethod
-  def correct(labels, logits):
+  def correct(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     """1.0 where the arg-max class equals the label, else 0.0."""
     predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
     return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
 
-  def all_reduce(self, values):
+  def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """SUM of `values` (a nest of tensors) over all replicas, in one call."""
     context = tf.distribute.get_replica_context()
     if context is None or self.num_replicas == 1:
       return values
     return communication.all_reduce_sum(context, values, self.communication)
 
-  def clip_by_global_norm(self, grads):
+  def clip_by_global_norm(
+      self, grads: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
     """(grads clipped to `clip_norm`, their global norm before clipping)."""
     norm = tf.linalg.global_norm(grads)
     if self.clip_norm is None:
@@ -392,7 +405,8 @@ class Trainer:
     clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
     return clipped, norm
 
-  def apply_gradients(self, grads, variables=None):
+  def apply_gradients(self, grads: Sequence[tf.Tensor],
+                      variables: Sequence[tf.Variable] | None = None) -> Any:
     """Applies already all-reduced `grads` once (call from `train_step`).
 
     Unlike Keras's `optimizer.apply_gradients`, this never all-reduces: it
@@ -412,19 +426,19 @@ class Trainer:
       return self._update(self.strategy, grads, variables, finite)
     return context.merge_call(self._update, args=(grads, variables, finite))
 
-  def request_stop(self):
+  def request_stop(self) -> None:
     """Makes a running (or the next) training loop end after its current
     step; thread-safe, so a signal watcher thread may call it while the
     main thread is inside `train`. Under a multi-worker strategy, only call
     it on every worker at once (the loop's collectives need all of them)."""
     self.stop_requested.assign(True)
 
-  def export_model(self):
+  def export_model(self) -> keras.Model:
     """The trained model as one plain Keras model (for weights files and
     exports); model-parallel trainers reassemble their split here."""
     return self.model
 
-  def sync_replica_state(self):
+  def sync_replica_state(self) -> None:
     """Averages per-replica non-trainable state (BatchNorm moving statistics).
 
     Keras 3 creates such variables with aggregation NONE, so each replica
@@ -563,7 +577,7 @@ class Trainer:
       steps += 1
     return {k: v / tf.cast(steps, v.dtype) for k, v in totals.items()}
 
-  def train(self, iterator, num_steps):
+  def train(self, iterator: Any, num_steps: int) -> dict[str, Any]:
     """Runs `num_steps` steps in one graph call; returns their mean metrics.
 
     Fewer steps run when a stop was requested or, under `nan_policy=skip`,
@@ -595,7 +609,7 @@ class Trainer:
     return self.ema.swapped() if self.ema is not None else (
         contextlib.nullcontext())
 
-  def evaluate(self, distributed_dataset):
+  def evaluate(self, distributed_dataset: Any) -> dict[str, Any]:
     """Evaluates over the whole dataset (`MaskedBatch`es: padding rows
     left out of every sum; plain batches: every row), with the EMA weights
     when there is an EMA."""
