@@ -50,6 +50,8 @@ from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()
 from absl import flags
 
+from framework.data import tfrecord_set  # pylint: disable=g-import-not-at-top
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("work_dir", None, "A fresh folder is made (and deleted) "
                     "in here; default: the system's temporary folder.")
@@ -120,6 +122,8 @@ def _run(name, script, args, logs):
 
 
 def _train_bytes(data_dir):
+  # The converter publishes each generation in its own folder.
+  data_dir = tfrecord_set.resolve(data_dir)
   return sum(os.path.getsize(os.path.join(data_dir, name))
              for name in os.listdir(data_dir)
              if name.startswith("train-") and name.endswith(".tfrecord"))
