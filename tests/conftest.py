@@ -19,3 +19,23 @@ import framework  # pylint: disable=g-import-not-at-top
 NUM_CPU_DEVICES = 2
 framework.configure_cpu_devices(NUM_CPU_DEVICES)
 tf.config.experimental.enable_op_determinism()
+
+
+import pytest  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+
+@pytest.fixture(autouse=True)
+def _absl_verbosity(request):
+  """Each test starts from the same absl verbosity and leaves it as found.
+
+  Parsing absl flags in-process (config tests, the documented-commands
+  harness, a module that parses at import) sets absl's logger to WARNING
+  (--verbosity=-1), which hid later tests' INFO lines from `caplog`: a test
+  that reads the log sees absl INFO whatever ran before it.
+  """
+  before = absl_logging.get_verbosity()
+  if "caplog" in request.fixturenames:
+    absl_logging.set_verbosity(absl_logging.INFO)
+  yield
+  absl_logging.set_verbosity(before)

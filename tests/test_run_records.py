@@ -69,6 +69,7 @@ def test_a_run_finished_at_its_target_stays_finished(tmp_path, caplog):
   before = sorted(os.listdir(model_dir))
   eval_events = sorted(os.listdir(model_dir / "eval"))
   caplog.set_level(logging.INFO)
+  caplog.clear()
   results = experiment.run(config)  # the same settings: nothing to do
   assert results == record["metrics"]
   assert "Already finished: accuracy" in caplog.text
