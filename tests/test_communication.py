@@ -18,6 +18,7 @@ from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g
 import framework
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 import models
+from framework.core import communication
 from framework.core.communication import AllReduceConfig
 from framework.errors import ConfigError
 from test_trainer import data, max_diff, train  # pylint: disable=unused-import
@@ -70,6 +71,32 @@ def test_packing_and_implementation_give_today_s_weights(data):
   weights, _ = train(packed, data)
   assert max_diff(reference, weights) <= 1e-6
   assert max_diff(initial, weights) > 1e-3  # the weights moved
+
+
+@pytest.mark.parametrize("strategy_fn", [
+    collective_strategy, lambda: framework.make_strategy("mirrored")],
+    ids=["collective", "mirrored"])
+def test_overlap_gives_today_s_weights_bucket_by_bucket(data, strategy_fn):
+  default = make_trainer(strategy_fn())
+  overlapped = make_trainer(strategy_fn(), AllReduceConfig(
+      overlap=True, bytes_per_pack=1024))
+  initial = [v.numpy() for v in overlapped.model.trainable_variables]
+  if strategy_fn is collective_strategy:
+    # 6 gradients of 3072, 64, 1024, 64, 640, 40 bytes, last first: the
+    # buckets [40, 640, 64, 1024] and [64, 3072].
+    assert collective_reduces(overlapped) == 2
+  reference, _ = train(default, data)
+  weights, _ = train(overlapped, data)
+  assert max_diff(reference, weights) <= 1e-6
+  assert max_diff(initial, weights) > 1e-3  # the weights moved
+
+
+def test_gradient_buckets_go_last_layer_first():
+  grads = [tf.zeros([256]), tf.zeros([4]), tf.zeros([256]), tf.zeros([4])]
+  assert communication.gradient_buckets(grads, 1024) == [[3, 2], [1, 0]]
+  assert communication.gradient_buckets(grads, 1 << 20) == [[3, 2, 1, 0]]
+  assert communication.gradient_buckets(grads, 1) == [[3], [2], [1], [0]]
+  assert communication.gradient_buckets(grads, 2000) == [[3, 2, 1, 0]]
 
 
 def test_bfloat16_reduction_is_float32_within_its_rounding(data):

@@ -287,7 +287,7 @@ with open(os.path.join(ROOT, "tests", "data", "configs_before.json")) as f:
   BEFORE = json.load(f)
 _ABSENT = "<absent>"
 # Settings added after the fixture was written, at their defaults.
-NEW_DEFAULTS = {"loop.stop_when": None}
+NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False}
 
 
 def _flat(value, prefix=""):

@@ -212,6 +212,10 @@ class AllReduceConfig:
     implementation: one of ALL_REDUCE_IMPLEMENTATIONS.
     dtype: one of ALL_REDUCE_DTYPES: the dtype float32 gradients have on
       the wire.
+    overlap: one all-reduce per bucket of gradients, in backward order, so
+      that each bucket goes out while the backward pass is still computing
+      the earlier layers' gradients (buckets of `bytes_per_pack` bytes, or
+      OVERLAP_BUCKET_BYTES where that is 0).
   """
   bytes_per_pack: int = setting(
       0, "Pack the gradients into all-reduces of about this many bytes each "
@@ -225,6 +229,11 @@ class AllReduceConfig:
       "float32", "dtype of the gradients on the wire: bfloat16 halves the "
       "bytes; the update is applied in float32.", flag="all_reduce_dtype",
       choices=ALL_REDUCE_DTYPES)
+  overlap: bool = setting(
+      False, "One all-reduce per bucket of gradients (--all_reduce_bytes_per_"
+      "pack bytes, 1 MiB if 0), last layer first, each issued as soon as its "
+      "gradients exist, so communication overlaps the rest of the backward "
+      "pass; any strategy.", flag="all_reduce_overlap")
 
   def __post_init__(self):
     check_settings(self)

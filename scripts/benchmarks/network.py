@@ -11,8 +11,9 @@ directions by `tc` (tbf; no added delay). Modes:
   ps:    parameter server: chief + 2 workers + 1 ps;
   split: the 5 + 5 tensor split of the MLP's 10 hidden units over 2 worker
          hosts (`--model_parallel_devices=cluster`, chief runs the loop).
-`--knobs` adds, at each of --knob_rates (10gbit), MWMS with --all_reduce_dtype=bfloat16 and with
---all_reduce_bytes_per_pack=1048576. A compute-only baseline (one process,
+`--knobs` adds, at each of --knob_rates (10gbit), MWMS with
+--all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576 and
+with --all_reduce_overlap. A compute-only baseline (one process,
 one core, one worker's half of the batch, no network) comes first.
 
 For each run it prints examples/s and the bytes on the wire per step (the
@@ -180,7 +181,8 @@ def main(argv):
   if FLAGS.knobs and "mwms" in FLAGS.modes:
     runs += [("mwms", rate, knob) for rate in FLAGS.knob_rates for knob in (
         ("--all_reduce_dtype=bfloat16",),
-        ("--all_reduce_bytes_per_pack=1048576",))]
+        ("--all_reduce_bytes_per_pack=1048576",),
+        ("--all_reduce_overlap",))]
   print(f"model={FLAGS.model} {' '.join(FLAGS.extra)} (split: mlp 5+5) "
         f"global_batch_size="
         f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
