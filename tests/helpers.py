@@ -7,21 +7,52 @@ import socket
 import subprocess
 import sys
 
+import zygote_client
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT):
+def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
+               fresh=False):
   """Runs `python scripts/<script> args...` in `cwd` (default: the
-  repository); returns the CompletedProcess."""
+  repository) in a process of its own; returns the CompletedProcess.
+
+  The process is forked from a zygote that has TensorFlow imported
+  (tests/zygote.py) unless `fresh`, or the run changes what TensorFlow reads
+  when it loads (see `_needs_fresh_interpreter`): then it is a new
+  interpreter.
+  """
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env = {k: v for k, v in full_env.items() if v is not None}
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", script), *args],
-      cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+  path = os.path.join(ROOT, "scripts", script)
+  if fresh or _needs_fresh_interpreter(args, full_env):
+    proc = subprocess.run(
+        [sys.executable, path, *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True,
+        timeout=timeout)
+  else:
+    proc = zygote_client.run(path, list(args), cwd=str(cwd), env=full_env,
+                             timeout=timeout)
   if check and proc.returncode != 0:
     raise AssertionError(f"{script} {' '.join(args)} exited "
                          f"{proc.returncode}:\n{proc.stderr[-4000:]}")
   return proc
+
+
+# Read by TensorFlow (or Python) when it loads: a forked run would keep the
+# zygote's values.
+_LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
+                  "TF_ENABLE_ONEDNN_OPTS", "CUDA_VISIBLE_DEVICES",
+                  "PYTHONHASHSEED", "PYTHONWARNINGS")
+
+
+def _needs_fresh_interpreter(args, env):
+  if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
+    return True
+  if any(a.startswith(("--onednn", "--helpfull")) for a in args):
+    return True
+  return any(env.get(name) != zygote_client.environ().get(name)
+             for name in _LOAD_TIME_ENV)
 
 
 def free_port():
