@@ -13,6 +13,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import helpers
+import zygote_client
 from framework.distribute import cluster as cluster_lib
 from framework.distribute import launcher
 
@@ -28,12 +30,23 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
 def start_task(cluster, role, index, args, log_path):
   """Starts `train.py args` as task role:index; output goes to `log_path`."""
   env = dict(ENV, TF_CONFIG=launcher.tf_config(cluster, role, index))
-  with open(log_path, "ab") as log:
-    process = subprocess.Popen(TRAIN + list(args), env=env, cwd=ROOT,
-                               stdout=log, stderr=subprocess.STDOUT)
+  if helpers.needs_fresh_interpreter(args, env):
+    with open(log_path, "ab") as log:
+      process = subprocess.Popen(TRAIN + list(args), env=env, cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT)
+  else:  # forked from the zygote (tests/zygote.py): no TensorFlow import
+    process = zygote_client.popen(TRAIN[1], args, cwd=ROOT, env=env,
+                                  stdout=log_path, stderr="STDOUT",
+                                  append=True)
   process.log_path = log_path  # failure messages quote its tail
   process.task = f"{role}:{index}"
   return process
+
+
+def run_train(args, timeout):
+  """`python scripts/train.py args` to its end (forked from the zygote
+  where it can be); the CompletedProcess (text output)."""
+  return helpers.run_script("train.py", *args, timeout=timeout, check=False)
 
 
 def log_tail(process, chars=3000):

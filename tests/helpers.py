@@ -19,13 +19,13 @@ def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
 
   The process is forked from a zygote that has TensorFlow imported
   (tests/zygote.py) unless `fresh`, or the run changes what TensorFlow reads
-  when it loads (see `_needs_fresh_interpreter`): then it is a new
+  when it loads (see `needs_fresh_interpreter`): then it is a new
   interpreter.
   """
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env = {k: v for k, v in full_env.items() if v is not None}
   path = os.path.join(ROOT, "scripts", script)
-  if fresh or _needs_fresh_interpreter(args, full_env):
+  if fresh or needs_fresh_interpreter(args, full_env):
     proc = subprocess.run(
         [sys.executable, path, *args],
         cwd=cwd, env=full_env, capture_output=True, text=True,
@@ -46,7 +46,9 @@ _LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
                   "PYTHONHASHSEED", "PYTHONWARNINGS")
 
 
-def _needs_fresh_interpreter(args, env):
+def needs_fresh_interpreter(args, env):
+  """Whether `python script args` under `env` must be a new interpreter
+  rather than a fork of the zygote."""
   if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
     return True
   if any(a.startswith(("--onednn", "--helpfull")) for a in args):

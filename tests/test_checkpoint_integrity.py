@@ -189,11 +189,8 @@ def test_orphan_cleanup_keeps_user_files(run_dir):
 
 
 def test_empty_model_dir_is_one_line(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *COMMON,
-       "--model_dir=", "--train_steps=2"], cwd=tmp_path,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
-      text=True, timeout=300)
+  proc = run_script("train.py", *COMMON, "--model_dir=", "--train_steps=2",
+                    cwd=tmp_path, check=False)
   assert_one_line_error(proc, "model_dir=''")
   assert not os.listdir(tmp_path)
 
@@ -272,6 +269,9 @@ def test_disk_full_keeps_the_previous_weights(run_dir, tmp_path):
 
 
 def _train_with(model_dir, *args, preexec_fn=None):
+  if preexec_fn is None:
+    return run_script("train.py", *COMMON, f"--model_dir={model_dir}", *args,
+                      check=False)
   return subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *COMMON,
        f"--model_dir={model_dir}", *args], cwd=ROOT,

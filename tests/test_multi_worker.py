@@ -71,11 +71,10 @@ def test_two_workers_equal_one_process_with_two_replicas(reference, tmp_path):
   assert "Socket closed" not in output, output[-3000:]
   # The same global batches on 2 replicas in one process: the same weights.
   single = str(tmp_path / "mirrored")
-  proc = subprocess.run(
-      cu.TRAIN + cu.MLP + ["--strategy=mirrored", "--cpu_devices=2",
-                           "--checkpoint_every=5", f"--train_steps={STEPS}",
-                           f"--model_dir={single}"],
-      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=900)
+  proc = cu.run_train(
+      cu.MLP + ["--strategy=mirrored", "--cpu_devices=2",
+                "--checkpoint_every=5", f"--train_steps={STEPS}",
+                f"--model_dir={single}"], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [single_digest] = re.findall(r"final weights sha256=(\w+)", proc.stderr)
   assert cu.global_step(single) == STEPS

@@ -161,9 +161,9 @@ def test_one_worker_equals_one_device_on_full_batches(tmp_path):
   proc = cu.launch(flags + ["--strategy=parameter_server",
                             f"--model_dir={ps_dir}"], workers=1, ps=1)
   assert proc.returncode == 0, proc.stdout[-4000:]
-  single = subprocess.run(
-      cu.TRAIN + flags + ["--strategy=default", f"--model_dir={single_dir}"],
-      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=900)
+  single = cu.run_train(
+      flags + ["--strategy=default", f"--model_dir={single_dir}"],
+      timeout=900)
   assert single.returncode == 0, single.stderr[-3000:]
   for model_dir in (ps_dir, single_dir):
     assert cu.global_step(model_dir) == 20

@@ -96,15 +96,13 @@ def test_signal_mid_loop_saves_that_step_and_resumes_exactly(tmp_path,
   assert f"Preempted: checkpoint saved at step {saved}" in run.stderr
   # Relaunched, it resumes there and ends where a straight run ends.
   end = saved + 7
-  resumed = subprocess.run(
-      cu.TRAIN + MLP + [f"--train_steps={end}", f"--model_dir={model_dir}"],
-      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=300)
+  resumed = cu.run_train(
+      MLP + [f"--train_steps={end}", f"--model_dir={model_dir}"], timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"Restored checkpoint {model_dir}/ckpt-{saved}" in resumed.stderr
-  straight = subprocess.run(
-      cu.TRAIN + MLP + [f"--train_steps={end}",
-                        f"--model_dir={tmp_path / 'straight'}"],
-      cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=300)
+  straight = cu.run_train(
+      MLP + [f"--train_steps={end}", f"--model_dir={tmp_path / 'straight'}"],
+      timeout=300)
   assert straight.returncode == 0, straight.stderr[-3000:]
   assert final_digest(resumed.stderr) == final_digest(straight.stderr)
 

@@ -58,3 +58,35 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
   assert zygote_client.run(str(script), [], cwd=str(tmp_path),
                            env=zygote_client.environ(),
                            timeout=60).stdout == "again\n"
+
+
+def test_concurrent_runs_signals_and_a_shared_append_log(tmp_path):
+  sleeper = tmp_path / "sleep.py"
+  sleeper.write_text(
+      "import signal, sys, time\n"
+      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
+      "print('up', flush=True)\n"
+      "print('err', file=sys.stderr, flush=True)\n"
+      "time.sleep(600)\n")
+  log = tmp_path / "log"
+  log.write_text("before\n")
+  env = zygote_client.environ()
+  runs = [zygote_client.popen(str(sleeper), [], cwd=tmp_path, env=env,
+                              stdout=log, stderr="STDOUT", append=True)
+          for _ in range(3)]
+  assert len({r.pid for r in runs}) == 3
+  with pytest.raises(subprocess.TimeoutExpired):
+    runs[0].wait(timeout=0.5)
+  assert runs[0].poll() is None
+  # Wait until each has installed its handler and written its lines.
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + 60
+  while log.read_text().count("err") < 3 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  runs[0].terminate()
+  runs[1].kill()
+  runs[2].send_signal(15)
+  assert [r.wait(timeout=60) for r in runs] == [42, -9, 42]
+  text = log.read_text()
+  assert text.startswith("before\n")
+  assert text.count("up\n") == 3 and text.count("err\n") == 3

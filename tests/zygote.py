@@ -14,10 +14,11 @@ does every run when DISTLOOP_TEST_FRESH_PROCESSES=1.
 
 Protocol (one JSON object per line): a request on stdin
   {"script": path, "argv": [...], "cwd": ..., "env": {...},
-   "stdout": path, "stderr": path}
-is answered with {"pid": pid} when the run starts and
-{"pid": pid, "returncode": code} when it ends (negative: killed by that
-signal, as `subprocess` says).
+   "stdout": path, "stderr": path or "STDOUT", "append": bool}
+is answered with {"pid": pid} at once, and {"pid": pid, "returncode": code}
+when that run ends (negative: killed by that signal, as `subprocess`
+says); several runs can be under way. At end of input the zygote kills the
+runs still going and exits.
 """
 
 import json
@@ -26,32 +27,60 @@ import sys
 
 
 def _serve(requests, replies):
-  for line in requests:
-    request = json.loads(line)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-      requests.close()
-      replies.close()
-      _child(request)  # never returns
-    replies.write(json.dumps({"pid": pid}) + "\n")
-    replies.flush()
-    _, status = os.waitpid(pid, 0)
-    replies.write(json.dumps({"pid": pid, "returncode":
-                              os.waitstatus_to_exitcode(status)}) + "\n")
-    replies.flush()
+  import select  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  running = set()
+  buffered = ""
+  while True:
+    ready, _, _ = select.select([requests], [], [], 0.05)
+    if ready:
+      chunk = os.read(requests.fileno(), 1 << 16).decode()
+      if not chunk:
+        break
+      buffered += chunk
+      while "\n" in buffered:
+        line, buffered = buffered.split("\n", 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+          _child(json.loads(line), (requests, replies))  # never returns
+        running.add(pid)
+        _reply(replies, {"pid": pid})
+    for pid in list(running):
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        running.discard(pid)
+        _reply(replies, {"pid": pid,
+                         "returncode": os.waitstatus_to_exitcode(status)})
+  for pid in running:
+    try:
+      os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
 
 
-def _child(request):
+def _reply(replies, message):
+  replies.write(json.dumps(message) + "\n")
+  replies.flush()
+
+
+def _child(request, protocol):
   """Becomes `python <script> <argv...>`: never returns."""
   code = 1
   try:
+    for f in protocol:
+      f.close()
     os.setpgid(0, 0)  # the test can kill the run and whatever it started
+    write = os.O_WRONLY | os.O_CREAT | (
+        os.O_APPEND if request.get("append") else os.O_TRUNC)
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY),
-                           (1, request["stdout"], os.O_WRONLY | os.O_TRUNC),
-                           (2, request["stderr"], os.O_WRONLY | os.O_TRUNC)):
-      new = os.open(path, mode | (os.O_CREAT if fd else 0), 0o644)
+                           (1, request["stdout"], write),
+                           (2, request["stderr"], write)):
+      if path == "STDOUT":
+        os.dup2(1, fd)
+        continue
+      new = os.open(path, mode, 0o644)
       os.dup2(new, fd)
       os.close(new)
     os.chdir(request["cwd"])

@@ -1,10 +1,10 @@
 """The test process's end of tests/zygote.py: one zygote per test process,
-started on first use."""
+started on first use; `popen` and `run` are `subprocess.Popen` and
+`subprocess.run` for a Python script whose process is forked from it."""
 
 import atexit
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -12,9 +12,12 @@ import tempfile
 import threading
 
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+_requests = threading.Lock()  # one request and its pid reply at a time
 _lock = threading.Lock()
+_ended = threading.Condition(_lock)
 _zygote = None
 _environ = None
+_returncodes = {}  # pid -> exit status, as the zygote reports them
 
 
 def environ():
@@ -27,6 +30,8 @@ def _zygote_environ():
 
 
 def _start():
+  """Starts the zygote (under _lock) and the thread that reads its
+  replies."""
   global _zygote, _environ
   _environ = _zygote_environ()
   _zygote = subprocess.Popen(
@@ -36,7 +41,24 @@ def _start():
   if "ready" not in ready:
     raise RuntimeError(f"the test zygote did not start (exit "
                        f"{_zygote.poll()})")
+  threading.Thread(target=_read_replies, args=(_zygote,), daemon=True).start()
   atexit.register(_stop)
+
+
+def _read_replies(zygote):
+  for line in zygote.stdout:
+    reply = json.loads(line)
+    with _lock:
+      if "returncode" in reply:
+        _returncodes[reply["pid"]] = reply["returncode"]
+        _ended.notify_all()
+      else:  # a new run: a recycled pid's old status is not its status
+        _returncodes.pop(reply["pid"], None)
+        _started.append(reply["pid"])
+        _ended.notify_all()
+
+
+_started = []
 
 
 def _stop():
@@ -48,31 +70,78 @@ def _stop():
       _zygote.kill()
 
 
+class Process:
+  """The part of `subprocess.Popen` the tests use, for a forked run."""
+
+  def __init__(self, args, pid):
+    self.args = args
+    self.pid = pid
+    self.returncode = None
+
+  def poll(self):
+    with _lock:
+      self.returncode = _returncodes.get(self.pid)
+    return self.returncode
+
+  def wait(self, timeout=None):
+    with _lock:
+      if not _ended.wait_for(lambda: self.pid in _returncodes, timeout):
+        raise subprocess.TimeoutExpired(self.args, timeout)
+      self.returncode = _returncodes[self.pid]
+    return self.returncode
+
+  def send_signal(self, sig):
+    if self.poll() is None:
+      try:
+        os.kill(self.pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def terminate(self):
+    self.send_signal(signal.SIGTERM)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+
+
+def popen(script, argv, *, cwd, env, stdout, stderr, append=False):
+  """Starts `python script argv...` forked from the zygote; its output goes
+  to the files `stdout` and `stderr` (`"STDOUT"`: with stdout)."""
+  with _requests, _lock:
+    if _zygote is None or _zygote.poll() is not None:
+      _started.clear()
+      _start()
+    _zygote.stdin.write(json.dumps({
+        "script": script, "argv": list(argv), "cwd": str(cwd),
+        "env": dict(env), "stdout": str(stdout), "stderr": str(stderr),
+        "append": append}) + "\n")
+    _zygote.stdin.flush()
+    _ended.wait_for(lambda: _started)
+    pid = _started.pop(0)
+  return Process([sys.executable, script, *argv], pid)
+
+
 def run(script, argv, *, cwd, env, timeout):
   """Like `subprocess.run([python, script, *argv], capture_output=True,
   text=True, timeout=timeout)`, the process forked from the zygote."""
-  with _lock, tempfile.TemporaryDirectory(prefix="zygote_") as folder:
-    if _zygote is None or _zygote.poll() is not None:
-      _start()
+  with tempfile.TemporaryDirectory(prefix="zygote_") as folder:
     out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-    _zygote.stdin.write(json.dumps({
-        "script": script, "argv": argv, "cwd": cwd, "env": env,
-        "stdout": out, "stderr": err}) + "\n")
-    _zygote.stdin.flush()
-    pid = json.loads(_zygote.stdout.readline())["pid"]
-    ready, _, _ = select.select([_zygote.stdout], [], [], timeout)
-    timed_out = not ready
-    if timed_out:
+    process = popen(script, argv, cwd=cwd, env=env, stdout=out, stderr=err)
+    try:
+      process.wait(timeout)
+      timed_out = False
+    except subprocess.TimeoutExpired:
+      timed_out = True
       try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
-    returncode = json.loads(_zygote.stdout.readline())["returncode"]
+      process.wait()
     with open(out, errors="replace") as f:
       stdout = f.read()
     with open(err, errors="replace") as f:
       stderr = f.read()
-  args = [sys.executable, script, *argv]
   if timed_out:
-    raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
-  return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+    raise subprocess.TimeoutExpired(process.args, timeout, stdout, stderr)
+  return subprocess.CompletedProcess(process.args, process.returncode, stdout,
+                                     stderr)
