@@ -39,3 +39,22 @@ def _absl_verbosity(request):
     absl_logging.set_verbosity(absl_logging.INFO)
   yield
   absl_logging.set_verbosity(before)
+
+
+_SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks `slow` the tests named in tests/slow_tests.txt (measured at 1 s
+  or more on an idle 2-core machine), so `-m "not slow"` is the quick
+  subset; tests that start several processes carry the mark themselves."""
+  del config
+  if not os.path.exists(_SLOW_LIST):
+    return
+  with open(_SLOW_LIST) as f:
+    slow = {line.strip() for line in f
+            if line.strip() and not line.startswith("#")}
+  for item in items:
+    if item.nodeid in slow or item.nodeid.split("[")[0] in slow:
+      item.add_marker(pytest.mark.slow)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,9 +22,7 @@ BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
 
 
 def run(script, *args, timeout=120):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script),
-                         *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
+  return helpers.run_script(script, *args, timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -60,13 +60,12 @@ def test_old_benchmark_roles_name_their_replacement(role, new):
 @pytest.mark.slow
 def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
   output = tmp_path / "bench.json"
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "benchmarks", "suite.py"),
+  proc = run(
+      "benchmarks/suite.py", *[
        "--quick", "--strategies=default", "--variants=float32,float32/accum2",
        "--global_batch_size=16", "--memory_batch_size=16",
        "--steps_per_loop=2", "--loops_per_round=1", "--rounds=2",
-       f"--output_json={output}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+       f"--output_json={output}"], timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(output.read_text())
   [compare] = result["compare"]
