@@ -18,6 +18,7 @@ _ended = threading.Condition(_lock)
 _zygote = None
 _environ = None
 _returncodes = {}  # pid -> exit status, as the zygote reports them
+_started = []  # pids of new runs, in request order, not yet handed out
 
 
 def environ():
@@ -57,8 +58,6 @@ def _read_replies(zygote):
         _started.append(reply["pid"])
         _ended.notify_all()
 
-
-_started = []
 
 
 def _stop():

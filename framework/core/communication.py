@@ -28,7 +28,6 @@
 
 import dataclasses
 
-
 import tensorflow as tf
 
 from framework.core.config import (  # pylint: disable=unused-import
