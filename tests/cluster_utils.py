@@ -74,12 +74,14 @@ def wait_listening(cluster, roles, processes, timeout=600):
   raise AssertionError(f"{addresses} not all listening after {timeout}s")
 
 
-def launch(args, workers=2, ps=0, timeout=900):
-  """Runs scripts/launch.py; returns the CompletedProcess (text output)."""
+def launch(args, workers=2, ps=0, timeout=900, env=None):
+  """Runs scripts/launch.py; returns the CompletedProcess (text output).
+  `env`: more environment variables for every task."""
   return subprocess.run(
       LAUNCH + [f"--workers={workers}", f"--ps={ps}", "--grace_period=5",
                 "--"] + TRAIN + list(args),
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+      cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True, text=True,
+      timeout=timeout)
 
 
 def checkpoint_step(model_dir):

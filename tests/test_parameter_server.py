@@ -1,9 +1,9 @@
 """ParameterServerStrategy: a coordinator, workers and 1 ps on 127.0.0.1.
 
-The step count is exact, a killed worker is survived (training goes on
-after the kill and after the worker is back), a lost ps is one error line, and with one
-worker on full batches the weights equal a one-device run. Timeouts only
-stop hangs.
+The step count is exact (also with one inter-op thread per task), a killed
+worker is survived (training goes on after the kill and after the worker is
+back), a lost ps is one error line, and with one worker on full batches the
+weights equal a one-device run. Timeouts only stop hangs.
 """
 
 import glob
@@ -45,9 +45,17 @@ def _logged_steps(log):
 @pytest.mark.slow
 def test_coordinator_trains_to_the_requested_step(tmp_path):
   model_dir = str(tmp_path / "run")
+  # One inter-op thread per task (as when each task is pinned to a core):
+  # workers given one hung before their first step (the startup watchdog
+  # fired); they take two and say so.
   proc = cu.launch(PS + ["--train_steps=60", "--checkpoint_every=20",
-                         f"--model_dir={model_dir}"], workers=2, ps=1)
+                         f"--model_dir={model_dir}", "--startup_timeout=120"],
+                   workers=2, ps=1, env={"TF_NUM_INTEROP_THREADS": "1"})
   assert proc.returncode == 0, proc.stdout[-4000:]
+  for worker in (0, 1):
+    assert re.search(rf"^\[worker:{worker}\] .*inter-op threads 1 -> 2: a "
+                     "worker with one deadlocks", proc.stdout, re.M), (
+                         proc.stdout[-4000:])
   # The step counter is a variable on the ps: exactly the requested steps.
   assert cu.global_step(model_dir) == 60
   assert cu.checkpoint_step(model_dir) == 60

@@ -27,6 +27,13 @@ from framework.errors import ClusterError, ConfigError
 # Seconds without heartbeats after which a peer counts as dead.
 HEARTBEAT_TIMEOUT = 5
 
+# A parameter-server worker runs each closure the coordinator sends as a
+# function whose ops wait on each other and on the ps: with one inter-op
+# thread the first op that blocks holds the only thread, and the job hangs
+# before its first step (TF_NUM_INTEROP_THREADS=1, or a task pinned to one
+# core with `taskset`).
+MIN_WORKER_INTER_OP_THREADS = 2
+
 
 def _cluster_spec(config):
   return tf.train.ClusterSpec(config["cluster"])
@@ -59,12 +66,34 @@ def run_server(config=None):
   if config is None:
     raise ConfigError("a parameter-server worker or ps task needs TF_CONFIG")
   task = config["task"]
+  session_config = None
+  threads = inter_op_threads()
+  if task["type"] == "worker" and threads < MIN_WORKER_INTER_OP_THREADS:
+    logging.info("inter-op threads %d -> %d: a worker with one deadlocks "
+                 "on its first closure", threads, MIN_WORKER_INTER_OP_THREADS)
+    session_config = tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=MIN_WORKER_INTER_OP_THREADS)
   server = tf.distribute.Server(
       _cluster_spec(config), job_name=task["type"],
-      task_index=task.get("index", 0), protocol="grpc", start=True)
+      task_index=task.get("index", 0), protocol="grpc",
+      config=session_config, start=True)
   logging.info("%s:%d serving at %s; waiting for the coordinator",
                task["type"], task.get("index", 0), server.target)
   server.join()
+
+
+def inter_op_threads():
+  """The inter-op thread count TensorFlow will use in this process:
+  tf.config's, else TF_NUM_INTEROP_THREADS, else one per schedulable core."""
+  configured = tf.config.threading.get_inter_op_parallelism_threads()
+  if configured > 0:
+    return configured
+  env = os.environ.get("TF_NUM_INTEROP_THREADS", "").strip()
+  if env.isdigit() and int(env) > 0:
+    return int(env)
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
 
 
 def _listening(address, timeout=1.0):
