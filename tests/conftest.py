@@ -41,20 +41,46 @@ def _absl_verbosity(request):
   absl_logging.set_verbosity(before)
 
 
-_SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "slow_tests.txt")
-
-
 def pytest_collection_modifyitems(config, items):
-  """Marks `slow` the tests named in tests/slow_tests.txt (measured at 1 s
-  or more on an idle 2-core machine), so `-m "not slow"` is the quick
-  subset; tests that start several processes carry the mark themselves."""
-  del config
-  if not os.path.exists(_SLOW_LIST):
-    return
-  with open(_SLOW_LIST) as f:
-    slow = {line.strip() for line in f
-            if line.strip() and not line.startswith("#")}
+  """Marks `slow` the tests tests/durations.txt measured at 1 s or more (so
+  `-m "not slow"` is the quick subset; tests that start several processes
+  also carry the mark themselves) and, in a pytest-xdist worker, orders
+  whole files longest first so the slowest ones start at once."""
+  from tests import durations  # pylint: disable=g-import-not-at-top
+  seconds = durations.load()
   for item in items:
-    if item.nodeid in slow or item.nodeid.split("[")[0] in slow:
+    if seconds.get(item.nodeid, 0) >= durations.SLOW_SECONDS:
       item.add_marker(pytest.mark.slow)
+  if hasattr(config, "workerinput"):
+    per_file = {}
+    for item in items:
+      path = item.nodeid.split("::")[0]
+      per_file[path] = per_file.get(path, 0) + seconds.get(item.nodeid, 0)
+    # Stable: a file's tests keep their order (and share their module
+    # fixtures); files of equal time keep theirs.
+    items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Under -n, whole test files go to one worker each, in the order the
+  workers collected them (longest first): a file's module fixtures (trained
+  runs) are built once, and the longest files do not start last. An explicit
+  --dist wins."""
+  if any(arg.startswith("--dist") or arg == "-d"
+         for arg in config.invocation_params.args):
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+  config.option.loadscopereorder = False  # keep the collected order
+  return LoadFileScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: one worker per schedulable core, at most one per 4 GiB of
+  memory (a worker, its zygote and a test's cluster of TensorFlow
+  processes)."""
+  del config
+  cores = len(os.sched_getaffinity(0))
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return max(1, min(cores, memory // (4 << 30)))
