@@ -90,3 +90,25 @@ def test_concurrent_runs_signals_and_a_shared_append_log(tmp_path):
   text = log.read_text()
   assert text.startswith("before\n")
   assert text.count("up\n") == 3 and text.count("err\n") == 3
+
+
+def test_a_dead_zygote_is_an_error_not_a_hang(tmp_path):
+  sleeper = tmp_path / "sleep.py"
+  sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+  run = zygote_client.popen(str(sleeper), [], cwd=tmp_path,
+                            env=zygote_client.environ(),
+                            stdout=tmp_path / "out", stderr="STDOUT")
+  zygote = zygote_client._zygote  # pylint: disable=protected-access
+  zygote.kill()
+  try:
+    with pytest.raises(RuntimeError, match=r"the test zygote exited "
+                       r"\(status -9\) before reporting on"):
+      run.wait(timeout=120)
+  finally:
+    run.kill()
+  # The next run starts a new zygote.
+  sleeper.write_text("print('again')\n")
+  assert zygote_client.run(str(sleeper), [], cwd=str(tmp_path),
+                           env=zygote_client.environ(),
+                           timeout=120).stdout == "again\n"
+  assert zygote_client._zygote is not zygote  # pylint: disable=protected-access

@@ -19,6 +19,7 @@ _zygote = None
 _environ = None
 _returncodes = {}  # pid -> exit status, as the zygote reports them
 _started = []  # pids of new runs, in request order, not yet handed out
+_lost = []  # the exit status of a zygote that died: its runs' are unknown
 
 
 def environ():
@@ -35,6 +36,7 @@ def _start():
   replies."""
   global _zygote, _environ
   _environ = _zygote_environ()
+  _lost.clear()
   _zygote = subprocess.Popen(
       [sys.executable, _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
       env=_environ, text=True, bufsize=1)
@@ -57,6 +59,18 @@ def _read_replies(zygote):
         _returncodes.pop(reply["pid"], None)
         _started.append(reply["pid"])
         _ended.notify_all()
+  # End of its output: the zygote is gone, and with it the statuses of the
+  # runs still going. Waiting for them would hang; waiters raise instead.
+  status = zygote.wait()
+  with _lock:
+    _lost.append(status)
+    _ended.notify_all()
+
+
+def _check_alive(args):
+  if _lost:
+    raise RuntimeError(f"the test zygote exited (status {_lost[-1]}) before "
+                       f"reporting on {args}")
 
 
 
@@ -84,8 +98,11 @@ class Process:
 
   def wait(self, timeout=None):
     with _lock:
-      if not _ended.wait_for(lambda: self.pid in _returncodes, timeout):
+      if not _ended.wait_for(
+          lambda: self.pid in _returncodes or _lost, timeout):
         raise subprocess.TimeoutExpired(self.args, timeout)
+      if self.pid not in _returncodes:
+        _check_alive(self.args)
       self.returncode = _returncodes[self.pid]
     return self.returncode
 
@@ -115,7 +132,9 @@ def popen(script, argv, *, cwd, env, stdout, stderr, append=False):
         "env": dict(env), "stdout": str(stdout), "stderr": str(stderr),
         "append": append}) + "\n")
     _zygote.stdin.flush()
-    _ended.wait_for(lambda: _started)
+    _ended.wait_for(lambda: _started or _lost)
+    if not _started:
+      _check_alive([script, *argv])
     pid = _started.pop(0)
   return Process([sys.executable, script, *argv], pid)
 
