@@ -60,6 +60,11 @@ flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
                           "--extra=--hidden_units=1024,1024).")
 flags.DEFINE_string("cores", "0,1", "CPU cores; task i is pinned to core "
                     "i mod len (taskset), one thread each.")
+flags.DEFINE_integer("inter_op_threads", 1, "TF_NUM_INTEROP_THREADS of every "
+                     "task and of the baseline: with 1 a worker's collectives "
+                     "and its compute take turns on one thread; more lets "
+                     "them overlap on the core (parameter-server workers "
+                     "take 2 whatever this says).", lower_bound=1)
 
 TRAIN = [sys.executable, os.path.join(_ROOT, "scripts", "train.py")]
 _STEP = re.compile(r"^\[(chief|worker):0\] .*train step (\d+)/\d+:")
@@ -118,7 +123,7 @@ def _command(mode, model_dir, extra):
 
 def _env():
   return dict(TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1",
-              TF_NUM_INTEROP_THREADS="1")
+              TF_NUM_INTEROP_THREADS=str(FLAGS.inter_op_threads))
 
 
 def run_on_hosts(mode, rate, workdir, extra=()):
@@ -186,7 +191,8 @@ def main(argv):
   print(f"model={FLAGS.model} {' '.join(FLAGS.extra)} (split: mlp 5+5) "
         f"global_batch_size="
         f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
-        f"{FLAGS.train_steps} cores={FLAGS.cores}", flush=True)
+        f"{FLAGS.train_steps} cores={FLAGS.cores} "
+        f"inter_op_threads={FLAGS.inter_op_threads}", flush=True)
   try:
     if "mwms" in FLAGS.modes:
       rate, per_step = compute_only(workdir)
