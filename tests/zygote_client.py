@@ -19,7 +19,7 @@ _zygote = None
 _environ = None
 _returncodes = {}  # pid -> exit status, as the zygote reports them
 _started = []  # pids of new runs, in request order, not yet handed out
-_lost = []  # the exit status of a zygote that died: its runs' are unknown
+_dead = {}  # zygote (Popen) -> its exit status; its runs' are unknown
 
 
 def environ():
@@ -36,7 +36,6 @@ def _start():
   replies."""
   global _zygote, _environ
   _environ = _zygote_environ()
-  _lost.clear()
   _zygote = subprocess.Popen(
       [sys.executable, _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
       env=_environ, text=True, bufsize=1)
@@ -63,14 +62,14 @@ def _read_replies(zygote):
   # runs still going. Waiting for them would hang; waiters raise instead.
   status = zygote.wait()
   with _lock:
-    _lost.append(status)
+    _dead[zygote] = status
     _ended.notify_all()
 
 
-def _check_alive(args):
-  if _lost:
-    raise RuntimeError(f"the test zygote exited (status {_lost[-1]}) before "
-                       f"reporting on {args}")
+def _check_alive(zygote, args):
+  if zygote in _dead:
+    raise RuntimeError(f"the test zygote exited (status {_dead[zygote]}) "
+                       f"before reporting on {args}")
 
 
 
@@ -86,10 +85,11 @@ def _stop():
 class Process:
   """The part of `subprocess.Popen` the tests use, for a forked run."""
 
-  def __init__(self, args, pid):
+  def __init__(self, args, pid, zygote):
     self.args = args
     self.pid = pid
     self.returncode = None
+    self._zygote = zygote
 
   def poll(self):
     with _lock:
@@ -99,10 +99,10 @@ class Process:
   def wait(self, timeout=None):
     with _lock:
       if not _ended.wait_for(
-          lambda: self.pid in _returncodes or _lost, timeout):
+          lambda: self.pid in _returncodes or self._zygote in _dead, timeout):
         raise subprocess.TimeoutExpired(self.args, timeout)
       if self.pid not in _returncodes:
-        _check_alive(self.args)
+        _check_alive(self._zygote, self.args)
       self.returncode = _returncodes[self.pid]
     return self.returncode
 
@@ -132,11 +132,12 @@ def popen(script, argv, *, cwd, env, stdout, stderr, append=False):
         "env": dict(env), "stdout": str(stdout), "stderr": str(stderr),
         "append": append}) + "\n")
     _zygote.stdin.flush()
-    _ended.wait_for(lambda: _started or _lost)
+    zygote = _zygote
+    _ended.wait_for(lambda: _started or zygote in _dead)
     if not _started:
-      _check_alive([script, *argv])
+      _check_alive(zygote, [script, *argv])
     pid = _started.pop(0)
-  return Process([sys.executable, script, *argv], pid)
+  return Process([sys.executable, script, *argv], pid, zygote)
 
 
 def run(script, argv, *, cwd, env, timeout):
