@@ -5,6 +5,7 @@ time, before any test module builds a strategy. Tests that need another device
 count, or several workers, start subprocesses (see tests/helpers.py).
 """
 
+import collections
 import os
 import sys
 
@@ -52,13 +53,12 @@ def pytest_collection_modifyitems(config, items):
     if seconds.get(item.nodeid, 0) >= durations.SLOW_SECONDS:
       item.add_marker(pytest.mark.slow)
   if hasattr(config, "workerinput"):
-    per_file = {}
+    per_file = collections.Counter()
     for item in items:
-      path = item.nodeid.split("::")[0]
-      per_file[path] = per_file.get(path, 0) + seconds.get(item.nodeid, 0)
+      per_file[item.path] += seconds.get(item.nodeid, 0)
     # Stable: a file's tests keep their order (and share their module
     # fixtures); files of equal time keep theirs.
-    items.sort(key=lambda item: -per_file[item.nodeid.split("::")[0]])
+    items.sort(key=lambda item: -per_file[item.path])
 
 
 @pytest.hookimpl(optionalhook=True)

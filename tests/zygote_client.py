@@ -72,7 +72,6 @@ def _check_alive(zygote, args):
                        f"before reporting on {args}")
 
 
-
 def _stop():
   if _zygote is not None and _zygote.poll() is None:
     _zygote.stdin.close()

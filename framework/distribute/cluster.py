@@ -67,7 +67,7 @@ def run_server(config=None):
     raise ConfigError("a parameter-server worker or ps task needs TF_CONFIG")
   task = config["task"]
   session_config = None
-  threads = inter_op_threads()
+  threads = _inter_op_threads()
   if task["type"] == "worker" and threads < MIN_WORKER_INTER_OP_THREADS:
     logging.info("inter-op threads %d -> %d: a worker with one deadlocks "
                  "on its first closure", threads, MIN_WORKER_INTER_OP_THREADS)
@@ -82,7 +82,7 @@ def run_server(config=None):
   server.join()
 
 
-def inter_op_threads():
+def _inter_op_threads():
   """The inter-op thread count TensorFlow will use in this process:
   tf.config's, else TF_NUM_INTEROP_THREADS, else one per schedulable core."""
   configured = tf.config.threading.get_inter_op_parallelism_threads()
