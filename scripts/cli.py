@@ -197,6 +197,7 @@ def quiet_startup(*, import_tensorflow=True):
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
   def after_flags():
+    apply_malloc_flag()
     apply_onednn_flag()
     if import_tensorflow:
       import_tensorflow_quietly()
@@ -217,6 +218,24 @@ def apply_onednn_flag():
                     "before the flags were parsed", flags.FLAGS.onednn)
   os.environ["TF_ENABLE_ONEDNN_OPTS"] = (
       "1" if flags.FLAGS.onednn == "on" else "0")
+
+
+def apply_malloc_flag():
+  """--malloc=tcmalloc (in apps that define it): starts the app again with
+  tcmalloc preloaded, before TensorFlow loads (see framework.perf.allocator);
+  a missing library is one error line."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if "malloc" not in flags.FLAGS or flags.FLAGS.malloc == "default":
+    return
+  from framework.perf import allocator  # pylint: disable=g-import-not-at-top
+  if "tensorflow" in sys.modules:
+    if not allocator.tcmalloc_loaded():
+      from absl import logging  # pylint: disable=g-import-not-at-top
+      logging.warning("--malloc=%s has no effect: TensorFlow was loaded "
+                      "before the flags were parsed", flags.FLAGS.malloc)
+    return
+  with one_line_errors():
+    allocator.reexec_with(flags.FLAGS.malloc)
 
 
 def onednn_enabled():

@@ -43,7 +43,7 @@ def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
 # zygote's values.
 _LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
                   "TF_ENABLE_ONEDNN_OPTS", "CUDA_VISIBLE_DEVICES",
-                  "PYTHONHASHSEED", "PYTHONWARNINGS")
+                  "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD")
 
 
 def needs_fresh_interpreter(args, env):
@@ -51,7 +51,7 @@ def needs_fresh_interpreter(args, env):
   rather than a fork of the zygote."""
   if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
     return True
-  if any(a.startswith(("--onednn", "--helpfull")) for a in args):
+  if any(a.startswith(("--onednn", "--helpfull", "--malloc")) for a in args):
     return True
   return any(env.get(name) != zygote_client.environ().get(name)
              for name in _LOAD_TIME_ENV)

@@ -42,6 +42,7 @@ SKIPPED = {
     "srun": "needs a Slurm allocation",
     "sbatch": "needs a Slurm allocation",
     "kubectl": "needs a Kubernetes cluster",
+    "apt-get install": "installs system packages (root)",
 }
 # Apps whose --model_dir is a run they write (the others read one).
 WRITERS = ("train.py", "custom_step.py", "own_model_and_data.py")

@@ -14,7 +14,9 @@ directions by `tc` (tbf; no added delay). Modes:
 `--knobs` adds, at each of --knob_rates (10gbit), MWMS with
 --all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576 and
 with --all_reduce_overlap. A compute-only baseline (one process,
-one core, one worker's half of the batch, no network) comes first.
+one core, one worker's half of the batch, no network) runs before the first
+run and after each; an MWMS run's "vs halves" divides its examples/s by
+the mean of the two baselines around it.
 
 For each run it prints examples/s and the bytes on the wire per step (the
 sum of every host interface's tx counter), both between the chief's log
@@ -55,6 +57,8 @@ flags.DEFINE_integer("measure_from", 10, "First logged step of the window "
                      "(the loops before it trace and warm up).")
 flags.DEFINE_integer("steps_per_loop", 5, "Steps per tf.function call.")
 flags.DEFINE_list("knob_rates", ["10gbit"], "Rates of the --knobs runs.")
+flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
+                  "train.py --malloc of every run and the baseline.")
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
                           "and ps runs and the baseline, repeatable (e.g. "
                           "--extra=--hidden_units=1024,1024).")
@@ -107,7 +111,7 @@ def _train_flags(model_dir, *extra):
           f"--steps_per_loop={FLAGS.steps_per_loop}",
           f"--log_every={FLAGS.steps_per_loop}", "--checkpoint_every=0",
           "--eval_every=0", "--export_saved_model=false",
-          f"--model_dir={model_dir}", *extra]
+          f"--model_dir={model_dir}", f"--malloc={FLAGS.malloc}", *extra]
 
 
 def _command(mode, model_dir, extra):
@@ -155,7 +159,8 @@ def compute_only(workdir):
   """examples/s of one worker's half batch alone on one core, as if the
   2 workers did not communicate (reported for the whole global batch)."""
   half = FLAGS.global_batch_size // 2
-  args = _train_flags(os.path.join(workdir, "alone"), f"--model={FLAGS.model}",
+  model_dir = os.path.join(workdir, f"alone_{len(os.listdir(workdir))}")
+  args = _train_flags(model_dir, f"--model={FLAGS.model}",
                       "--strategy=default", *FLAGS.extra)
   args[0] = f"--global_batch_size={half}"
   proc = subprocess.run(
@@ -192,22 +197,40 @@ def main(argv):
         f"global_batch_size="
         f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
         f"{FLAGS.train_steps} cores={FLAGS.cores} "
-        f"inter_op_threads={FLAGS.inter_op_threads}", flush=True)
+        f"inter_op_threads={FLAGS.inter_op_threads} malloc={FLAGS.malloc}",
+        flush=True)
   try:
-    if "mwms" in FLAGS.modes:
+    baselines = []
+
+    def baseline():
       rate, per_step = compute_only(workdir)
+      baselines.append(rate)
       print(f"compute only (2 x one core alone, half batch each): "
             f"{rate:.1f} examples/s, {per_step * 1e3:.1f} ms/step",
             flush=True)
+
+    # A baseline before the first run and after each: a shared or throttled
+    # host drifts by more than the knobs differ, so each run is set against
+    # the mean of the two baselines around it.
+    paired = "mwms" in FLAGS.modes
+    if paired:
+      baseline()
     for mode, rate, extra in runs:
       try:
         examples, wire, per_step = run_on_hosts(mode, rate, workdir, extra)
-        print(f"{mode:5s} {rate:9s} {' '.join(extra) or '-':38s} "
-              f"{examples:8.1f} examples/s {per_step * 1e3:8.1f} ms/step "
-              f"{wire / 1e6:8.2f} MB/step on the wire", flush=True)
+        line = (f"{mode:5s} {rate:9s} {' '.join(extra) or '-':38s} "
+                f"{examples:8.1f} examples/s {per_step * 1e3:8.1f} ms/step "
+                f"{wire / 1e6:8.2f} MB/step on the wire")
       except RuntimeError as e:
-        print(f"{mode:5s} {rate:9s} {' '.join(extra) or '-':38s} failed: "
-              f"{str(e)[-600:]}", flush=True)
+        examples, line = None, (f"{mode:5s} {rate:9s} "
+                                f"{' '.join(extra) or '-':38s} failed: "
+                                f"{str(e)[-600:]}")
+      if paired:
+        baseline()
+        if examples is not None and mode == "mwms":
+          halves = (baselines[-2] + baselines[-1]) / 2
+          line += f"  vs halves {examples / halves:.2f}"
+      print(line, flush=True)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
