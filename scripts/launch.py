@@ -18,8 +18,9 @@ that task's status.
 
 With --netns (root, Linux) each task runs on its own "host": a network
 namespace with its own address (10.77.0.N), all joined by a bridge;
---netns_rate=10gbit shapes every link to that bandwidth (tc tbf). A local
-rehearsal of a multi-host job, links included:
+--netns_rate=10gbit shapes every link to that bandwidth (tc tbf) and
+--netns_mtu=9000 gives the links jumbo frames. A local rehearsal of a
+multi-host job, links included:
 
     sudo python scripts/launch.py --workers=2 --netns --netns_rate=1gbit -- \
         python scripts/train.py --strategy=multi_worker_mirrored ...
@@ -59,6 +60,9 @@ flags.DEFINE_bool("netns", False, "Run each task in its own network "
                   "local multi-host rehearsal; needs root, ip and tc).")
 flags.DEFINE_string("netns_rate", "", "With --netns: each link's bandwidth, "
                     "e.g. 10gbit or 500mbit (tc tbf); empty: unshaped.")
+flags.DEFINE_integer("netns_mtu", 1500, "With --netns: every link's MTU "
+                     "(9000: jumbo frames, as on many data-centre networks).",
+                     lower_bound=576, upper_bound=65535)
 flags.DEFINE_integer("max_restarts", 0, "After a task fails, stop the others "
                      "and start the whole job again (it resumes from its "
                      "last checkpoint), at most this many times.",
@@ -75,13 +79,16 @@ def main(argv):
       tasks = FLAGS.workers + FLAGS.ps + int(bool(
           chief if chief is not None else FLAGS.ps > 0))
       network = netns.HostNetwork(tasks, rate=FLAGS.netns_rate or None,
-                                  name=f"dl{os.getpid() % 100000}")
+                                  name=f"dl{os.getpid() % 100000}",
+                                  mtu=FLAGS.netns_mtu)
       hosts = {}
 
       def prefix(role, index):
         return network.prefix(hosts[(role, index)])
     elif FLAGS.netns_rate:
       raise ConfigError(f"netns_rate={FLAGS.netns_rate!r} needs --netns")
+    elif FLAGS.netns_mtu != 1500:
+      raise ConfigError(f"netns_mtu={FLAGS.netns_mtu} needs --netns")
     attempts = []
 
     def new_cluster():

@@ -15,6 +15,7 @@ import pytest
 
 from framework.distribute import launcher
 from framework.distribute import netns
+from framework.errors import ConfigError
 from tests import cluster_utils as cu
 
 # Prints its task, then: worker 1 fails with status 3 after a moment; every
@@ -192,6 +193,10 @@ try:
   print("bound the other host's address", flush=True)
 except OSError:
   print("own host", mine, flush=True)
+for name in os.listdir("/sys/class/net"):
+  if name != "lo":
+    with open(f"/sys/class/net/{name}/mtu") as f:
+      print("mtu", f.read().strip(), flush=True)
 """
 
 
@@ -199,7 +204,8 @@ except OSError:
                     reason=f"no network namespaces: {netns.missing()}")
 def test_netns_puts_each_task_on_its_own_host():
   job = subprocess.Popen(
-      cu.LAUNCH + ["--workers=2", "--netns", "--netns_rate=1gbit", "--",
+      cu.LAUNCH + ["--workers=2", "--netns", "--netns_rate=1gbit",
+                   "--netns_mtu=9000", "--",
                    sys.executable, "-c", NETNS_TASK],
       cwd=cu.ROOT, env=cu.ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True)
@@ -207,7 +213,28 @@ def test_netns_puts_each_task_on_its_own_host():
   assert job.returncode == 0, stdout + stderr
   lines = sorted(re.findall(r"^\[worker:\d\] own host (\S+)$", stdout, re.M))
   assert lines == ["10.77.0.1:2223", "10.77.0.2:2223"], stdout
+  assert re.findall(r"^\[worker:\d\] mtu (\d+)$", stdout, re.M) == [
+      "9000", "9000"], stdout
   # The namespaces went with the job.
   left = subprocess.run(["ip", "netns", "list"], capture_output=True,
                         text=True, check=True).stdout
   assert f"dl{job.pid % 100000}-" not in left, left
+
+
+def test_netns_flags_without_netns_are_one_line():
+  for flag, value in (("--netns_rate", "1gbit"), ("--netns_mtu", "9000")):
+    proc = subprocess.run(
+        cu.LAUNCH + ["--workers=2", f"{flag}={value}", "--", sys.executable,
+                     "-c", "pass"],
+        cwd=cu.ROOT, env=cu.ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"launch.py: error: {flag[2:]}={value!r} needs --netns"
+        if flag == "--netns_rate" else
+        f"launch.py: error: {flag[2:]}={value} needs --netns"), proc.stderr
+
+
+def test_host_network_checks_its_mtu():
+  with pytest.raises(ConfigError, match=r"mtu=100 must be an integer in "
+                     r"576..65535"):
+    netns.HostNetwork(2, mtu=100)

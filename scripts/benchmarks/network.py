@@ -57,6 +57,7 @@ flags.DEFINE_integer("measure_from", 10, "First logged step of the window "
                      "(the loops before it trace and warm up).")
 flags.DEFINE_integer("steps_per_loop", 5, "Steps per tf.function call.")
 flags.DEFINE_list("knob_rates", ["10gbit"], "Rates of the --knobs runs.")
+flags.DEFINE_integer("mtu", 1500, "Every link's MTU (9000: jumbo frames).")
 flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
                   "train.py --malloc of every run and the baseline.")
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
@@ -138,7 +139,7 @@ def run_on_hosts(mode, rate, workdir, extra=()):
   cores = FLAGS.cores.split(",")
   name = f"{mode}_{rate}_{len(os.listdir(workdir))}"
   with netns.HostNetwork(hosts, rate=None if rate == "unshaped" else rate,
-                         name="dlb") as net:
+                         name="dlb", mtu=FLAGS.mtu) as net:
     cluster = launcher.cluster_on_hosts(net.addresses, 2, ps, chief=chief)
     order = {task: i for i, task in enumerate(launcher.tasks_of(cluster))}
     window = _Window(FLAGS.measure_from, FLAGS.train_steps, net.counters)
@@ -197,7 +198,8 @@ def main(argv):
         f"global_batch_size="
         f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
         f"{FLAGS.train_steps} cores={FLAGS.cores} "
-        f"inter_op_threads={FLAGS.inter_op_threads} malloc={FLAGS.malloc}",
+        f"inter_op_threads={FLAGS.inter_op_threads} malloc={FLAGS.malloc} "
+        f"mtu={FLAGS.mtu}",
         flush=True)
   try:
     baselines = []
