@@ -87,7 +87,7 @@ def main(argv):
         return network.prefix(hosts[(role, index)])
     elif FLAGS.netns_rate:
       raise ConfigError(f"netns_rate={FLAGS.netns_rate!r} needs --netns")
-    elif FLAGS.netns_mtu != 1500:
+    elif FLAGS["netns_mtu"].present:
       raise ConfigError(f"netns_mtu={FLAGS.netns_mtu} needs --netns")
     attempts = []
 

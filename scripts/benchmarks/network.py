@@ -15,7 +15,7 @@ directions by `tc` (tbf; no added delay). Modes:
 --all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576 and
 with --all_reduce_overlap. A compute-only baseline (one process,
 one core, one worker's half of the batch, no network) runs before the first
-run and after each; an MWMS run's "vs halves" divides its examples/s by
+run and after each MWMS run; an MWMS run's "vs halves" divides its examples/s by
 the mean of the two baselines around it.
 
 For each run it prints examples/s and the bytes on the wire per step (the
@@ -211,11 +211,10 @@ def main(argv):
             f"{rate:.1f} examples/s, {per_step * 1e3:.1f} ms/step",
             flush=True)
 
-    # A baseline before the first run and after each: a shared or throttled
-    # host drifts by more than the knobs differ, so each run is set against
-    # the mean of the two baselines around it.
-    paired = "mwms" in FLAGS.modes
-    if paired:
+    # A baseline before the first run and after each MWMS run: a shared or
+    # throttled host drifts by more than the knobs differ, so each MWMS run
+    # is set against the mean of the two baselines around it.
+    if "mwms" in FLAGS.modes:
       baseline()
     for mode, rate, extra in runs:
       try:
@@ -227,9 +226,9 @@ def main(argv):
         examples, line = None, (f"{mode:5s} {rate:9s} "
                                 f"{' '.join(extra) or '-':38s} failed: "
                                 f"{str(e)[-600:]}")
-      if paired:
+      if mode == "mwms":
         baseline()
-        if examples is not None and mode == "mwms":
+        if examples is not None:
           halves = (baselines[-2] + baselines[-1]) / 2
           line += f"  vs halves {examples / halves:.2f}"
       print(line, flush=True)
