@@ -16,6 +16,25 @@ sys.path.insert(0, ROOT)
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import framework  # pylint: disable=g-import-not-at-top
+from framework.perf import allocator  # pylint: disable=g-import-not-at-top
+
+
+def _tcmalloc_for_child_processes():
+  """The processes the tests start (pytest-xdist workers, the zygote and
+  every script run) use tcmalloc where it is installed: under glibc's
+  malloc a multi-device step maps and unmaps its tensors every step
+  (framework/perf/allocator.py), which cost the suite a third of its time
+  in the kernel. tests/test_allocator.py proves both allocators train the
+  same bits. DISTLOOP_TEST_MALLOC=default keeps glibc's malloc."""
+  choice = os.environ.get("DISTLOOP_TEST_MALLOC", "tcmalloc")
+  if choice not in allocator.ALLOCATORS:
+    raise SystemExit(f"DISTLOOP_TEST_MALLOC={choice!r} is not one of "
+                     f"{', '.join(allocator.ALLOCATORS)}")
+  if choice == "tcmalloc" and allocator.find_tcmalloc():
+    os.environ.update(allocator.preload_env("tcmalloc"))
+
+
+_tcmalloc_for_child_processes()
 
 NUM_CPU_DEVICES = 2
 framework.configure_cpu_devices(NUM_CPU_DEVICES)

@@ -27,8 +27,10 @@ def _run(tmp_path, *args, env=None, check=True):
 def test_tcmalloc_run_uses_it_and_trains_the_same_weights(tmp_path):
   runs = {}
   for choice in ("default", "tcmalloc"):
+    # Without the suite's own preload (tests/conftest.py): --malloc=default
+    # is then glibc's malloc, and tcmalloc comes from the re-exec alone.
     proc = _run(tmp_path, f"--malloc={choice}",
-                f"--model_dir={tmp_path / choice}")
+                f"--model_dir={tmp_path / choice}", env={"LD_PRELOAD": None})
     log = proc.stdout + proc.stderr
     [state] = re.findall(r"memory allocator: (\w+) \(--malloc=(\w+)\)", log)
     [weights] = re.findall(r"final weights sha256=(\w+)", log)

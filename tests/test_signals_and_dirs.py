@@ -67,13 +67,15 @@ class _Controller:
     self.on_loop_end = []
     self.stop_requests = 0
     self.stop_requested = False  # protocols.Stoppable declares it
+    self.stop_reason = None
     self.trainer = self
 
   def request_stop(self):
     self.stop_requests += 1
 
 
-@pytest.mark.parametrize("order", ["signal_then_end", "end_then_signal"])
+@pytest.mark.parametrize("order", ["signal_then_end", "end_then_signal",
+                                   "signal_stops_training"])
 def test_sigterm_after_training_says_it_exits_and_does(monkeypatch, caplog,
                                                        order):
   monkeypatch.setattr(preemption, "_watch_signals", lambda *args: None)
@@ -89,16 +91,25 @@ def test_sigterm_after_training_says_it_exits_and_does(monkeypatch, caplog,
   hook = preemption._LocalPreemption(controller)  # pylint: disable=protected-access
   assert controller.on_train_end == [hook.train_ended]
   with pytest.raises(SystemExit):
-    if order == "signal_then_end":  # during the final save
+    if order == "end_then_signal":  # during the final evaluation or export
+      hook.train_ended(7)
+      hook._on_signal(signal.SIGTERM)  # pylint: disable=protected-access
+    else:
       hook._on_signal(signal.SIGTERM)  # pylint: disable=protected-access
       assert not exits and controller.stop_requests == 1
-      hook.train_ended(7)
-    else:  # during the final evaluation or export
-      hook.train_ended(7)
-      hook._on_signal(signal.SIGTERM)  # pylint: disable=protected-access
+      if order == "signal_stops_training":
+        # After the loop's train actions ran (this hook's among them): the
+        # controller stops on the request and saves, then training ends.
+        controller.stop_reason = "trainer.request_stop()"
+      hook.train_ended(7)  # else: during the final save
   assert exits == [preemption.EXIT_PREEMPTED]
-  assert ("SIGTERM received after training ended: the final checkpoint "
-          "(step 7) is saved; exiting now with status 42") in caplog.text
+  if order == "signal_stops_training":
+    assert ("Preempted: checkpoint saved at step 7; exiting with status 42 "
+            "(relaunch to resume)") in caplog.text
+    assert "after training ended" not in caplog.text
+  else:
+    assert ("SIGTERM received after training ended: the final checkpoint "
+            "(step 7) is saved; exiting now with status 42") in caplog.text
 
 
 @contextlib.contextmanager

@@ -1,10 +1,14 @@
 """A run forked from the test zygote behaves as `python script.py` would."""
 
+import ast
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+import helpers
 import zygote_client
 
 SCRIPT = """
@@ -112,3 +116,72 @@ def test_a_dead_zygote_is_an_error_not_a_hang(tmp_path):
                            env=zygote_client.environ(),
                            timeout=120).stdout == "again\n"
   assert zygote_client._zygote is not zygote  # pylint: disable=protected-access
+
+
+WARMED_RUN = """
+import atexit, glob, os, runpy, sys, tempfile
+root, tests, model_dir = sys.argv[1:]
+sys.path[:0] = [root, tests]
+from scripts import cli
+cli.import_tensorflow_quietly()
+import autograph_warmup
+from tensorflow.python.autograph.pyct import transpiler
+from tensorflow.python.eager import context
+
+warmup = autograph_warmup.Warmup()
+while warmup.step():
+  pass
+# Nothing of TensorFlow's runtime started: forking stays safe.
+assert not context.context()._initialized
+generated = lambda: glob.glob(os.path.join(tempfile.gettempdir(),
+                                           "__autograph_generated_file*"))
+made = len(generated())
+# A forked run runs the exit handlers it inherits: the files stay.
+pid = os.fork()
+if pid == 0:
+  atexit._run_exitfuncs()
+  os._exit(0)
+os.waitpid(pid, 0)
+print("files", made, len(generated()))
+
+# What a forked train.py run then converts itself (AutoGraph's cache misses).
+converted = []
+convert = transpiler.GenericTranspiler.transform_function
+def counting(self, fn, user_context):
+  converted.append(f"{fn.__module__}.{fn.__qualname__}")
+  return convert(self, fn, user_context)
+transpiler.GenericTranspiler.transform_function = counting
+sys.argv = [os.path.join(root, "scripts", "train.py"), "--model=mlp",
+            "--dataset=synthetic", "--global_batch_size=16",
+            "--train_steps=2", "--steps_per_loop=2", "--eval_every=0",
+            "--strategy=mirrored", "--cpu_devices=2", f"--model_dir={model_dir}"]
+try:
+  runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+  assert not e.code, e.code
+print("converted", sorted(set(converted)))
+"""
+
+
+def test_autograph_warmup_leaves_a_run_no_framework_function_to_convert(
+    tmp_path):
+  # The zygote converts the framework's graph code before it forks (see
+  # tests/autograph_warmup.py): a run of train.py then converts none of it.
+  temp = tmp_path / "tmp"
+  temp.mkdir()
+  env = {**zygote_client.environ(), "TMPDIR": str(temp)}
+  proc = subprocess.run(
+      [sys.executable, "-c", WARMED_RUN, helpers.ROOT,
+       os.path.join(helpers.ROOT, "tests"), str(tmp_path / "run")],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [files] = re.findall(r"^files (\d+) (\d+)$", proc.stdout, re.M)
+  assert int(files[0]) > 100 and files[0] == files[1], files
+  [converted] = re.findall(r"^converted (.*)$", proc.stdout, re.M)
+  # Closures (a function's <locals>) are made anew by each call: left to
+  # the run (pad_batches.<locals>.pad and a few like it).
+  framework_code = [name for name in ast.literal_eval(converted)
+                    if name.startswith("framework.") and "<locals>" not in name]
+  assert framework_code == [], framework_code
+  # At the zygote's own exit, its files go.
+  assert not list(temp.glob("__autograph_generated_file*"))

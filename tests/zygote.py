@@ -12,6 +12,10 @@ reads when it loads (TF_ENABLE_ONEDNN_OPTS / --onednn, TF_CPP_MIN_LOG_LEVEL,
 PYTHONPATH): `helpers.run_script` runs those in a fresh interpreter, and so
 does every run when DISTLOOP_TEST_FRESH_PROCESSES=1.
 
+In its idle time the zygote also does AutoGraph's conversions of the
+framework's graph code (tests/autograph_warmup.py), another ~4 s of every
+run; DISTLOOP_TEST_AUTOGRAPH_WARMUP=0 leaves them to each run.
+
 Protocol (one JSON object per line): a request on stdin
   {"script": path, "argv": [...], "cwd": ..., "env": {...},
    "stdout": path, "stderr": path or "STDOUT", "append": bool}
@@ -26,13 +30,16 @@ import os
 import sys
 
 
-def _serve(requests, replies):
+def _serve(requests, replies, warmup):
   import select  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
   running = set()
   buffered = ""
   while True:
-    ready, _, _ = select.select([requests], [], [], 0.05)
+    idle = 0 if warmup is not None and warmup.pending else 0.05
+    ready, _, _ = select.select([requests], [], [], idle)
+    if not ready and idle == 0:
+      warmup.step()  # one conversion, then requests again
     if ready:
       chunk = os.read(requests.fileno(), 1 << 16).decode()
       if not chunk:
@@ -136,10 +143,14 @@ def main():
   cli.import_tensorflow_quietly()
   import keras  # pylint: disable=g-import-not-at-top,unused-import
   import numpy  # pylint: disable=g-import-not-at-top,unused-import
+  warmup = None
+  if os.environ.get("DISTLOOP_TEST_AUTOGRAPH_WARMUP", "1") != "0":
+    import autograph_warmup  # pylint: disable=g-import-not-at-top
+    warmup = autograph_warmup.Warmup()  # imports the framework
   del sys.path[0]
   replies.write(json.dumps({"ready": os.getpid()}) + "\n")
   replies.flush()
-  _serve(requests, replies)
+  _serve(requests, replies, warmup)
 
 
 if __name__ == "__main__":

@@ -137,8 +137,14 @@ class _LocalPreemption:
     """Training is over and its checkpoint at `step` saved (or restored)."""
     with self._lock:
       self.finished_step = step
-      if self.received is not None:
-        self._exit_after_training()
+      if self.received is None:
+        return
+      if getattr(self.controller, "stop_reason", None) is not None:
+        # The signal came after this loop's train actions (this hook among
+        # them): its stop request ended training early, at the checkpoint
+        # just saved. That is a preemption, not the end of the run.
+        _exit(step, at_once=True)
+      self._exit_after_training()
 
   def _exit_after_training(self):
     logging.info(
