@@ -23,11 +23,13 @@ import os
 import pkgutil
 
 # Modules whose functions run inside tf.function or tf.data graphs, most
-# used first. A package name stands for all of its modules.
-_MODULES = (
+# used first. A package name stands for all of its modules. CORE_MODULES:
+# what every train.py run of the Trainer converts.
+CORE_MODULES = (
     "framework.core.trainer", "framework.core.fused_updates",
     "framework._tf_internal", "framework.data.inputs", "framework.app.export",
-    "framework.core.communication", "framework.core.tta",
+    "framework.core.communication", "framework.core.tta")
+_MODULES = CORE_MODULES + (
     "framework.core.losses", "framework.core.precision", "framework.core.ema",
     "framework.core.optimizers", "framework.core.summaries",
     "framework.tasks", "framework.data.augment", "framework.model_parallel",
@@ -46,7 +48,7 @@ _ENTRY_MODULES = ("framework.core.trainer", "framework.app.export",
 class Warmup:
   """The conversions still to do; `step()` does the next one."""
 
-  def __init__(self):
+  def __init__(self, modules=_MODULES):
     self._pending = []
     try:
       from tensorflow.python.autograph.core import converter  # pylint: disable=g-import-not-at-top
@@ -63,7 +65,7 @@ class Warmup:
     except (ImportError, AttributeError, TypeError):
       return
     seen = set()
-    for module in _modules():
+    for module in _modules(modules):
       entry_module = module.__name__ in _ENTRY_MODULES
       for function in _functions(module):
         if function.__code__ in seen:
@@ -105,10 +107,10 @@ class Warmup:
         fn(*args, **kwargs)
 
 
-def _modules():
-  """The modules of _MODULES (packages expanded), each once, in order."""
+def _modules(names):
+  """The modules `names` (packages expanded), each once, in order."""
   done = set()
-  for name in _MODULES:
+  for name in names:
     try:
       module = importlib.import_module(name)
     except Exception:  # pylint: disable=broad-except

@@ -128,7 +128,8 @@ import autograph_warmup
 from tensorflow.python.autograph.pyct import transpiler
 from tensorflow.python.eager import context
 
-warmup = autograph_warmup.Warmup()
+# The modules every train.py run needs (the zygote converts more).
+warmup = autograph_warmup.Warmup(autograph_warmup.CORE_MODULES)
 while warmup.step():
   pass
 # Nothing of TensorFlow's runtime started: forking stays safe.
@@ -176,7 +177,7 @@ def test_autograph_warmup_leaves_a_run_no_framework_function_to_convert(
       env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [files] = re.findall(r"^files (\d+) (\d+)$", proc.stdout, re.M)
-  assert int(files[0]) > 100 and files[0] == files[1], files
+  assert int(files[0]) > 50 and files[0] == files[1], files
   [converted] = re.findall(r"^converted (.*)$", proc.stdout, re.M)
   # Closures (a function's <locals>) are made anew by each call: left to
   # the run (pad_batches.<locals>.pad and a few like it).
