@@ -139,12 +139,13 @@ class _LocalPreemption:
       self.finished_step = step
       if self.received is None:
         return
+      # A controller that stopped early stopped on the signal's request,
+      # which came after this loop's train actions (this hook among them):
+      # a preemption at the checkpoint just saved, not the end of the run.
       if getattr(self.controller, "stop_reason", None) is not None:
-        # The signal came after this loop's train actions (this hook among
-        # them): its stop request ended training early, at the checkpoint
-        # just saved. That is a preemption, not the end of the run.
-        _exit(step, at_once=True)
-      self._exit_after_training()
+        _exit(step, at_once=True)  # does not return
+      else:
+        self._exit_after_training()
 
   def _exit_after_training(self):
     logging.info(
