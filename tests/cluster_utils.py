@@ -27,6 +27,14 @@ MLP = ["--model=mlp", "--dataset=synthetic", "--global_batch_size=64",
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
 
 
+def train_command():
+  """`python scripts/train.py` for a command line that another process
+  starts (launch.py's tasks): that python forks each run from the test
+  zygote (tests/zygote_proxy.py). The pids that process sees are the
+  proxies', not the runs'."""
+  return [zygote_client.python(), TRAIN[1]]
+
+
 def start_task(cluster, role, index, args, log_path):
   """Starts `train.py args` as task role:index; output goes to `log_path`."""
   env = dict(ENV, TF_CONFIG=launcher.tf_config(cluster, role, index))
@@ -74,12 +82,14 @@ def wait_listening(cluster, roles, processes, timeout=600):
   raise AssertionError(f"{addresses} not all listening after {timeout}s")
 
 
-def launch(args, workers=2, ps=0, timeout=900, env=None):
+def launch(args, workers=2, ps=0, timeout=900, env=None, fork=True):
   """Runs scripts/launch.py; returns the CompletedProcess (text output).
-  `env`: more environment variables for every task."""
+  `env`: more environment variables for every task; `fork=False`: the
+  tasks are new interpreters, so the pids launch.py prints are theirs."""
+  train = train_command() if fork else TRAIN
   return subprocess.run(
       LAUNCH + [f"--workers={workers}", f"--ps={ps}", "--grace_period=5",
-                "--"] + TRAIN + list(args),
+                "--"] + train + list(args),
       cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True, text=True,
       timeout=timeout)
 

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import zygote
 import zygote_client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,22 +40,12 @@ def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
   return proc
 
 
-# Read by TensorFlow (or Python) when it loads: a forked run would keep the
-# zygote's values.
-_LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
-                  "TF_ENABLE_ONEDNN_OPTS", "CUDA_VISIBLE_DEVICES",
-                  "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD")
-
-
 def needs_fresh_interpreter(args, env):
   """Whether `python script args` under `env` must be a new interpreter
   rather than a fork of the zygote."""
   if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
     return True
-  if any(a.startswith(("--onednn", "--helpfull", "--malloc")) for a in args):
-    return True
-  return any(env.get(name) != zygote_client.environ().get(name)
-             for name in _LOAD_TIME_ENV)
+  return zygote.needs_fresh_interpreter(args, env, zygote_client.environ())
 
 
 def free_port():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from framework.distribute import launcher
-from tests.cluster_utils import (LAUNCH, MLP, ROOT, TRAIN, ENV, log_tail,
+from tests.cluster_utils import (LAUNCH, MLP, ROOT, ENV, log_tail,
+                                 train_command,
                                  start_task, wait_for_checkpoint,
                                  wait_listening)
 from tests.helpers import run_script
@@ -37,7 +38,7 @@ def test_seed_example_10_units_as_5_plus_5_on_two_workers_equals_unsplit(
     tmp_path):
   split_dir, unsplit_dir = str(tmp_path / "split"), str(tmp_path / "unsplit")
   proc = subprocess.run(
-      [*LAUNCH, "--workers=2", "--grace_period=2", "--", *TRAIN,
+      [*LAUNCH, "--workers=2", "--grace_period=2", "--", *train_command(),
        *MLP, *SEED_EXAMPLE, "--model_parallel=tensor", "--num_shards=2",
        "--model_parallel_devices=cluster", f"--model_dir={split_dir}"],
       capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)

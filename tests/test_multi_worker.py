@@ -28,7 +28,9 @@ MWMS = cu.MLP + ["--strategy=multi_worker_mirrored", "--checkpoint_every=5"]
 def reference(tmp_path_factory):
   """(model_dir, launcher output) of an uninterrupted 2-worker run."""
   model_dir = str(tmp_path_factory.mktemp("mwms_reference"))
-  proc = cu.launch(MWMS + [f"--train_steps={STEPS}", f"--model_dir={model_dir}"])
+  # New interpreters: the test below matches event files to launch.py's pids.
+  proc = cu.launch(MWMS + [f"--train_steps={STEPS}", f"--model_dir={model_dir}"],
+                   fork=False)
   assert proc.returncode == 0, proc.stdout[-4000:]
   return model_dir, proc.stdout
 
@@ -165,7 +167,7 @@ def test_max_restarts_survives_two_kill_9s_with_identical_weights(
   with open(log, "wb") as out:
     job = subprocess.Popen(
         cu.LAUNCH + ["--workers=2", "--max_restarts=2", "--grace_period=5",
-                     "--"] + cu.TRAIN + MWMS + [f"--train_steps={STEPS}",
+                     "--"] + cu.train_command() + MWMS + [f"--train_steps={STEPS}",
                                                 f"--model_dir={model_dir}"],
         cwd=cu.ROOT, env=cu.ENV, stdout=out, stderr=subprocess.STDOUT)
   killed_after = []

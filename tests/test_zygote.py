@@ -3,8 +3,10 @@
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,7 +85,6 @@ def test_concurrent_runs_signals_and_a_shared_append_log(tmp_path):
     runs[0].wait(timeout=0.5)
   assert runs[0].poll() is None
   # Wait until each has installed its handler and written its lines.
-  import time  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + 60
   while log.read_text().count("err") < 3 and time.monotonic() < deadline:
     time.sleep(0.1)
@@ -116,6 +117,88 @@ def test_a_dead_zygote_is_an_error_not_a_hang(tmp_path):
                            env=zygote_client.environ(),
                            timeout=120).stdout == "again\n"
   assert zygote_client._zygote is not zygote  # pylint: disable=protected-access
+
+
+PROXIED = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))
+print(os.getpid(), "tensorflow" in sys.modules, sys.stdin.read(), flush=True)
+if sys.argv[1:] == ["wait"]:
+  time.sleep(600)
+sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+"""
+
+
+def _proxied(tmp_path, *argv, env=None, **kwargs):
+  script = tmp_path / "p.py"
+  script.write_text(PROXIED)
+  kwargs.setdefault("stdin", subprocess.PIPE)
+  return subprocess.Popen(
+      [zygote_client.python(), str(script), *argv], cwd=tmp_path,
+      env=dict(zygote_client.environ(), **(env or {})),
+      stdout=subprocess.PIPE, text=True, **kwargs)
+
+
+def _alive(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.parametrize("argv", [["0"], ["3"], ["a b", "--x=1"]])
+def test_proxy_python_forks_the_script_from_the_zygote(tmp_path, argv):
+  proc = _proxied(tmp_path, *argv)
+  out, _ = proc.communicate("stdin text", timeout=120)
+  pid, forked, text = out.split()[:3]
+  assert (forked, text) == ("True", "stdin")  # TensorFlow was imported
+  assert int(pid) != proc.pid
+  assert proc.returncode == (3 if argv == ["3"] else 0)
+
+
+@pytest.mark.parametrize("how", ["python -c", "load-time env", "no zygote"])
+def test_proxy_python_runs_a_fresh_interpreter_where_it_must(tmp_path, how):
+  if how == "python -c":
+    proc = subprocess.run([zygote_client.python(), "-c", "import sys; "
+                           "print('tensorflow' in sys.modules); sys.exit(5)"],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (5, "False\n")
+    return
+  if how == "no zygote":
+    (tmp_path / "p.py").write_text(PROXIED)
+    # The same proxy, for a zygote whose socket is gone.
+    source = open(zygote_client.python()).read()
+    python = tmp_path / "python"
+    python.write_text(re.sub(r"'[^']*zygote.sock'", repr(str(tmp_path / "x")),
+                             source))
+    python.chmod(0o755)
+    proc = subprocess.Popen(
+        [str(python), str(tmp_path / "p.py")], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, text=True, env=zygote_client.environ())
+  else:
+    proc = _proxied(tmp_path, "4", env={"PYTHONHASHSEED": "7"},
+                    stdin=subprocess.DEVNULL)
+  out, _ = proc.communicate(timeout=120)
+  pid, forked = out.split()[:2]
+  assert forked == "False" and int(pid) == proc.pid  # exec, not a fork
+  assert proc.returncode == (4 if how == "load-time env" else 0)
+
+
+def test_proxy_python_passes_signals_and_kill_9_on(tmp_path):
+  runs = [_proxied(tmp_path, "wait") for _ in range(3)]
+  pids = []
+  for run in runs:
+    run.stdin.close()
+    pids.append(int(run.stdout.readline().split()[0]))
+  runs[0].terminate()  # forwarded: the script's handler exits 42
+  runs[1].kill()  # the run kills itself when its proxy is gone
+  runs[2].send_signal(signal.SIGINT)  # forwarded: KeyboardInterrupt
+  assert [r.wait(timeout=60) for r in runs] == [42, -9, -2]
+  deadline = time.monotonic() + 30
+  while any(map(_alive, pids)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not any(map(_alive, pids))
 
 
 WARMED_RUN = """

@@ -16,6 +16,14 @@ In its idle time the zygote also does AutoGraph's conversions of the
 framework's graph code (tests/autograph_warmup.py), another ~4 s of every
 run; DISTLOOP_TEST_AUTOGRAPH_WARMUP=0 leaves them to each run.
 
+Processes the runs start themselves (launch.py's tasks, a benchmark's
+children) fork from here too: the runs see tests/zygote_proxy.py's `python`
+as `sys.executable`, and tests hand it to launch.py
+(`cluster_utils.train_command`). It asks on a Unix socket with the same
+request, its stdin, stdout and stderr passed along (SCM_RIGHTS) instead of
+file names, and gets the same two replies, or {"fresh": true}: run a new
+interpreter instead.
+
 Protocol (one JSON object per line): a request on stdin
   {"script": path, "argv": [...], "cwd": ..., "env": {...},
    "stdout": path, "stderr": path or "STDOUT", "append": bool}
@@ -30,17 +38,21 @@ import os
 import sys
 
 
-def _serve(requests, replies, warmup):
+def _serve(requests, replies, warmup, listener=None):
   import select  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
   running = set()
+  proxied = {}  # pid -> the zygote_proxy connection that stands in for it
   buffered = ""
+  watched = [requests] + ([listener] if listener is not None else [])
   while True:
     idle = 0 if warmup is not None and warmup.pending else 0.05
-    ready, _, _ = select.select([requests], [], [], idle)
+    ready, _, _ = select.select(watched, [], [], idle)
     if not ready and idle == 0:
       warmup.step()  # one conversion, then requests again
-    if ready:
+    if listener in ready:
+      _accept(listener, (requests, replies, listener), proxied)
+    if requests in ready:
       chunk = os.read(requests.fileno(), 1 << 16).decode()
       if not chunk:
         break
@@ -51,20 +63,88 @@ def _serve(requests, replies, warmup):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-          _child(json.loads(line), (requests, replies))  # never returns
+          _child(json.loads(line), (requests, replies, listener))
         running.add(pid)
         _reply(replies, {"pid": pid})
-    for pid in list(running):
+    for pid in list(running) + list(proxied):
       done, status = os.waitpid(pid, os.WNOHANG)
-      if done:
+      if not done:
+        continue
+      code = os.waitstatus_to_exitcode(status)
+      if pid in running:
         running.discard(pid)
-        _reply(replies, {"pid": pid,
-                         "returncode": os.waitstatus_to_exitcode(status)})
-  for pid in running:
+        _reply(replies, {"pid": pid, "returncode": code})
+      else:
+        _send(proxied.pop(pid), {"returncode": code}, close=True)
+  for pid in list(running) + list(proxied):
     try:
       os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+
+
+def _accept(listener, protocol, proxied):
+  """Forks the run a zygote_proxy asks for, or tells it to run fresh."""
+  import socket  # pylint: disable=g-import-not-at-top
+  connection, _ = listener.accept()
+  fds = []
+  try:
+    connection.settimeout(10)
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
+    while not data.endswith(b"\n"):
+      more = connection.recv(1 << 20)
+      if not more:
+        raise OSError("request cut short")
+      data += more
+    request = json.loads(data)
+    if len(fds) != 4 or needs_fresh_interpreter(
+        request["argv"], request["env"], _ZYGOTE_ENV):
+      raise OSError("not forkable here")
+  except (OSError, ValueError):
+    for fd in fds:
+      os.close(fd)
+    _send(connection, {"fresh": True}, close=True)
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:
+    connection.close()
+    _child(request, protocol, fds=fds)
+  for fd in fds:
+    os.close(fd)
+  proxied[pid] = connection
+  _send(connection, {"pid": pid})
+
+
+def _send(connection, message, close=False):
+  try:
+    connection.sendall(json.dumps(message).encode() + b"\n")
+  except OSError:
+    pass  # the proxy was killed; its run killed itself (see _die_with)
+  if close:
+    connection.close()
+
+
+# Read by TensorFlow (or Python) when it loads: a forked run would keep the
+# zygote's values.
+_LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
+                  "TF_ENABLE_ONEDNN_OPTS", "CUDA_VISIBLE_DEVICES",
+                  "PYTHONHASHSEED", "PYTHONWARNINGS", "LD_PRELOAD")
+# Flags a script acts on before or as TensorFlow loads, or that must see
+# the interpreter's own command line (--malloc re-executes it).
+_LOAD_TIME_FLAGS = ("--onednn", "--helpfull", "--malloc")
+_ZYGOTE_ENV = dict(os.environ)
+
+
+def needs_fresh_interpreter(args, env, zygote_env):
+  """Whether `python script args` under `env` must be a new interpreter
+  rather than a fork of a zygote whose environment is `zygote_env`."""
+  if env.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
+    return True
+  if any(a.startswith(_LOAD_TIME_FLAGS) for a in args):
+    return True
+  return any(env.get(k) != zygote_env.get(k) for k in _LOAD_TIME_ENV)
 
 
 def _reply(replies, message):
@@ -72,24 +152,26 @@ def _reply(replies, message):
   replies.flush()
 
 
-def _child(request, protocol):
-  """Becomes `python <script> <argv...>`: never returns."""
+def _child(request, protocol, fds=None):
+  """Becomes `python <script> <argv...>`: never returns. Its stdin, stdout
+  and stderr are files the request names, or `fds` (a zygote_proxy's
+  three, then its lifeline)."""
   code = 1
   try:
     for f in protocol:
-      f.close()
+      if f is not None:
+        f.close()
     os.setpgid(0, 0)  # the test can kill the run and whatever it started
-    write = os.O_WRONLY | os.O_CREAT | (
-        os.O_APPEND if request.get("append") else os.O_TRUNC)
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY),
-                           (1, request["stdout"], write),
-                           (2, request["stderr"], write)):
-      if path == "STDOUT":
-        os.dup2(1, fd)
-        continue
-      new = os.open(path, mode, 0o644)
-      os.dup2(new, fd)
-      os.close(new)
+    if fds:
+      for fd, new in zip((0, 1, 2), fds):
+        os.dup2(new, fd)
+      _die_with(fds[3])
+      for new in set(fds[:3]):
+        os.close(new)
+    else:
+      _redirect(request)
+    # Its own children are forked from here too (zygote_proxy.py).
+    sys.executable = _PROXY_PYTHON or sys.executable
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -108,10 +190,11 @@ def _child(request, protocol):
       else:
         print(e.code, file=sys.stderr)
         code = 1
-    except BaseException:  # pylint: disable=broad-except
+    except BaseException as e:  # pylint: disable=broad-except
       import traceback  # pylint: disable=g-import-not-at-top
       traceback.print_exc()
-      code = 1
+      # Python ends on an uncaught KeyboardInterrupt by SIGINT (-2).
+      code = -2 if isinstance(e, KeyboardInterrupt) else 1
     # What the interpreter does at exit: non-daemon threads, atexit, flush.
     import threading  # pylint: disable=g-import-not-at-top
     threading._shutdown()  # pylint: disable=protected-access
@@ -120,7 +203,63 @@ def _child(request, protocol):
     sys.stdout.flush()
     sys.stderr.flush()
   finally:
+    if code < 0:
+      import signal  # pylint: disable=g-import-not-at-top
+      signal.signal(-code, signal.SIG_DFL)
+      os.kill(os.getpid(), -code)
     os._exit(code)  # pylint: disable=protected-access
+
+
+def _redirect(request):
+  write = os.O_WRONLY | os.O_CREAT | (
+      os.O_APPEND if request.get("append") else os.O_TRUNC)
+  for fd, path, mode in ((0, os.devnull, os.O_RDONLY),
+                         (1, request["stdout"], write),
+                         (2, request["stderr"], write)):
+    if path == "STDOUT":
+      os.dup2(1, fd)
+      continue
+    new = os.open(path, mode, 0o644)
+    os.dup2(new, fd)
+    os.close(new)
+
+
+def _die_with(lifeline):
+  """Kills this process (SIGKILL) when the zygote_proxy that stands in for
+  it dies: `kill -9` of the proxy is `kill -9` of the run."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def watch():
+    while os.read(lifeline, 1):
+      pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  threading.Thread(target=watch, daemon=True, name="zygote_proxy").start()
+
+
+_PROXY_PYTHON = None  # the `python` zygote_proxy.py stands behind
+
+
+def _listen(folder):
+  """The socket zygote_proxy.py asks on, and the `python` it runs as."""
+  import socket  # pylint: disable=g-import-not-at-top
+  global _PROXY_PYTHON
+  address = os.path.join(folder, "zygote.sock")
+  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  listener.bind(address)
+  listener.listen(64)
+  python = os.path.join(folder, "python")
+  tests = os.path.dirname(os.path.abspath(__file__))
+  with open(python, "w") as f:
+    f.write(f"#!{sys.executable} -S\n"
+            f"import sys\n"
+            f"sys.path.insert(0, {tests!r})\n"
+            f"import zygote_proxy\n"
+            f"zygote_proxy.main({sys.executable!r}, {address!r})\n")
+  os.chmod(python, 0o755)
+  _PROXY_PYTHON = python
+  return listener
 
 
 def main():
@@ -148,9 +287,19 @@ def main():
     import autograph_warmup  # pylint: disable=g-import-not-at-top
     warmup = autograph_warmup.Warmup()  # imports the framework
   del sys.path[0]
-  replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-  replies.flush()
-  _serve(requests, replies, warmup)
+  global _ZYGOTE_ENV
+  _ZYGOTE_ENV = dict(os.environ)
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = tempfile.mkdtemp(prefix="distloop_zygote_")
+  try:
+    listener = _listen(folder)
+    replies.write(json.dumps({"ready": os.getpid(),
+                              "python": _PROXY_PYTHON}) + "\n")
+    replies.flush()
+    _serve(requests, replies, warmup, listener)
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

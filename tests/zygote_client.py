@@ -17,6 +17,7 @@ _lock = threading.Lock()
 _ended = threading.Condition(_lock)
 _zygote = None
 _environ = None
+_python = None  # the zygote's zygote_proxy `python`
 _returncodes = {}  # pid -> exit status, as the zygote reports them
 _started = []  # pids of new runs, in request order, not yet handed out
 _dead = {}  # zygote (Popen) -> its exit status; its runs' are unknown
@@ -34,7 +35,7 @@ def _zygote_environ():
 def _start():
   """Starts the zygote (under _lock) and the thread that reads its
   replies."""
-  global _zygote, _environ
+  global _zygote, _environ, _python
   _environ = _zygote_environ()
   _zygote = subprocess.Popen(
       [sys.executable, _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -43,6 +44,7 @@ def _start():
   if "ready" not in ready:
     raise RuntimeError(f"the test zygote did not start (exit "
                        f"{_zygote.poll()})")
+  _python = ready.get("python")
   threading.Thread(target=_read_replies, args=(_zygote,), daemon=True).start()
   atexit.register(_stop)
 
@@ -117,6 +119,20 @@ class Process:
 
   def kill(self):
     self.send_signal(signal.SIGKILL)
+
+
+def python():
+  """A `python` executable whose `python script.py ...` runs fork from this
+  process's zygote (tests/zygote_proxy.py), for command lines that another
+  process starts (launch.py's tasks); `sys.executable` under
+  DISTLOOP_TEST_FRESH_PROCESSES=1."""
+  if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
+    return sys.executable
+  with _requests, _lock:
+    if _zygote is None or _zygote.poll() is not None:
+      _started.clear()
+      _start()
+    return _python or sys.executable
 
 
 def popen(script, argv, *, cwd, env, stdout, stderr, append=False):
