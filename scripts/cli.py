@@ -3,6 +3,7 @@ TensorFlow's own log lines (quiet unless asked for)."""
 
 import contextlib
 import errno
+import gc
 import importlib.util
 import logging as py_logging
 import os
@@ -98,8 +99,29 @@ def import_tensorflow_quietly():
     min_level = int(os.environ["TF_CPP_MIN_LOG_LEVEL"])
   except ValueError:
     min_level = 0
-  with filtered_stderr(min_level):
+  with filtered_stderr(min_level), collection_paused():
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+
+
+@contextlib.contextmanager
+def collection_paused():
+  """Python's cyclic garbage collector off while inside; afterwards what
+  was made inside is frozen out of its generations (`gc.freeze`).
+
+  Importing TensorFlow allocates ~600,000 long-lived objects and the
+  collector walked them again and again: ~20 % of the import's CPU time
+  (perf). Frozen, the collections while a run traces its functions skip
+  them too: a 10-step `train.py --model=mlp` run took 8.2 s instead of
+  10.6 s (idle, 2 cores, same weights).
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
+    gc.freeze()
 
 
 @contextlib.contextmanager

@@ -13,7 +13,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+from scripts import cli  # pylint: disable=g-import-not-at-top
+
+with cli.collection_paused():  # as every script imports it
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import framework  # pylint: disable=g-import-not-at-top
 from framework.perf import allocator  # pylint: disable=g-import-not-at-top

@@ -76,3 +76,14 @@ def test_level_0_keeps_every_line():
   for text in ("InitializeLog", "] info", "continued info", "] warning",
                "] error", "a line of the program", "python line", "after"):
     assert text in out
+
+
+def test_tensorflow_import_leaves_the_collector_on_with_its_objects_frozen():
+  code = ("import gc, sys; sys.path.insert(0, sys.argv[1]); "
+          "from scripts import cli; cli.import_tensorflow_quietly(); "
+          "print(gc.isenabled(), gc.get_freeze_count())")
+  proc = subprocess.run([sys.executable, "-c", code, ROOT], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  enabled, frozen = proc.stdout.split()
+  assert enabled == "True"
+  assert int(frozen) > 100_000  # TensorFlow's objects, out of the walks
