@@ -42,7 +42,7 @@ def _serve(requests, replies, warmup, listener=None):
   import select  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
   running = set()
-  proxied = {}  # pid -> the zygote_proxy connection that stands in for it
+  proxied = _PROXIED
   buffered = ""
   watched = [requests] + ([listener] if listener is not None else [])
   while True:
@@ -63,7 +63,8 @@ def _serve(requests, replies, warmup, listener=None):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-          _child(json.loads(line), (requests, replies, listener))
+          _child(json.loads(line), (requests, replies, listener,
+                                    *proxied.values()))
         running.add(pid)
         _reply(replies, {"pid": pid})
     for pid in list(running) + list(proxied):
@@ -109,8 +110,9 @@ def _accept(listener, protocol, proxied):
   sys.stderr.flush()
   pid = os.fork()
   if pid == 0:
-    connection.close()
-    _child(request, protocol, fds=fds)
+    # Not the other stand-ins' connections either: each sees end of file
+    # only when the zygote itself is gone.
+    _child(request, (*protocol, connection, *proxied.values()), fds=fds)
   for fd in fds:
     os.close(fd)
   proxied[pid] = connection
@@ -239,6 +241,7 @@ def _die_with(lifeline):
 
 
 _PROXY_PYTHON = None  # the `python` zygote_proxy.py stands behind
+_PROXIED = {}  # pid -> the zygote_proxy connection that stands in for it
 
 
 def _listen(folder):
