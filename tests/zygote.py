@@ -42,7 +42,7 @@ def _serve(requests, replies, warmup, listener=None):
   import select  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
   running = set()
-  proxied = _PROXIED
+  proxied = _PROXIED  # the socket's runs; `running`: the pipe's
   buffered = ""
   watched = [requests] + ([listener] if listener is not None else [])
   while True:
@@ -136,7 +136,7 @@ _LOAD_TIME_ENV = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
 # Flags a script acts on before or as TensorFlow loads, or that must see
 # the interpreter's own command line (--malloc re-executes it).
 _LOAD_TIME_FLAGS = ("--onednn", "--helpfull", "--malloc")
-_ZYGOTE_ENV = dict(os.environ)
+_ZYGOTE_ENV = None  # the environment TensorFlow loaded under (main sets it)
 
 
 def needs_fresh_interpreter(args, env, zygote_env):

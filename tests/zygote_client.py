@@ -49,6 +49,14 @@ def _start():
   atexit.register(_stop)
 
 
+def _start_if_needed():
+  """A zygote that serves (under _requests and _lock): this one or a new
+  one."""
+  if _zygote is None or _zygote.poll() is not None:
+    _started.clear()
+    _start()
+
+
 def _read_replies(zygote):
   for line in zygote.stdout:
     reply = json.loads(line)
@@ -129,9 +137,7 @@ def python():
   if os.environ.get("DISTLOOP_TEST_FRESH_PROCESSES") == "1":
     return sys.executable
   with _requests, _lock:
-    if _zygote is None or _zygote.poll() is not None:
-      _started.clear()
-      _start()
+    _start_if_needed()
     return _python or sys.executable
 
 
@@ -139,9 +145,7 @@ def popen(script, argv, *, cwd, env, stdout, stderr, append=False):
   """Starts `python script argv...` forked from the zygote; its output goes
   to the files `stdout` and `stderr` (`"STDOUT"`: with stdout)."""
   with _requests, _lock:
-    if _zygote is None or _zygote.poll() is not None:
-      _started.clear()
-      _start()
+    _start_if_needed()
     _zygote.stdin.write(json.dumps({
         "script": script, "argv": list(argv), "cwd": str(cwd),
         "env": dict(env), "stdout": str(stdout), "stderr": str(stderr),
