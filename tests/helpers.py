@@ -23,21 +23,26 @@ def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
   when it loads (see `needs_fresh_interpreter`): then it is a new
   interpreter.
   """
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-  full_env = {k: v for k, v in full_env.items() if v is not None}
-  path = os.path.join(ROOT, "scripts", script)
-  if fresh or needs_fresh_interpreter(args, full_env):
-    proc = subprocess.run(
-        [sys.executable, path, *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True,
-        timeout=timeout)
-  else:
-    proc = zygote_client.run(path, list(args), cwd=str(cwd), env=full_env,
-                             timeout=timeout)
+  proc = run_python(os.path.join(ROOT, "scripts", script), *args, env=env,
+                    timeout=timeout, cwd=cwd, fresh=fresh)
   if check and proc.returncode != 0:
     raise AssertionError(f"{script} {' '.join(args)} exited "
                          f"{proc.returncode}:\n{proc.stderr[-4000:]}")
   return proc
+
+
+def run_python(path, *args, env=None, timeout=300, cwd=ROOT, fresh=False):
+  """`python path args...` as `run_script` runs it (`path` may be relative
+  to `cwd`); returns the CompletedProcess whatever its exit status."""
+  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  full_env = {k: v for k, v in full_env.items() if v is not None}
+  if fresh or needs_fresh_interpreter(args, full_env):
+    return subprocess.run(
+        [sys.executable, path, *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True,
+        timeout=timeout)
+  return zygote_client.run(path, list(args), cwd=str(cwd), env=full_env,
+                           timeout=timeout)
 
 
 def needs_fresh_interpreter(args, env):

@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
-              "multi_worker", "model_parallel", "large_dataset", "network")
+              "multi_worker", "model_parallel", "large_dataset", "network",
+              "matmul_peak")
 
 
 def run(script, *args, timeout=120):
@@ -31,7 +32,8 @@ def test_every_benchmark_parses_its_flags(name):
   # before the help is printed.
   proc = run(f"benchmarks/{name}.py", "--helpfull")
   assert f"scripts/benchmarks/{name}.py" in proc.stdout, proc.stderr[-3000:]
-  assert "--global_batch_size" in proc.stdout
+  assert ("--peak_matmul_size" if name == "matmul_peak"
+          else "--global_batch_size") in proc.stdout
 
 
 @pytest.mark.parametrize("old, new", [
@@ -65,7 +67,7 @@ def test_quick_benchmark_reports_ratios_mfu_and_breakdown(tmp_path):
        "--quick", "--strategies=default", "--variants=float32,float32/accum2",
        "--global_batch_size=16", "--memory_batch_size=16",
        "--steps_per_loop=2", "--loops_per_round=1", "--rounds=2",
-       f"--output_json={output}"], timeout=600)
+       "--peak_matmul_size=256", f"--output_json={output}"], timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(output.read_text())
   [compare] = result["compare"]

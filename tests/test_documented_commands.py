@@ -26,6 +26,8 @@ import sys
 import numpy as np
 import pytest
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = (["README.md", "BUILD.md"] +
         sorted(os.path.relpath(p, ROOT) for p in
@@ -273,9 +275,10 @@ def _tiny(args, to_root, data_dir):
 
 
 def _run(cwd, script, args, to_root):
-  proc = subprocess.run(
-      [sys.executable, os.path.join(to_root, script), *args], cwd=cwd,
-      env=_env(), capture_output=True, text=True, timeout=600, check=False)
+  # As a user types it: the script's path relative to `cwd`, no PYTHONPATH
+  # (the scripts find the framework themselves).
+  proc = helpers.run_python(os.path.join(to_root, script), *args, cwd=cwd,
+                            env={"PYTHONPATH": None}, timeout=600)
   assert proc.returncode == 0, (
       f"{script} {' '.join(args)} (in {cwd}) exited {proc.returncode}:\n"
       f"{proc.stderr[-4000:]}")

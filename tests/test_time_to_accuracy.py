@@ -55,7 +55,7 @@ def test_two_seeds_reach_the_target_with_an_ablation(tmp_path):
   proc = run_script(SCRIPT, f"--recipe={_recipe(tmp_path)}", "--seeds=0,1",
                     f"--work_dir={tmp_path / 'work'}",
                     f"--results_dir={results}", "--ablate=no_ema",
-                    timeout=600)
+                    "--peak_matmul_size=256", timeout=600)
   out = proc.stdout
   assert "time to 50.00 % test accuracy" in out
   runs = {s: json.loads((results / f"tiny_seed{s}.json").read_text())

@@ -21,6 +21,7 @@ threading.Thread(target=lambda: (time.sleep(0.5), print("thread ran"))).start()
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(),
                   "env": os.environ.get("ZYGOTE_TEST"),
                   "path0": sys.path[0], "main": __name__,
+                  "file": __file__, "argv0": sys.argv[0],
                   "stdin": sys.stdin.read()}))
 print("to stderr", file=sys.stderr)
 if sys.argv[1:] == ["raise"]:
@@ -36,10 +37,11 @@ def test_forked_run_equals_a_fresh_interpreter(tmp_path, argv):
   cwd = tmp_path / "elsewhere"
   cwd.mkdir()
   env = {"ZYGOTE_TEST": "yes", **zygote_client.environ()}
-  fresh = subprocess.run([sys.executable, str(script), *argv], cwd=cwd,
+  relative = os.path.join("..", "s.py")  # from another folder, as users do
+  fresh = subprocess.run([sys.executable, relative, *argv], cwd=cwd,
                          env=env, capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, timeout=60)
-  forked = zygote_client.run(str(script), argv, cwd=str(cwd), env=env,
+  forked = zygote_client.run(relative, argv, cwd=str(cwd), env=env,
                              timeout=60)
   assert forked.returncode == fresh.returncode
   assert forked.stdout == fresh.stdout
@@ -98,25 +100,33 @@ def test_concurrent_runs_signals_and_a_shared_append_log(tmp_path):
 
 
 def test_a_dead_zygote_is_an_error_not_a_hang(tmp_path):
-  sleeper = tmp_path / "sleep.py"
-  sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
-  run = zygote_client.popen(str(sleeper), [], cwd=tmp_path,
-                            env=zygote_client.environ(),
-                            stdout=tmp_path / "out", stderr="STDOUT")
-  zygote = zygote_client._zygote  # pylint: disable=protected-access
-  zygote.kill()
-  try:
-    with pytest.raises(RuntimeError, match=r"the test zygote exited "
-                       r"\(status -9\) before reporting on"):
-      run.wait(timeout=120)
-  finally:
-    run.kill()
-  # The next run starts a new zygote.
-  sleeper.write_text("print('again')\n")
-  assert zygote_client.run(str(sleeper), [], cwd=str(tmp_path),
-                           env=zygote_client.environ(),
-                           timeout=120).stdout == "again\n"
-  assert zygote_client._zygote is not zygote  # pylint: disable=protected-access
+  # Zygotes of the test's own: the one the other tests use keeps its
+  # warm-up (a new one costs ~30 s of CPU).
+  outer = zygote_client.python()
+  with zygote_client.separate_zygote():
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\n"
+                       "time.sleep(600)\n")
+    run = zygote_client.popen(str(sleeper), [], cwd=tmp_path,
+                              env=zygote_client.environ(),
+                              stdout=tmp_path / "out", stderr="STDOUT")
+    zygote = zygote_client._zygote  # pylint: disable=protected-access
+    zygote.kill()
+    try:
+      with pytest.raises(RuntimeError, match=r"the test zygote exited "
+                         r"\(status -9\) before reporting on"):
+        run.wait(timeout=120)
+    finally:
+      run.kill()
+    # The next run starts a new zygote.
+    sleeper.write_text("print('again')\n")
+    assert zygote_client.run(str(sleeper), [], cwd=str(tmp_path),
+                             env=zygote_client.environ(),
+                             timeout=120).stdout == "again\n"
+    assert zygote_client._zygote is not zygote  # pylint: disable=protected-access
+    assert zygote_client.python() != outer
+  assert zygote_client.python() == outer
+  assert zygote_client._zygote.poll() is None  # pylint: disable=protected-access
 
 
 PROXIED = """

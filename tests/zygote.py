@@ -154,6 +154,19 @@ def _reply(replies, message):
   replies.flush()
 
 
+class _KeepArgv0:
+  """runpy's context for sys.argv[0], minus the change."""
+
+  def __init__(self, value):
+    del value
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *args):
+    return False
+
+
 def _child(request, protocol, fds=None):
   """Becomes `python <script> <argv...>`: never returns. Its stdin, stdout
   and stderr are files the request names, or `fds` (a zygote_proxy's
@@ -179,10 +192,15 @@ def _child(request, protocol, fds=None):
     os.environ.update(request["env"])
     script = request["script"]
     sys.argv = [script] + request["argv"]
-    sys.path[0] = os.path.dirname(script)
+    # As `python script`: __file__ is the path joined to the working folder,
+    # sys.path[0] the script's real folder.
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
     import runpy  # pylint: disable=g-import-not-at-top
+    # run_path would set sys.argv[0] to the joined path too; Python keeps it
+    # as typed.
+    runpy._ModifiedArgv0 = _KeepArgv0  # pylint: disable=protected-access
     try:
-      runpy.run_path(script, run_name="__main__")
+      runpy.run_path(os.path.join(os.getcwd(), script), run_name="__main__")
       code = 0
     except SystemExit as e:
       if e.code is None:

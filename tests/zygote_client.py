@@ -3,8 +3,10 @@ started on first use; `popen` and `run` are `subprocess.Popen` and
 `subprocess.run` for a Python script whose process is forked from it."""
 
 import atexit
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import tempfile
 import threading
 
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+_WARMUP = "DISTLOOP_TEST_AUTOGRAPH_WARMUP"
 _requests = threading.Lock()  # one request and its pid reply at a time
 _lock = threading.Lock()
 _ended = threading.Condition(_lock)
@@ -45,7 +48,8 @@ def _start():
     raise RuntimeError(f"the test zygote did not start (exit "
                        f"{_zygote.poll()})")
   _python = ready.get("python")
-  threading.Thread(target=_read_replies, args=(_zygote,), daemon=True).start()
+  threading.Thread(target=_read_replies, args=(_zygote, _python),
+                   daemon=True).start()
   atexit.register(_stop)
 
 
@@ -57,7 +61,7 @@ def _start_if_needed():
     _start()
 
 
-def _read_replies(zygote):
+def _read_replies(zygote, python):
   for line in zygote.stdout:
     reply = json.loads(line)
     with _lock:
@@ -71,6 +75,8 @@ def _read_replies(zygote):
   # End of its output: the zygote is gone, and with it the statuses of the
   # runs still going. Waiting for them would hang; waiters raise instead.
   status = zygote.wait()
+  if python:  # its folder, which a killed zygote leaves behind
+    shutil.rmtree(os.path.dirname(python), ignore_errors=True)
   with _lock:
     _dead[zygote] = status
     _ended.notify_all()
@@ -82,13 +88,40 @@ def _check_alive(zygote, args):
                        f"before reporting on {args}")
 
 
-def _stop():
-  if _zygote is not None and _zygote.poll() is None:
-    _zygote.stdin.close()
+def _stop(zygote=None):
+  zygote = zygote or _zygote
+  if zygote is not None and zygote.poll() is None:
+    zygote.stdin.close()
     try:
-      _zygote.wait(timeout=10)
+      zygote.wait(timeout=10)
     except subprocess.TimeoutExpired:
-      _zygote.kill()
+      zygote.kill()
+
+
+@contextlib.contextmanager
+def separate_zygote():
+  """Runs the block against zygotes of its own (no AutoGraph warm-up), then
+  stops them and goes back to this process's zygote: for tests that kill
+  the zygote, so the other tests' zygote and its warm-up survive."""
+  global _zygote, _environ, _python
+  with _requests, _lock:
+    saved = _zygote, _environ, _python
+    _zygote, _environ, _python = None, None, None
+    _started.clear()
+  before = os.environ.get(_WARMUP)
+  os.environ[_WARMUP] = "0"
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ[_WARMUP]
+    else:
+      os.environ[_WARMUP] = before
+    with _requests, _lock:
+      own = _zygote
+      _zygote, _environ, _python = saved
+      _started.clear()
+    _stop(own)
 
 
 class Process:

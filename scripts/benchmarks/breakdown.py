@@ -92,7 +92,8 @@ def measure():
       start = time.perf_counter()
       float(run())
       times[name].append((time.perf_counter() - start) / spl)
-    peaks.append(flops.matmul_peak_flops(trials=2))
+    peaks.append(flops.matmul_peak_flops(
+        size=FLAGS.peak_matmul_size, trials=2))
   ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
   per_example = flops.training_flops_per_example(
       model, dataset.input_shape)["matmul"]
@@ -100,7 +101,8 @@ def measure():
   # them: unless kernels overlap, no loop can make a step faster than their
   # sum.
   layers = flops.layer_kernel_times(model, batch)
-  peaks.append(flops.matmul_peak_flops(trials=2))
+  peaks.append(flops.matmul_peak_flops(size=FLAGS.peak_matmul_size,
+                                       trials=2))
   peak = statistics.median(peaks)
   for row in layers:
     row["fraction_of_peak"] = row["flops"] / (row["ms"] / 1000) / peak

@@ -32,6 +32,10 @@ flags.DEFINE_enum("recipe", "reference", ["reference", "fast"], "The "
                   "cross-entropy, no augmentation) or fast (the step of "
                   "scripts/configs/cifar10_fast.cfg, read from it: its "
                   "optimizer, label smoothing, EMA and augmentation).")
+flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square float32 "
+                     "matmuls that measure the machine's peak, the MFU's "
+                     "denominator (smaller: faster, further below the "
+                     "peak).", lower_bound=64)
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 flags.DEFINE_string("result_file", None, "Internal: measure in this process "
                     "(the first of --strategies) and write the result here.")
@@ -40,7 +44,7 @@ _QUICK = (("global_batch_size", 128), ("steps_per_loop", 5),
           ("loops_per_round", 2), ("rounds", 3))
 # Forwarded to every measurement process.
 _SHARED = ("global_batch_size", "steps_per_loop", "loops_per_round", "rounds",
-           "recipe")
+           "recipe", "peak_matmul_size")
 
 
 def apply_quick():

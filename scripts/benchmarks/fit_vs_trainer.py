@@ -67,7 +67,7 @@ def measure():
   name, cpu_devices = common.strategy_spec()
   batch, spl, loops = (FLAGS.global_batch_size, FLAGS.steps_per_loop,
                        FLAGS.loops_per_round)
-  peak_before = flops.matmul_peak_flops()
+  peak_before = flops.matmul_peak_flops(size=FLAGS.peak_matmul_size)
 
   # (A) Keras fit: compiled as its docs say, same pipeline, same batches.
   fit_side = common.Setup(strategy, dataset)
@@ -131,7 +131,7 @@ def measure():
     trainer_rate = examples / common.time_trainer(trainer, iterator, loops, spl)
     unfused_rate = examples / common.time_trainer(unfused, unfused_iterator, loops,
                                             spl)
-    peak = flops.matmul_peak_flops(trials=2)
+    peak = flops.matmul_peak_flops(size=FLAGS.peak_matmul_size, trials=2)
     fit_rates.append(fit_rate)
     trainer_rates.append(trainer_rate)
     ratios.append(trainer_rate / fit_rate)

@@ -76,6 +76,9 @@ flags.DEFINE_float("goal_seconds", 300, "The goal: median time to target.")
 flags.DEFINE_bool("measure_peak", True, "Before each run, measure the "
                   "machine's float32 matmul GFLOP/s (about 10 s) and report "
                   "it with the run.")
+flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square "
+                     "matmuls that measure the peak (scripts/benchmarks/"
+                     "matmul_peak.py).", lower_bound=64)
 flags.DEFINE_float("milestone_seconds", 600, "The first milestone.")
 
 PROG = "time_to_accuracy.py"
@@ -187,7 +190,7 @@ class Run:
     print(f"[{self.name} seed {self.seed}] {shlex.join(self.command[1:])}",
           flush=True)
     if FLAGS.measure_peak:
-      self.peak_gflops = matmul_peak_gflops()
+      self.peak_gflops = matmul_peak_gflops(FLAGS.peak_matmul_size)
       print(f"[{self.name} seed {self.seed}] float32 matmul peak before the "
             f"run: {self.peak_gflops:.1f} GFLOP/s", flush=True)
     launch, start = time.time(), time.monotonic()
@@ -209,16 +212,15 @@ class Run:
                    f"{proc.returncode} ({errors[-1]}); log: {self.log}")
 
 
-def matmul_peak_gflops():
+def matmul_peak_gflops(size=2048):
   """This machine's float32 matmul rate now, in a process of its own: the
   same machine runs at different speeds on different days (shared hosts),
   so each run's seconds are reported with it."""
-  code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-          "from framework.perf import flops; "
-          "print(flops.matmul_peak_flops(trials=3) / 1e9)")
-  proc = subprocess.run([sys.executable, "-c", code, ROOT],
-                        capture_output=True, text=True, check=False,
-                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "benchmarks",
+                                    "matmul_peak.py"),
+       f"--peak_matmul_size={size}"],
+      capture_output=True, text=True, check=False)
   try:
     return float(proc.stdout.split()[-1])
   except (IndexError, ValueError):
