@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 import zygote
 import zygote_client
@@ -43,6 +44,17 @@ def run_python(path, *args, env=None, timeout=300, cwd=ROOT, fresh=False):
         timeout=timeout)
   return zygote_client.run(path, list(args), cwd=str(cwd), env=full_env,
                            timeout=timeout)
+
+
+def run_code(code, *args, env=None, timeout=300, cwd=ROOT):
+  """`python -c code args...` with the repository first on sys.path, run as
+  `run_python` runs a script (so it can fork from the zygote: `-c` cannot);
+  returns the CompletedProcess whatever its exit status."""
+  with tempfile.TemporaryDirectory(prefix="code_") as folder:
+    path = os.path.join(folder, "code.py")
+    with open(path, "w") as f:
+      f.write(f"import sys\nsys.path.insert(0, {ROOT!r})\n{code}")
+    return run_python(path, *args, env=env, timeout=timeout, cwd=cwd)
 
 
 def needs_fresh_interpreter(args, env):

@@ -7,8 +7,6 @@ the benchmarks, never asserted in tests.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -187,6 +185,5 @@ assert trainer.ema is not None
 assert common.augmentation() is augment.get_augmentation(recipe["augment"])
 print("ok")
 """
-  proc = subprocess.run([sys.executable, "-c", code, ROOT], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
+  proc = helpers.run_code(code, ROOT, timeout=120)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -2,11 +2,11 @@
 disk error (real processes on 127.0.0.1)."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,11 +54,7 @@ CHIEF = textwrap.dedent("""
 def test_saving_variables_of_a_dead_task_raises_the_transport_error(
     tmp_path):
   model_dir = tmp_path / "run"
-  proc = subprocess.run([sys.executable, "-c", CHIEF, str(model_dir)],
-                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT,
-                                           TF_CPP_MIN_LOG_LEVEL="2"),
-                        capture_output=True, text=True, timeout=300,
-                        check=False)
+  proc = helpers.run_code(CHIEF, str(model_dir), timeout=300)
   outcome = [l for l in proc.stdout.splitlines() if l.startswith("OUTCOME")]
   assert outcome, proc.stdout[-2000:] + proc.stderr[-3000:]
   # train.py turns this into "a task of the cluster failed ... relaunch";

@@ -6,8 +6,6 @@ happen in subprocesses.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -73,10 +71,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _compare(kind="mlp", steps=STEPS):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=helpers.ROOT)
-  proc = subprocess.run([sys.executable, "-c", _COMPARE, str(steps), kind],
-                        cwd=helpers.ROOT, env=env, capture_output=True,
-                        text=True, timeout=600)
+  proc = helpers.run_code(_COMPARE, str(steps), kind, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   return json.loads(line[-1][len("RESULT "):])
