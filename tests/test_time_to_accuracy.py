@@ -196,7 +196,7 @@ def test_a_failed_matmul_peak_measurement_is_one_clear_error():
       "import sys; sys.path.insert(0, '.');"
       "from scripts.benchmarks import time_to_accuracy as t;"
       "sys.executable = '/bin/false'\n"
-      "try:\n  t.matmul_peak_gflops()\n"
+      "try:\n  t.matmul_peak_gflops(2048)\n"
       "except Exception as e:\n  print(type(e).__name__ + ': ' + str(e))\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT,
                         capture_output=True, text=True, timeout=120,

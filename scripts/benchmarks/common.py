@@ -15,6 +15,8 @@ import time
 
 from absl import flags
 
+from scripts.benchmarks import matmul_peak  # pylint: disable=unused-import  (--peak_matmul_size)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "A few minutes: small batch, few rounds.")
 flags.DEFINE_list("strategies", ["default", "mirrored:2"], "strategy[:cpu "
@@ -32,10 +34,6 @@ flags.DEFINE_enum("recipe", "reference", ["reference", "fast"], "The "
                   "cross-entropy, no augmentation) or fast (the step of "
                   "scripts/configs/cifar10_fast.cfg, read from it: its "
                   "optimizer, label smoothing, EMA and augmentation).")
-flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square float32 "
-                     "matmuls that measure the machine's peak, the MFU's "
-                     "denominator (smaller: faster, further below the "
-                     "peak).", lower_bound=64)
 flags.DEFINE_string("output_json", None, "Write all figures here.")
 flags.DEFINE_string("result_file", None, "Internal: measure in this process "
                     "(the first of --strategies) and write the result here.")

@@ -50,6 +50,8 @@ cli.quiet_startup(import_tensorflow=False)  # only to read the event files
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from scripts.benchmarks import matmul_peak  # pylint: disable=g-import-not-at-top
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("recipe", os.path.join(
     ROOT, "scripts", "configs", "cifar10_fast.cfg"), "Flag file of the "
@@ -76,9 +78,6 @@ flags.DEFINE_float("goal_seconds", 300, "The goal: median time to target.")
 flags.DEFINE_bool("measure_peak", True, "Before each run, measure the "
                   "machine's float32 matmul GFLOP/s (about 10 s) and report "
                   "it with the run.")
-flags.DEFINE_integer("peak_matmul_size", 2048, "Side of the square "
-                     "matmuls that measure the peak (scripts/benchmarks/"
-                     "matmul_peak.py).", lower_bound=64)
 flags.DEFINE_float("milestone_seconds", 600, "The first milestone.")
 
 PROG = "time_to_accuracy.py"
@@ -212,13 +211,12 @@ class Run:
                    f"{proc.returncode} ({errors[-1]}); log: {self.log}")
 
 
-def matmul_peak_gflops(size=2048):
+def matmul_peak_gflops(size):
   """This machine's float32 matmul rate now, in a process of its own: the
   same machine runs at different speeds on different days (shared hosts),
   so each run's seconds are reported with it."""
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "benchmarks",
-                                    "matmul_peak.py"),
+      [sys.executable, matmul_peak.__file__,
        f"--peak_matmul_size={size}"],
       capture_output=True, text=True, check=False)
   try:
