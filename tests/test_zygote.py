@@ -75,7 +75,8 @@ def test_concurrent_runs_signals_and_a_shared_append_log(tmp_path):
       "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
       "print('up', flush=True)\n"
       "print('err', file=sys.stderr, flush=True)\n"
-      "time.sleep(600)\n")
+      "for _ in range(6000):\n"  # short sleeps, as in PROXIED below
+      "  time.sleep(0.1)\n")
   log = tmp_path / "log"
   log.write_text("before\n")
   env = zygote_client.environ()
@@ -134,7 +135,10 @@ import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))
 print(os.getpid(), "tensorflow" in sys.modules, sys.stdin.read(), flush=True)
 if sys.argv[1:] == ["wait"]:
-  time.sleep(600)
+  # Short sleeps: a signal whose handler is due just as a long sleep starts
+  # would not end that sleep (Python runs handlers between bytecodes).
+  for _ in range(6000):
+    time.sleep(0.1)
 sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
 """
 
