@@ -133,6 +133,19 @@ def test_bfloat16_reduction_is_float32_within_its_rounding(data):
   assert 0 < max_diff(weights32, weights16) <= 2e-3
 
 
+def test_overlap_with_bfloat16_gives_the_bfloat16_weights(data):
+  # Buckets change which collective carries a gradient, not its rounding.
+  bf16 = make_trainer(collective_strategy(), AllReduceConfig(dtype="bfloat16"))
+  both = make_trainer(collective_strategy(), AllReduceConfig(
+      dtype="bfloat16", overlap=True, bytes_per_pack=512))
+  assert collective_reduces(both) == 2  # 20+320+32+512 and 32+1536 bytes
+  weights16, _ = train(bf16, data)
+  weights, _ = train(both, data)
+  assert max_diff(weights16, weights) <= 1e-6
+  weights32, _ = train(make_trainer(collective_strategy()), data)
+  assert max_diff(weights32, weights) > 0  # it did reduce in bfloat16
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bytes_per_pack=-1), "all_reduce_bytes_per_pack=-1 must be"),
     (dict(implementation="mpi"), "all_reduce_implementation"),

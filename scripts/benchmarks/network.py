@@ -13,9 +13,10 @@ directions by `tc` (tbf; no added delay). Modes:
          hosts (`--model_parallel_devices=cluster`, chief runs the loop).
 `--knobs` adds, at each of --knob_rates (10gbit), MWMS with
 --all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576 and
-with --all_reduce_overlap. A compute-only baseline (one process,
-one core, one worker's half of the batch, no network) runs before the first
-run and after each MWMS run; an MWMS run's "vs halves" divides its examples/s by
+with --all_reduce_overlap, and with both overlap and bfloat16. A compute-only baseline (the 2 workers' half
+batches trained at once, each in its own process on its worker's core, no
+network: two independent halves; `--halves=alone`: one half alone, counted
+twice) runs before the first run and after each MWMS run; an MWMS run's "vs halves" divides its examples/s by
 the mean of the two baselines around it.
 
 For each run it prints examples/s and the bytes on the wire per step (the
@@ -48,8 +49,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("rates", ["unshaped", "25gbit", "10gbit", "1gbit"],
                   "Link bandwidths ('unshaped': no tc).")
 flags.DEFINE_list("modes", ["mwms", "ps", "split"], "mwms, ps, split.")
-flags.DEFINE_bool("knobs", True, "Also MWMS at 10gbit with bfloat16 "
-                  "reduction and with 1 MiB packs.")
+flags.DEFINE_bool("knobs", True, "Also MWMS at --knob_rates with bfloat16 "
+                  "reduction, with 1 MiB packs, with overlap, and with "
+                  "overlap and bfloat16.")
 flags.DEFINE_string("model", "cifar_cnn", "Model for mwms and ps.")
 flags.DEFINE_integer("global_batch_size", 128, "Examples per step.")
 flags.DEFINE_integer("train_steps", 40, "Steps per run.")
@@ -63,6 +65,11 @@ flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
                           "and ps runs and the baseline, repeatable (e.g. "
                           "--extra=--hidden_units=1024,1024).")
+flags.DEFINE_enum("halves", "together", ["together", "alone"],
+                  "The compute-only baseline: the 2 workers' half batches "
+                  "trained at once, each on its worker's core, with no "
+                  "network (together), or one half alone on one core, "
+                  "counted twice (alone: the figures before 2026-12-02).")
 flags.DEFINE_string("cores", "0,1", "CPU cores; task i is pinned to core "
                     "i mod len (taskset), one thread each.")
 flags.DEFINE_integer("inter_op_threads", 1, "TF_NUM_INTEROP_THREADS of every "
@@ -157,28 +164,38 @@ def run_on_hosts(mode, rate, workdir, extra=()):
 
 
 def compute_only(workdir):
-  """examples/s of one worker's half batch alone on one core, as if the
-  2 workers did not communicate (reported for the whole global batch)."""
+  """(examples/s, seconds per step) of the 2 workers' half batches trained
+  with no network: both at once, each on its worker's core (--halves=
+  together), or one alone on one core, counted twice (--halves=alone)."""
   half = FLAGS.global_batch_size // 2
-  model_dir = os.path.join(workdir, f"alone_{len(os.listdir(workdir))}")
-  args = _train_flags(model_dir, f"--model={FLAGS.model}",
-                      "--strategy=default", *FLAGS.extra)
-  args[0] = f"--global_batch_size={half}"
-  proc = subprocess.run(
-      ["taskset", "-c", FLAGS.cores.split(",")[0]] + TRAIN + args,
-      env=dict(os.environ, **_env()), capture_output=True, text=True,
-      check=False)
-  times = {}
-  for line in proc.stderr.splitlines():
-    match = re.search(r"train step (\d+)/\d+:", line)
-    if match:
-      times[int(match.group(1))] = line
-  if proc.returncode or FLAGS.measure_from not in times:
-    raise RuntimeError("compute-only run failed:\n" + proc.stderr[-3000:])
-  rates = [float(m) for s, l in times.items() if s > FLAGS.measure_from
-           for m in re.findall(r"examples/s=([\d.]+)", l)]
-  per_step = half / (sum(rates) / len(rates))
-  return FLAGS.global_batch_size / per_step, per_step
+  cores = FLAGS.cores.split(",")
+  count = 2 if FLAGS.halves == "together" else 1
+  procs = []
+  for i in range(count):
+    model_dir = os.path.join(workdir, f"alone_{len(os.listdir(workdir))}")
+    os.makedirs(model_dir)
+    args = _train_flags(model_dir, f"--model={FLAGS.model}",
+                        "--strategy=default", *FLAGS.extra)
+    args[0] = f"--global_batch_size={half}"
+    procs.append(subprocess.Popen(
+        ["taskset", "-c", cores[i % len(cores)]] + TRAIN + args,
+        env=dict(os.environ, **_env()), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True))
+  per_steps = []
+  for proc in procs:
+    _, stderr = proc.communicate()
+    times = {}
+    for line in stderr.splitlines():
+      match = re.search(r"train step (\d+)/\d+:", line)
+      if match:
+        times[int(match.group(1))] = line
+    if proc.returncode or FLAGS.measure_from not in times:
+      raise RuntimeError("compute-only run failed:\n" + stderr[-3000:])
+    rates = [float(m) for s, l in times.items() if s > FLAGS.measure_from
+             for m in re.findall(r"examples/s=([\d.]+)", l)]
+    per_steps.append(half / (sum(rates) / len(rates)))
+  per_step = sum(per_steps) / len(per_steps)
+  return sum(half / t for t in per_steps) * 2 / count, per_step
 
 
 def main(argv):
@@ -193,7 +210,8 @@ def main(argv):
     runs += [("mwms", rate, knob) for rate in FLAGS.knob_rates for knob in (
         ("--all_reduce_dtype=bfloat16",),
         ("--all_reduce_bytes_per_pack=1048576",),
-        ("--all_reduce_overlap",))]
+        ("--all_reduce_overlap",),
+        ("--all_reduce_overlap", "--all_reduce_dtype=bfloat16"))]
   print(f"model={FLAGS.model} {' '.join(FLAGS.extra)} (split: mlp 5+5) "
         f"global_batch_size="
         f"{FLAGS.global_batch_size} steps {FLAGS.measure_from}.."
@@ -207,7 +225,9 @@ def main(argv):
     def baseline():
       rate, per_step = compute_only(workdir)
       baselines.append(rate)
-      print(f"compute only (2 x one core alone, half batch each): "
+      how = ("2 halves at once, one core each" if FLAGS.halves == "together"
+             else "2 x one core alone")
+      print(f"compute only ({how}, half batch each): "
             f"{rate:.1f} examples/s, {per_step * 1e3:.1f} ms/step",
             flush=True)
 
