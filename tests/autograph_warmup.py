@@ -9,9 +9,12 @@ conversion by the function's code object and the conversion options, so a
 conversion done in the zygote is a cache hit in each forked child; the
 converted code is the same as the child would have made.
 
-The zygote converts in its idle time, one function at a time (`step`),
-most used modules first, so a run's request waits for one conversion at
-most. It needs nothing of TensorFlow's runtime (no eager context, no
+The zygote converts CORE_MODULES' functions before it serves its first
+request (`convert_core`: every train.py run needs them, and the first
+runs would otherwise each convert them again while the zygote is at it),
+then the rest in its idle time, one function at a time (`step`), most
+used modules first, so a run's request waits for one conversion at most.
+It needs nothing of TensorFlow's runtime (no eager context, no
 threads), so forking stays safe. Everything here is best effort: another
 TensorFlow whose AutoGraph internals differ gets no warm-up, not an error.
 """
@@ -50,6 +53,7 @@ class Warmup:
 
   def __init__(self, modules=_MODULES):
     self._pending = []
+    self._core = 0  # the first of them: CORE_MODULES'
     try:
       from tensorflow.python.autograph.core import converter  # pylint: disable=g-import-not-at-top
       from tensorflow.python.autograph.impl import api  # pylint: disable=g-import-not-at-top
@@ -67,6 +71,7 @@ class Warmup:
     seen = set()
     for module in _modules(modules):
       entry_module = module.__name__ in _ENTRY_MODULES
+      before = len(self._pending)
       for function in _functions(module):
         if function.__code__ in seen:
           continue
@@ -74,6 +79,8 @@ class Warmup:
         self._pending.append((function, contexts[False]))
         if entry_module:
           self._pending.append((function, contexts[True]))
+      if module.__name__ in CORE_MODULES and before == self._core:
+        self._core = len(self._pending)
     self._pending.reverse()  # pop() from the end: most used first
     # AutoGraph deletes its generated files at exit (atexit). A forked run
     # runs the zygote's exit handlers too: only the zygote may delete the
@@ -85,6 +92,13 @@ class Warmup:
   @property
   def pending(self):
     return len(self._pending)
+
+  def convert_core(self):
+    """Does CORE_MODULES' conversions now: the first runs forked would
+    otherwise each convert them again while the zygote is still at it."""
+    while self._core > 0 and self._pending:
+      self._core -= 1
+      self.step()
 
   def step(self):
     """Converts the next function; returns whether any are left."""

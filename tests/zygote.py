@@ -307,6 +307,7 @@ def main():
   if os.environ.get("DISTLOOP_TEST_AUTOGRAPH_WARMUP", "1") != "0":
     import autograph_warmup  # pylint: disable=g-import-not-at-top
     warmup = autograph_warmup.Warmup()  # imports the framework
+    warmup.convert_core()
   del sys.path[0]
   global _ZYGOTE_ENV
   _ZYGOTE_ENV = dict(os.environ)
