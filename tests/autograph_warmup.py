@@ -71,7 +71,6 @@ class Warmup:
     seen = set()
     for module in _modules(modules):
       entry_module = module.__name__ in _ENTRY_MODULES
-      before = len(self._pending)
       for function in _functions(module):
         if function.__code__ in seen:
           continue
@@ -79,7 +78,7 @@ class Warmup:
         self._pending.append((function, contexts[False]))
         if entry_module:
           self._pending.append((function, contexts[True]))
-      if module.__name__ in CORE_MODULES and before == self._core:
+      if module.__name__ in CORE_MODULES:  # they come first
         self._core = len(self._pending)
     self._pending.reverse()  # pop() from the end: most used first
     # AutoGraph deletes its generated files at exit (atexit). A forked run

@@ -12,12 +12,13 @@ directions by `tc` (tbf; no added delay). Modes:
   split: the 5 + 5 tensor split of the MLP's 10 hidden units over 2 worker
          hosts (`--model_parallel_devices=cluster`, chief runs the loop).
 `--knobs` adds, at each of --knob_rates (10gbit), MWMS with
---all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576 and
-with --all_reduce_overlap, and with both overlap and bfloat16. A compute-only baseline (the 2 workers' half
-batches trained at once, each in its own process on its worker's core, no
-network: two independent halves; `--halves=alone`: one half alone, counted
-twice) runs before the first run and after each MWMS run; an MWMS run's "vs halves" divides its examples/s by
-the mean of the two baselines around it.
+--all_reduce_dtype=bfloat16, with --all_reduce_bytes_per_pack=1048576, with
+--all_reduce_overlap, and with overlap and bfloat16 together. A compute-only
+baseline (the 2 workers' half batches trained at once, each in its own
+process on its worker's core, no network: two independent halves;
+`--halves=alone`: one half alone, counted twice) runs before the first run
+and after each MWMS run; an MWMS run's "vs halves" divides its examples/s
+by the mean of the two baselines around it.
 
 For each run it prints examples/s and the bytes on the wire per step (the
 sum of every host interface's tx counter), both between the chief's log
@@ -172,7 +173,7 @@ def compute_only(workdir):
   count = 2 if FLAGS.halves == "together" else 1
   procs = []
   for i in range(count):
-    model_dir = os.path.join(workdir, f"alone_{len(os.listdir(workdir))}")
+    model_dir = os.path.join(workdir, f"halves_{len(os.listdir(workdir))}")
     os.makedirs(model_dir)
     args = _train_flags(model_dir, f"--model={FLAGS.model}",
                         "--strategy=default", *FLAGS.extra)
@@ -194,8 +195,8 @@ def compute_only(workdir):
     rates = [float(m) for s, l in times.items() if s > FLAGS.measure_from
              for m in re.findall(r"examples/s=([\d.]+)", l)]
     per_steps.append(half / (sum(rates) / len(rates)))
-  per_step = sum(per_steps) / len(per_steps)
-  return sum(half / t for t in per_steps) * 2 / count, per_step
+  rates = [half / t for t in per_steps]  # examples/s of each half
+  return sum(rates) * 2 / count, sum(per_steps) / count
 
 
 def main(argv):
