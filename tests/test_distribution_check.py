@@ -272,6 +272,19 @@ def test_batch_norm_and_dropout_warn_but_the_step_is_checked(batch, mirrored):
   assert report.cause_codes == ["loss_per_replica_mean"], report.table()
 
 
+def test_a_model_computing_in_bfloat16_is_named(batch, mirrored):
+  # Its rounding can exceed the tolerance on a correct step: the warning
+  # says so and how to check in float32.
+  policy = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    report = check(Trainer, mirrored, batch)
+  finally:
+    keras.mixed_precision.set_global_policy(policy)
+  assert "low_precision" in report.warning_codes, report.table()
+  assert "low_precision" not in check(Trainer, mirrored, batch).warning_codes
+
+
 def test_a_trainer_instance_is_restored_exactly(batch, mirrored):
   with mirrored.scope():
     model = build_bn_dropout()

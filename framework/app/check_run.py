@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from framework.app import factory
 from framework.check import distribution_check
+from framework.check.distribution_diagnosis import Finding
+from framework.core import precision
 from framework.data import inputs
 from framework.distribute import strategies
 
@@ -23,7 +25,10 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
 
   Builds a trainer under `strategy` and a reference on one device, exactly
   as the run builds its own, and checks them on the run's first global
-  batch. The real run is untouched: its build re-seeds.
+  batch. The real run is untouched: its build re-seeds. A run computing in
+  bfloat16 or float16 is checked in float32 (with its float16 loss scale):
+  one step's low-precision rounding moves the weights by more than the
+  check's tolerance between N replicas and one device.
 
   Args:
     trainer_cls, build_model, make_trainer: as for `experiment.run`.
@@ -34,13 +39,22 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
   batch = next(iter(inputs.train_dataset(dataset, config.global_batch_size,
                                          seed=config.seed)))
   one_device = strategies.make_strategy("one_device")
+  compute = precision.resolve_precision(config.mixed_precision)
+  notes = []
+  if compute != "float32":
+    notes.append(Finding(
+        "compared_in_float32",
+        f"the run computes in {compute}; the check built both sides in "
+        "float32 (its rounding alone moves one step by more than the "
+        "tolerance), so the low-precision compute itself is not covered"))
 
   def factory_for(s, model_parallel=True, reference_cls=None):
     def make():
       trainer, _ = factory.build_trainer(
           config, s, dataset, trainer_cls, build_model=build_model,
           make_trainer=make_trainer or reference_cls,
-          model_parallel=model_parallel)
+          model_parallel=model_parallel,
+          compute_precision="float32" if notes else None)
       return trainer
     return make
 
@@ -59,7 +73,8 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
                                                             devices=devices))
   keras.utils.set_random_seed(config.seed)
   report = distribution_check.check_distribution(
-      factory_for(strategy), reference, batch, print_fn=print_fn)
+      factory_for(strategy), reference, batch, notes=notes,
+      print_fn=print_fn)
   if report.verdict == distribution_check.FAIL:
     raise distribution_check.DistributionCheckError(
         "distribution check failed: " +

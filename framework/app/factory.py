@@ -58,11 +58,13 @@ def optimizer_config(config, steps):
   return result
 
 
-def build_model_and_optimizer(config, strategy, dataset, build_model=None):
+def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
+                              compute_precision=None):
   """(model, optimizer, LoopConfig with the run's length) under `strategy`.
 
   `build_model(input_shape, num_classes, **options)` builds the model
-  (default: the builder `config.model` names).
+  (default: the builder `config.model` names). `compute_precision` replaces
+  `config.mixed_precision` for the model's dtype policy (None: the run's).
   """
   steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
@@ -76,7 +78,7 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None):
   keras.utils.set_random_seed(config.seed)
   # Layers keep the dtype policy they are built with; restore the global one.
   policy = keras.mixed_precision.global_policy()
-  precision.set_precision(config.mixed_precision)
+  precision.set_precision(compute_precision or config.mixed_precision)
   try:
     with strategy.scope():
       if build_model is None:
@@ -121,7 +123,8 @@ def trainer_options(config, strategy):
 
 
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
-                  build_model=None, make_trainer=None, model_parallel=True):
+                  build_model=None, make_trainer=None, model_parallel=True,
+                  compute_precision=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
   Args:
@@ -131,10 +134,13 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       trainer`, replacing `trainer_cls` and the model split.
     model_parallel: bind `trainer_cls` to `config.model_parallel`'s split
       (False: the unsplit trainer, the self-check's reference).
+    compute_precision: the model's dtype policy instead of the run's (the
+      float16 loss scale still follows `config.mixed_precision`).
   """
   trainer_cls = trainer_cls or default_trainer_cls(dataset)
-  model, optimizer, loop = build_model_and_optimizer(config, strategy,
-                                                     dataset, build_model)
+  model, optimizer, loop = build_model_and_optimizer(
+      config, strategy, dataset, build_model,
+      compute_precision=compute_precision)
   if make_trainer is None:
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                     if model_parallel else trainer_cls)
