@@ -34,6 +34,24 @@ def test_every_benchmark_parses_its_flags(name):
           else "--global_batch_size") in proc.stdout
 
 
+def test_network_modes_are_checked():
+  proc = run("benchmarks/network.py", "--modes=mwms,none")
+  assert proc.returncode == 1
+  assert "each of --modes must be mwms, ps or split" in proc.stderr
+
+
+def test_network_socket_probe_measures_each_rate():
+  from framework.distribute import netns
+  if netns.missing():
+    pytest.skip(f"no network namespaces: {netns.missing()}")
+  proc = run("benchmarks/network.py", "--modes=", "--noknobs",
+             "--rates=unshaped,1gbit", "--socket_seconds=0.3")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("socket")]
+  assert [l.split()[1] for l in lines] == ["unshaped", "1gbit"], proc.stdout
+  assert all(float(l.split()[-2]) > 0 for l in lines), lines
+
+
 @pytest.mark.parametrize("old, new", [
     ("benchmark.py", "suite.py"),
     ("benchmark_multi_worker.py", "multi_worker.py"),

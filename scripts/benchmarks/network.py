@@ -20,7 +20,8 @@ process on its worker's core, no network: two independent halves;
 and after each MWMS run; an MWMS run's "vs halves" divides its examples/s
 by the mean of the two baselines around it.
 
-For each run it prints examples/s and the bytes on the wire per step (the
+First, per rate, one plain TCP stream between two hosts (--socket_seconds):
+what the link carries without TensorFlow. For each run it prints examples/s and the bytes on the wire per step (the
 sum of every host interface's tx counter), both between the chief's log
 lines at steps --measure_from and --train_steps (tracing and start-up left
 out). Prints one line and exits 0 where namespaces or tc are missing. Not a
@@ -49,7 +50,11 @@ from framework.distribute import netns  # pylint: disable=g-import-not-at-top
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rates", ["unshaped", "25gbit", "10gbit", "1gbit"],
                   "Link bandwidths ('unshaped': no tc).")
-flags.DEFINE_list("modes", ["mwms", "ps", "split"], "mwms, ps, split.")
+flags.DEFINE_list("modes", ["mwms", "ps", "split"], "mwms, ps, split "
+                  "(empty: only the socket probe).")
+flags.register_validator(
+    "modes", lambda v: set(v) <= {"mwms", "ps", "split"},
+    "each of --modes must be mwms, ps or split")
 flags.DEFINE_bool("knobs", True, "Also MWMS at --knob_rates with bfloat16 "
                   "reduction, with 1 MiB packs, with overlap, and with "
                   "overlap and bfloat16.")
@@ -71,6 +76,10 @@ flags.DEFINE_enum("halves", "together", ["together", "alone"],
                   "trained at once, each on its worker's core, with no "
                   "network (together), or one half alone on one core, "
                   "counted twice (alone: the figures before 2026-12-02).")
+flags.DEFINE_float("socket_seconds", 3.0, "Before the runs, one TCP stream "
+                   "between 2 hosts for this long at each rate: what the "
+                   "link itself carries, without TensorFlow (0: skip).",
+                   lower_bound=0)
 flags.DEFINE_string("cores", "0,1", "CPU cores; task i is pinned to core "
                     "i mod len (taskset), one thread each.")
 flags.DEFINE_integer("inter_op_threads", 1, "TF_NUM_INTEROP_THREADS of every "
@@ -164,6 +173,45 @@ def run_on_hosts(mode, rate, workdir, extra=()):
   return window.result()
 
 
+_RECEIVE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 5555))
+print("ready", flush=True)
+conn, _ = server.accept()
+view = memoryview(bytearray(1 << 20))
+while conn.recv_into(view):
+  pass
+"""
+_SEND = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], 5555))
+data, sent, start = b"x" * (1 << 20), 0, time.perf_counter()
+while time.perf_counter() - start < float(sys.argv[2]):
+  conn.sendall(data)
+  sent += len(data)
+conn.close()
+print(sent * 8 / (time.perf_counter() - start) / 1e9)
+"""
+
+
+def socket_gbits(rate):
+  """Gbit/s of one TCP stream from host 1 to host 0 over `rate`'s links."""
+  with netns.HostNetwork(2, rate=None if rate == "unshaped" else rate,
+                         name="dlb", mtu=FLAGS.mtu) as net:
+    receiver = subprocess.Popen(
+        net.prefix(0) + [sys.executable, "-c", _RECEIVE, net.addresses[0]],
+        stdout=subprocess.PIPE, text=True)
+    try:
+      receiver.stdout.readline()
+      sender = subprocess.run(
+          net.prefix(1) + [sys.executable, "-c", _SEND, net.addresses[0],
+                           str(FLAGS.socket_seconds)],
+          capture_output=True, text=True, check=True)
+    finally:
+      receiver.wait(timeout=30)
+  return float(sender.stdout)
+
+
 def compute_only(workdir):
   """(examples/s, seconds per step) of the 2 workers' half batches trained
   with no network: both at once, each on its worker's core (--halves=
@@ -221,6 +269,11 @@ def main(argv):
         f"mtu={FLAGS.mtu}",
         flush=True)
   try:
+    if FLAGS.socket_seconds:
+      for rate in dict.fromkeys(FLAGS.rates + (
+          FLAGS.knob_rates if FLAGS.knobs else [])):
+        print(f"socket {rate:9s} one TCP stream: {socket_gbits(rate):.1f} "
+              "Gbit/s", flush=True)
     baselines = []
 
     def baseline():
