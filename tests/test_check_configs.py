@@ -66,6 +66,17 @@ def _built_trainers(monkeypatch):
   return built
 
 
+def _check(config, monkeypatch):
+  """(the trainers built, the report) of `--check_distribution` on `config`
+  under MirroredStrategy on the 2 logical devices."""
+  dataset = datasets.load_dataset(config.dataset, config.data_dir,
+                                  seed=config.seed, **config.dataset_options)
+  built = _built_trainers(monkeypatch)
+  report = check_run.check_experiment(config, shared_strategy.mirrored(),
+                                      dataset, print_fn=None)
+  return built, report
+
+
 def _config(name, *extra):
   with flagsaver.flagsaver():
     flags.FLAGS.unparse_flags()
@@ -82,11 +93,7 @@ def _config(name, *extra):
 def test_check_distribution_passes(name, cifar_dir, tmp_path, monkeypatch):
   config = _config(name, *TINY, *SHRINK.get(name, []),
                    f"--data_dir={cifar_dir}", f"--model_dir={tmp_path}")
-  dataset = datasets.load_dataset(config.dataset, config.data_dir,
-                                  seed=config.seed, **config.dataset_options)
-  built = _built_trainers(monkeypatch)
-  report = check_run.check_experiment(config, shared_strategy.mirrored(),
-                                      dataset, print_fn=None)
+  built, report = _check(config, monkeypatch)
   assert report.verdict != distribution_check.FAIL, report.table()
   # Both sides are the run's trainer: its EMA and loss, on 2 replicas vs 1.
   assert [t.num_replicas for t in built] == [2, 1]
@@ -107,11 +114,7 @@ def test_a_low_precision_run_is_checked_in_float32(compute, cifar_dir,
   # check failed there while its step was right.
   config = _config("cifar10_fast.cfg", *TINY, f"--mixed_precision={compute}",
                    f"--data_dir={cifar_dir}", f"--model_dir={tmp_path}")
-  dataset = datasets.load_dataset(config.dataset, config.data_dir,
-                                  seed=config.seed, **config.dataset_options)
-  built = _built_trainers(monkeypatch)
-  report = check_run.check_experiment(config, shared_strategy.mirrored(),
-                                      dataset, print_fn=None)
+  built, report = _check(config, monkeypatch)
   assert report.verdict == distribution_check.WARN, report.table()
   assert "compared_in_float32" in report.warning_codes
   assert "low_precision" not in report.warning_codes
