@@ -467,12 +467,11 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
         f"normal, {distribution_randomness.UNIFORM:g} for uniform [0, 1)) on "
         "both sides, so the rest is compared exactly and the random values "
         "are not"))
-  low = [d for d in {str(getattr(trainer.model, "compute_dtype", ""))}
-         if d in ("bfloat16", "float16")]
-  if low:
+  compute_dtype = str(getattr(trainer.model, "compute_dtype", ""))
+  if compute_dtype in ("bfloat16", "float16"):
     warnings.append(Finding(
         "low_precision",
-        f"the model computes in {low[0]}, whose rounding can move one step "
+        f"the model computes in {compute_dtype}, whose rounding can move one step "
         f"by several % between {replicas} replicas and one device (BatchNorm "
         "amplifies it) beyond the tolerance; build both sides in float32 to "
         "check the distribution (--check_distribution does)"))
