@@ -1,8 +1,12 @@
-"""What the Controller needs from a trainer and an evaluator, written once.
+"""What the loop, the run and the self-check read of a trainer, written once.
 
-`Controller` reads a trainer only through these protocols: `LoopTrainer` is
-required; every other capability is optional, detected with `isinstance`
-against its own protocol, and has the default written here when absent.
+Every attribute that `framework.core` (the Controller), `framework.app`
+(`experiment.run`, export, evaluation) and `framework.check` read of a
+trainer is declared here (`declared_names()`; a test runs a recording proxy
+through a whole run). `LoopTrainer` is required (and `LoopEvaluator` to
+evaluate); every other capability is optional, detected with `isinstance`
+against its own protocol, and has the default written here when absent
+(`framework.core.adapters` reads them once for the Controller).
 `framework.Trainer` implements all of them.
 
     class LoopTrainer(Protocol):          # required
@@ -28,11 +32,28 @@ against its own protocol, and has the default written here when absent.
                                                    # experimental_distribute_dataset
     MaskedEvaluator: global_batch_size, run_eval_step(batch)
                                                    # eval batches as given
+    MetricAliases:  metric_aliases                 # {}: `accuracy` is
+                                                   # `accuracy`
+    Exportable:     export_model()                 # the weights file and
+                                                   # export save `model`
+    LossScaled:     loss_scale                     # None: nothing extra
+                                                   # checkpointed
+    WeightAveraged: ema, averaged_weights()        # no EMA: one weights
+                                                   # file, no swap
+    ConfusionReporting: last_confusion             # evaluate.py: no matrix
+
+    # What the distribution self-check reads (framework/check):
+    Steppable:      model, optimizer (swapped for a probe and back),
+                    strategy, train_step(batch)    # required
+    DistributedStep: distributed_train_step(dist_batch)
+                                                   # strategy.run(train_step)
+    GradientSettings: clip_norm, grad_accum_steps  # None, 1
 
 The NaN policy watches `loss` when `train` returns one, else every value it
 returns.
 """
 
+import contextlib
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import keras
@@ -120,6 +141,142 @@ class DatasetDistributing(Protocol):
 
   def distribute_dataset(self, dataset: tf.data.Dataset) -> Any:
     """`dataset` as the trainer's `train`/`evaluate` take it."""
+
+
+@runtime_checkable
+class MetricAliases(Protocol):
+  """Names the evaluator reports a loop metric under: e.g. a segmentation
+  evaluator's {"accuracy": "pixel_accuracy"} (`stop_at_accuracy`,
+  `stop_when=eval/accuracy...` and the run record read that name)."""
+
+  metric_aliases: Mapping[str, str]
+
+
+@runtime_checkable
+class Exportable(Protocol):
+  """Gives the model that the weights file and the SavedModel hold (a split
+  model reassembled). Optional: without it, `model` is saved."""
+
+  def export_model(self) -> keras.Model:
+    """The trained model as one plain Keras model."""
+
+
+@runtime_checkable
+class LossScaled(Protocol):
+  """A float16 loss scale (`framework.core.precision.LossScale`, or None)
+  whose state `experiment.run` checkpoints."""
+
+  loss_scale: Any
+
+
+@runtime_checkable
+class WeightAveraged(Protocol):
+  """An EMA of the weights (`framework.core.ema.WeightAverage`, or None):
+  checkpointed, and the weights file holds the averaged weights."""
+
+  ema: Any
+
+  def averaged_weights(self) -> Any:
+    """A context in which the model holds its averaged weights."""
+
+
+@runtime_checkable
+class ConfusionReporting(Protocol):
+  """`last_confusion`: the global confusion matrix of the last `evaluate`
+  (numpy), or None."""
+
+  last_confusion: Any
+
+
+@runtime_checkable
+class Steppable(Protocol):
+  """What the distribution self-check runs: one `train_step` under the
+  trainer's strategy, from its model's and optimizer's state (the check
+  assigns a probe `optimizer` and puts the trainer's back)."""
+
+  model: keras.Model
+  optimizer: keras.optimizers.Optimizer
+  strategy: tf.distribute.Strategy
+
+  def train_step(self, batch: Any) -> Mapping[str, Any]:
+    """One step on this replica's part of the batch: SUM-able shares."""
+
+
+@runtime_checkable
+class DistributedStep(Protocol):
+  """A step that is not `strategy.run(train_step)` (a model split with its
+  own schedule): the per-replica outputs before their SUM."""
+
+  def distributed_train_step(self, dist_batch: Any) -> Any:
+    """One step on a distributed batch."""
+
+
+@runtime_checkable
+class GradientSettings(Protocol):
+  """Clipping and accumulation, which the self-check's diagnosis and its
+  one-device batch order need (defaults None and 1)."""
+
+  clip_norm: Any
+  grad_accum_steps: int
+
+
+OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
+            DatasetDistributing, MetricAliases, Exportable, LossScaled,
+            WeightAveraged, ConfusionReporting, DistributedStep,
+            GradientSettings)
+ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
+
+
+def names_of(protocol: type) -> frozenset:
+  """The attribute and method names `protocol` declares."""
+  names = set(getattr(protocol, "__annotations__", {}))
+  names.update(name for name, value in vars(protocol).items()
+               if callable(value) and not name.startswith("_"))
+  return frozenset(names)
+
+
+def declared_names() -> frozenset:
+  """Every name some protocol here declares: all that the loop, the run and
+  the self-check may read of a trainer."""
+  return frozenset().union(*(names_of(p) for p in ALL))
+
+
+def export_model(trainer: Any) -> keras.Model:
+  """The model to save: `trainer.export_model()` if `Exportable`, else
+  `trainer.model`."""
+  if isinstance(trainer, Exportable):
+    return trainer.export_model()
+  return trainer.model
+
+
+def ema_of(trainer: Any) -> Any:
+  """The trainer's weight EMA, or None."""
+  return trainer.ema if isinstance(trainer, WeightAveraged) else None
+
+
+def averaged_weights(trainer: Any) -> Any:
+  """A context holding the EMA weights (a null context without an EMA)."""
+  if ema_of(trainer) is None:
+    return contextlib.nullcontext()
+  return trainer.averaged_weights()
+
+
+def loss_scale_of(trainer: Any) -> Any:
+  """The trainer's float16 loss scale, or None."""
+  return trainer.loss_scale if isinstance(trainer, LossScaled) else None
+
+
+def checkpoint_items(trainer: Any) -> dict:
+  """What a run checkpoints besides model, optimizer and step: the loss
+  scale's and the EMA's state, where the trainer has them."""
+  items = {}
+  loss_scale = loss_scale_of(trainer)
+  if loss_scale is not None:
+    items.update(loss_scale.checkpoint_items())
+  ema = ema_of(trainer)
+  if ema is not None:
+    items.update(ema.checkpoint_items())
+  return items
 
 
 def nan_policy(trainer: Any) -> str:

@@ -1,0 +1,167 @@
+"""The gradient pipeline of a step: accumulate, reduce, clip, apply, skip.
+
+`Trainer.train_step` is these stages in order, each a method that a
+`train_step` override may call on its own:
+
+    grads, metrics = accumulate_gradients(batch)  # K micro-batches, summed
+    grads = unscale(all_reduce(grads))             # one SUM over replicas,
+                                                   # then the float16 scale
+    grads, norm = clip_by_global_norm(grads)       # the reduced gradient
+    apply_gradients(grads)                         # one update, never
+                                                   # reduced again; skipped
+                                                   # when not finite
+                                                   # (nan_policy=skip,
+                                                   # float16 overflow); EMA
+
+`GradientPipeline` is a mixin of `framework.Trainer`: it reads the
+trainer's `model`, `optimizer`, `strategy`, `grad_accum_steps`,
+`loss_scale`, `clip_norm`, `communication`, `fused_updates`, `ema`,
+`nan_policy` and skip counters, and `compute_gradients(batch)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from framework import _tf_internal
+from framework.core import communication
+from framework.core.fused_updates import fused_update
+
+
+class GradientPipeline:
+  """The stages between a batch's loss and the one optimizer update."""
+
+  def accumulate_gradients(self, batch):
+    """`compute_gradients` summed over `grad_accum_steps` micro-batches.
+
+    Shares are already divided by the global batch size, so their sum over
+    micro-batches is this replica's share of the whole batch; micro-batches
+    run one after another, so only one micro-batch's activations are live.
+    """
+    k = self.grad_accum_steps
+    if k == 1:
+      return self.compute_gradients(batch)
+    micro = tf.nest.map_structure(
+        lambda t: tf.reshape(t, [k, -1] + t.shape[1:].as_list()), batch)
+    micro_batch = lambda i: tf.nest.map_structure(lambda t: t[i], micro)
+    grads, metrics = self.compute_gradients(micro_batch(0))
+    for i in tf.range(1, k):
+      more_grads, more_metrics = self.compute_gradients(micro_batch(i))
+      grads = [g + h for g, h in zip(grads, more_grads)]
+      metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
+    return grads, metrics
+
+  def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    """`loss` times the float16 loss scale (unchanged without one)."""
+    return loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
+
+  def unscale(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Reduced gradients divided by the loss scale (unchanged without one)."""
+    return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
+
+  def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """SUM of `values` (a nest of tensors) over all replicas, in one call."""
+    context = tf.distribute.get_replica_context()
+    if context is None or self.num_replicas == 1:
+      return values
+    return communication.all_reduce_sum(context, values, self.communication)
+
+  def clip_by_global_norm(
+      self, grads: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """(grads clipped to `clip_norm`, their global norm before clipping)."""
+    norm = tf.linalg.global_norm(grads)
+    if self.clip_norm is None:
+      return grads, norm
+    clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
+    return clipped, norm
+
+  def apply_gradients(self, grads: Sequence[tf.Tensor],
+                      variables: Sequence[tf.Variable] | None = None) -> Any:
+    """Applies already all-reduced `grads` once (call from `train_step`).
+
+    Unlike Keras's `optimizer.apply_gradients`, this never all-reduces: it
+    updates each variable's copies with the gradient already on their device
+    and advances `optimizer.iterations` once.
+    """
+    variables = list(variables or self.model.trainable_variables)
+    self._applied_in_trace = True
+    if len(grads) != len(variables):
+      raise ValueError(f"apply_gradients got {len(grads)} gradients for "
+                       f"{len(variables)} variables")
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads))
+    context = tf.distribute.get_replica_context()
+    if isinstance(self.strategy,
+                  tf.distribute.experimental.ParameterServerStrategy):
+      # One replica per worker, and merge_call is not available there.
+      return self._update(self.strategy, grads, variables, finite)
+    return context.merge_call(self._update, args=(grads, variables, finite))
+
+  def update_variable(self, grad, var, learning_rate):
+    """One variable's optimizer step with its reduced gradient.
+
+    Called once per variable copy (inside `strategy.extended.update`), with
+    `learning_rate` a tensor of `var`'s dtype; override to change where or
+    how a variable is updated. Keras's order: decoupled weight decay (AdamW),
+    then the step, as one fused kernel where TensorFlow has one
+    (`framework.core.fused_updates`).
+    """
+    optimizer = self.optimizer
+    weight_decay = getattr(optimizer, "weight_decay", None)
+    if weight_decay and _tf_internal.uses_weight_decay(optimizer, var):
+      var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
+    # One kernel per variable instead of Keras's chain of element-wise ops.
+    # Chosen while tracing, from the optimizer the trainer has now (the
+    # distribution check swaps in a probe and back).
+    update_step = ((self.fused_updates and fused_update(optimizer))
+                   or optimizer.update_step)
+    return update_step(grad, var, learning_rate)
+
+  def _update(self, strategy, grads, variables, finite):
+    """Cross-replica: one optimizer update with the reduced gradients."""
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+
+      def update_one(var, grad):
+        return self.update_variable(grad, var, tf.cast(lr, var.dtype))
+
+      for grad, var in zip(grads, variables):
+        var = getattr(var, "value", var)  # the tf.Variable behind a Keras one
+        copies = strategy.experimental_local_results(var)
+        if len(copies) == 1 and strategy.num_replicas_in_sync > 1:
+          # One central copy (central storage): replicas hold equal values.
+          grad = strategy.experimental_local_results(grad)[0]
+        strategy.extended.update(var, update_one, args=(grad,), group=False)
+      # On the tf.Variable: Keras's assign_add is a read then an assign,
+      # which loses increments when PS workers update concurrently.
+      iterations = optimizer.iterations
+      getattr(iterations, "value", iterations).assign_add(1)
+      if self.ema is not None:
+        # Reads the updated weights (TF orders ops on the same variables).
+        self.ema.update()
+      return tf.constant(True)
+
+    if self.nan_policy != "skip" and self.loss_scale is None:
+      return update_all()
+
+    def apply():
+      update_all()
+      self.consecutive_skips.assign(0)
+      return tf.constant(True)
+
+    def skip():
+      self.skipped_steps.assign_add(1)
+      self.consecutive_skips.assign_add(1)
+      return tf.constant(False)
+
+    # A float16 overflow is expected now and then: skip it, shrink the scale.
+    finite = strategy.experimental_local_results(finite)[0]
+    applied = tf.cond(finite, apply, skip)
+    if self.loss_scale is not None:
+      with tf.control_dependencies([self.loss_scale.update(finite)]):
+        applied = tf.identity(applied)
+    return applied
+
