@@ -1,15 +1,25 @@
 """The installed product: framework, models and the command-line apps only.
 
 Builds a wheel from a copy of the repository, checks what it holds, installs
-it into a fresh virtual environment (with the system's site-packages, so
-TensorFlow is not installed again) and runs the console entry points from
+it into a fresh virtual environment and runs the console entry points from
 another folder.
+
+The new environment sees the packages of the environment that runs the
+tests (a venv, a conda env or a system Python alike) through a `.pth` file
+naming that environment's site-packages folders, so TensorFlow is not
+installed again and no network is needed. `--system-site-packages` would
+not do: inside a venv it reaches the base interpreter's packages, not the
+venv's. The folders are named as plain paths, so the `.pth` files in them
+(among them the editable install of this checkout) are not run: `framework`
+can only come from the installed wheel.
 """
 
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 import pytest
@@ -17,6 +27,31 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md",
            "framework", "models", "scripts")
+
+
+def _site_packages():
+  """This environment's site-packages folders, in its own order."""
+  folders = [*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+             sysconfig.get_paths()["platlib"]]
+  if site.ENABLE_USER_SITE:
+    folders.append(site.getusersitepackages())
+  return [f for f in dict.fromkeys(folders) if os.path.isdir(f)]
+
+
+def _venv_seeing_this_environment(venv, cwd):
+  """A fresh venv whose Python imports this environment's packages after
+  its own (the wheel installed into it comes first)."""
+  proc = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)],
+              cwd=cwd)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  python = venv / "bin" / "python"
+  proc = _run([str(python), "-c", "import sysconfig; "
+               "print(sysconfig.get_paths()['purelib'])"], cwd=cwd)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  inner = proc.stdout.strip()
+  with open(os.path.join(inner, "_outer_environment.pth"), "w") as f:
+    f.write("".join(folder + "\n" for folder in _site_packages()))
+  return python
 
 
 def _run(args, cwd, timeout=600):
@@ -55,12 +90,13 @@ def test_wheel_holds_the_product_and_its_entry_points_run(tmp_path):
   assert "models/cifar_cnn.py" in names
 
   venv = tmp_path / "venv"
-  proc = _run([sys.executable, "-m", "venv", "--system-site-packages",
-               str(venv)], cwd=tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  python = _venv_seeing_this_environment(venv, tmp_path)
   bin_dir = venv / "bin"
-  proc = _run([str(bin_dir / "python"), "-m", "pip", "install", "-q",
-               "--no-deps", "--no-index", str(wheel)], cwd=tmp_path)
+  # The outer environment's pip installs into the new one: a venv made
+  # without pip needs no ensurepip (which some Pythons lack).
+  proc = _run([sys.executable, "-m", "pip", "--python", str(python),
+               "install", "-q", "--no-deps", "--no-index", str(wheel)],
+              cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
 
   elsewhere = tmp_path / "elsewhere"
