@@ -8,6 +8,7 @@ import importlib.util
 import logging as py_logging
 import os
 import re
+import signal
 import sys
 import threading
 
@@ -32,6 +33,8 @@ def one_line_errors():
     yield
   except DistloopError as e:
     print(f"{script}: error: {e}", file=sys.stderr)
+    if _is_configuration_error(e):
+      mark_configuration_error(f"{script}: error: {e}")
     sys.exit(1)
   except Exception as e:  # pylint: disable=broad-except
     # A damaged shard or record stops a tf.data pipeline wherever it is
@@ -48,6 +51,44 @@ def one_line_errors():
     print(f"{script}: interrupted (Ctrl-C) outside the training loop; nothing "
           "was saved", file=sys.stderr)
     sys.exit(130)
+
+
+# The launcher (framework.distribute.launcher) names a file per task in this
+# variable; a task that ends with a configuration error writes its line
+# there, and `launch.py --max_restarts` does not start it again.
+ERROR_FILE_ENV = "DISTLOOP_ERROR_FILE"
+
+
+def _is_configuration_error(error):
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  return isinstance(error, ConfigError)
+
+
+def mark_configuration_error(line):
+  """Writes `line` to $DISTLOOP_ERROR_FILE (if set): this process ended
+  with a configuration error, which no restart can mend."""
+  path = os.environ.get(ERROR_FILE_ENV)
+  if not path:
+    return
+  try:
+    with open(path, "w") as f:
+      f.write(line.rstrip("\n") + "\n")
+  except OSError:
+    pass  # The launcher then retries as it would without the mark.
+
+
+def parse_flags(argv):
+  """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`); a
+  flag it rejects (unknown, bad value) is also marked as a configuration
+  error (see `mark_configuration_error`)."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    mark_configuration_error("FATAL Flags parsing error: "
+                             + " ".join(str(e).split()))
+  # Parses again, to fail and print exactly as absl does.
+  return app.parse_flags_with_usage(argv)
 
 
 def _is_op_error(error):
@@ -217,6 +258,7 @@ def quiet_startup(*, import_tensorflow=True):
   """
   from absl import app  # pylint: disable=g-import-not-at-top
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  handle_ctrl_c()
 
   def after_flags():
     apply_malloc_flag()
@@ -226,6 +268,20 @@ def quiet_startup(*, import_tensorflow=True):
     quiet_tensorflow_logs()
 
   app.call_after_init(after_flags)
+
+
+def handle_ctrl_c():
+  """Ctrl-C (SIGINT) raises KeyboardInterrupt, even where the process was
+  started with SIGINT ignored.
+
+  A shell without job control starts `cmd &` with SIGINT ignored, and
+  Python then leaves it so: `kill -INT` did nothing until training
+  installed its own handler. Distloop handles SIGINT in every phase (here:
+  one line, exit 130; in training: a checkpoint, exit 42), as it does
+  SIGTERM.
+  """
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def apply_onednn_flag():
@@ -295,4 +351,4 @@ def run_entry_point(main, module_name):
     if module.split(".")[0] != "absl":
       for flag in flag_list:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

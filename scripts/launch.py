@@ -65,7 +65,8 @@ flags.DEFINE_integer("netns_mtu", 1500, "With --netns: every link's MTU "
                      lower_bound=576, upper_bound=65535)
 flags.DEFINE_integer("max_restarts", 0, "After a task fails, stop the others "
                      "and start the whole job again (it resumes from its "
-                     "last checkpoint), at most this many times.",
+                     "last checkpoint), at most this many times; never after "
+                     "a task's configuration error (a bad flag or value).",
                      lower_bound=0)
 
 
@@ -120,7 +121,13 @@ def main(argv):
   signal.signal(signal.SIGINT, on_signal)
   with cli.one_line_errors(), (network or contextlib.nullcontext()):
     status = job.run()
-  if status and FLAGS.max_restarts:
+  if status and FLAGS.max_restarts and job.configuration_error:
+    role, index = job.failed_task
+    print(f"launch.py: error: {role}:{index} ended with a configuration "
+          f"error (exit status {status}; its line is above); not restarted "
+          f"(--max_restarts={FLAGS.max_restarts} restarts only failures a "
+          "restart can mend)", file=sys.stderr)
+  elif status and FLAGS.max_restarts:
     role, index = job.failed_task
     print(f"launch.py: error: {role}:{index} exited with status {status} "
           f"after {job.restarts} restart(s) (--max_restarts="

@@ -12,6 +12,10 @@ a `ps`) are stopped once every other task has exited successfully.
 With `max_restarts=N` (torchrun's meaning) a failed job is not the end: every
 task is stopped and the whole job starts again, up to N times; distloop's
 training scripts resume from the last checkpoint of their --model_dir.
+A task that ends with a configuration error (a flag absl rejects, a bad
+value: distloop's one-line errors; it writes the line to the file that
+$DISTLOOP_ERROR_FILE names) would fail the same way again: the job is not
+restarted and its exit status is the task's.
 """
 
 import ctypes
@@ -23,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -33,6 +38,8 @@ CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 # Programs whose --strategy defaults to a single-process one.
 _DISTLOOP_PROGRAMS = ("train.py", "custom_step.py", "distloop-train")
 _PR_SET_PDEATHSIG = 1
+# Each task's file for its configuration-error line (see scripts/cli.py).
+ERROR_FILE_ENV = "DISTLOOP_ERROR_FILE"
 
 
 def _ephemeral_port_range():
@@ -244,7 +251,8 @@ class Launcher:
     serving_workers: the `worker` tasks only serve (model parallelism over
       the cluster): the job ends when the chief does.
     max_restarts: after a task fails, stop every task and start the whole
-      job again, at most this many times (0: the first failure ends it).
+      job again, at most this many times (0: the first failure ends it);
+      never after a configuration error (`configuration_error`).
     new_cluster: called before each restart for fresh addresses (e.g.
       `lambda: local_cluster(2)`); default: the same `cluster` again.
     task_prefix: `f(role, index)` -> argv put before `command` for that task
@@ -266,6 +274,9 @@ class Launcher:
     self.task_prefix = task_prefix
     self.restarts = 0  # how many times the job was started again
     self.failed_task = None  # (role, index) of the last failure, if any
+    # The failed task's configuration-error line, if it ended with one.
+    self.configuration_error = None
+    self._error_dir = None
     self.command = list(command)
     self.cluster = cluster
     self.grace_period = grace_period
@@ -288,9 +299,14 @@ class Launcher:
 
   def start(self):
     """Starts every task; returns {(role, index): pid}."""
+    if self._error_dir is None:
+      self._error_dir = tempfile.mkdtemp(prefix="distloop_launch_")
     for role, index in tasks_of(self.cluster):
       env = dict(os.environ, **self.env,
                  TF_CONFIG=tf_config(self.cluster, role, index))
+      env[ERROR_FILE_ENV] = self._error_file(role, index)
+      if os.path.exists(env[ERROR_FILE_ENV]):
+        os.remove(env[ERROR_FILE_ENV])
       prefix = list(self.task_prefix(role, index)) if self.task_prefix else []
       try:
         process = subprocess.Popen(
@@ -321,6 +337,7 @@ class Launcher:
         code = process.poll()
         if code:
           self.failed_task = (role, index)
+          self.configuration_error = self._read_error(role, index)
           self._print(f"[launch] {role}:{index} exited with status "
                       f"{exit_status(code)}; stopping the other tasks\n")
           self.stop()
@@ -329,6 +346,16 @@ class Launcher:
         self.stop()
         return 0
       time.sleep(poll_seconds)
+
+  def _error_file(self, role, index):
+    return os.path.join(self._error_dir, f"{role}_{index}")
+
+  def _read_error(self, role, index):
+    try:
+      with open(self._error_file(role, index)) as f:
+        return f.read().strip() or None
+    except OSError:
+      return None
 
   def stop(self):
     """SIGTERM to every running task, SIGKILL after the grace period."""
@@ -351,6 +378,14 @@ class Launcher:
   def run(self):
     """start() then wait(), again after a failure while restarts are left;
     returns the exit status of the last attempt. Always stops every task."""
+    try:
+      return self._run_attempts()
+    finally:
+      if self._error_dir is not None:
+        shutil.rmtree(self._error_dir, ignore_errors=True)
+        self._error_dir = None
+
+  def _run_attempts(self):
     while True:
       try:
         self.start()
@@ -358,6 +393,11 @@ class Launcher:
       finally:
         self.stop()
       if status == 0 or self.restarts >= self.max_restarts:
+        return status
+      if self.configuration_error is not None:
+        role, index = self.failed_task
+        self._print(f"[launch] {role}:{index} ended with a configuration "
+                    "error, which a restart cannot mend: not restarting\n")
         return status
       self.restarts += 1
       role, index = self.failed_task
