@@ -449,7 +449,8 @@ class Trainer:
     if self._sync_fn is None:
       variables = [
           getattr(v, "value", v) for v in self.model.non_trainable_variables
-          if "float" in str(v.dtype) and v.name != "seed_generator_state"]
+          if "float" in str(v.dtype)
+          and not _tf_internal.is_seed_generator_state(v)]
       variables = [v for v in variables
                    if isinstance(v, tf.distribute.DistributedValues)]
       if self.num_replicas == 1 or not variables or isinstance(
