@@ -4,8 +4,9 @@ Each function below reaches into TensorFlow 2.21 / Keras 3.15 internals
 because the public API lacks what it needs (the comment names what is
 missing). tests/test_tf_internal.py checks each against the pinned versions
 and fails naming the function when an upgrade moves one. Nothing else in
-framework/ imports `tensorflow.python`, `keras.src` or a private attribute of
-a TensorFlow or Keras object.
+framework/, models/ or scripts/ imports `tensorflow.python` or `keras.src`,
+reads a private attribute of a TensorFlow or Keras object (by name or by
+string `getattr`), or matches a Keras-internal variable name.
 """
 
 # pylint: disable=protected-access,g-direct-tensorflow-import
@@ -27,6 +28,14 @@ def adam_slots(optimizer, index):
   """(first moment, second moment) of variable `index` of an Adam/AdamW.
   Missing publicly: named slots (Keras 3 keeps them in private lists)."""
   return optimizer._momentums[index], optimizer._velocities[index]
+
+
+def learning_rate_variable(optimizer):
+  """The optimizer's learning-rate variable, or None when it follows a
+  schedule. Missing publicly: `optimizer.learning_rate` reads the value (a
+  schedule's too), not the variable that holds it."""
+  learning_rate = getattr(optimizer, "_learning_rate", None)
+  return learning_rate if hasattr(learning_rate, "assign") else None
 
 
 def uses_weight_decay(optimizer, variable):
@@ -89,6 +98,19 @@ def graph_function(graph, name):
 # --- Keras functional models (model_parallel/, check/). -----------------------
 
 
+def has_layer_graph(model):
+  """Whether `model` is a Keras functional model (it has a graph of layer
+  calls; a subclassed model has none). Missing publicly: the query."""
+  return hasattr(model, "_nodes_by_depth") and hasattr(model, "inputs")
+
+
+def call_context_args(layer):
+  """The call-context arguments (e.g. `training`) that `layer`'s `call`
+  takes; () for an operation that is no Layer. Missing publicly: Keras
+  decides per layer which of them its call receives."""
+  return getattr(layer, "_call_context_args", ())
+
+
 def nodes_by_depth(model):
   """{depth: [keras node]} of a functional model (inputs deepest).
   Missing publicly: the graph of layer calls (`model.operations` has no
@@ -115,6 +137,31 @@ def initialize_variable(variable, value):
   variable._initialize(value)
 
 
+# The name Keras gives every SeedGenerator's state variable (Dropout's and
+# the random layers'). Missing publicly: a way to find those variables (they
+# are non-trainable weights like BatchNorm's statistics).
+SEED_GENERATOR_STATE = "seed_generator_state"
+
+
+def is_seed_generator_state(variable):
+  """Whether `variable` is a Keras SeedGenerator's state (a random layer's,
+  not a statistic to average or an input to a step)."""
+  return variable.name == SEED_GENERATOR_STATE
+
+
+# --- Preemption (core/preemption.py). ----------------------------------------
+
+
+def stop_peer_watcher(handler):
+  """Ends a PreemptionCheckpointHandler's thread that watches its peers'
+  termination (if it has one). Missing publicly: the handler stops it only
+  in `__del__`."""
+  stop = getattr(handler, "_stop_cluster_wise_termination_watcher_thread",
+                 None)
+  if stop is not None:
+    stop()
+
+
 # --- Random ops (check/distribution_randomness.py). ---------------------------
 
 # The generated op modules whose functions the self-check wraps to make
@@ -130,6 +177,17 @@ def random_op_module(name):
   if name not in _RANDOM_OP_MODULES:
     raise ValueError(f"{name} is not one of {_RANDOM_OP_MODULES}")
   return importlib.import_module(f"tensorflow.python.ops.{name}")
+
+
+# --- The runtime (scripts/cli.py). -------------------------------------------
+
+
+def onednn_enabled():
+  """Whether TensorFlow runs its oneDNN CPU kernels in this process.
+  Missing publicly: TensorFlow logs it once at start-up and exposes no
+  query."""
+  from tensorflow.python.util import _pywrap_util_port
+  return bool(_pywrap_util_port.IsMklEnabled())
 
 
 # --- The coordination service (distribute/cluster.py). ------------------------

@@ -318,8 +318,8 @@ def apply_malloc_flag():
 
 def onednn_enabled():
   """Whether TensorFlow runs its oneDNN CPU kernels in this process."""
-  from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top
-  return bool(_pywrap_util_port.IsMklEnabled())
+  from framework import _tf_internal  # pylint: disable=g-import-not-at-top
+  return _tf_internal.onednn_enabled()
 
 
 def main_running(run):

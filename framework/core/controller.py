@@ -30,6 +30,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.data import integrity
 from framework.distribute import strategies
 from framework.perf import profiling
@@ -230,7 +231,7 @@ class Controller:
     chief = strategies.is_chief(trainer.strategy)
     # Dropout's random state too, so that a resumed run draws the same masks.
     rng_states = [v for v in trainer.model.variables
-                  if v.name == "seed_generator_state"]
+                  if _tf_internal.is_seed_generator_state(v)]
     items = dict(checkpoint_items or {})
     if rng_states:
       items["rng_states"] = rng_states

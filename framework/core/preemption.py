@@ -30,6 +30,7 @@ from typing import Any, Callable
 from absl import logging
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.distribute import strategies
 from framework.core import protocols
 from framework.core import run_lock
@@ -195,10 +196,7 @@ class _MultiWorkerPreemption:
     coordination service when the chief exited, and printed
     "Exception in thread PeerTerminationWatcher ... Socket closed"."""
     del step
-    stop = getattr(self.handler,
-                   "_stop_cluster_wise_termination_watcher_thread", None)
-    if stop is not None:
-      stop()
+    _tf_internal.stop_peer_watcher(self.handler)
 
   def _on_signal(self, signum):  # in the watcher thread
     if signum == signal.SIGINT:

@@ -12,6 +12,8 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
+
 
 def replica_sync_fn(model: keras.Model,
                     strategy: tf.distribute.Strategy) -> Callable[[], None]:
@@ -20,7 +22,7 @@ def replica_sync_fn(model: keras.Model,
   average: one replica, no such variables, a parameter-server strategy)."""
   variables = [
       getattr(v, "value", v) for v in model.non_trainable_variables
-      if "float" in str(v.dtype) and v.name != "seed_generator_state"]
+      if "float" in str(v.dtype) and not _tf_internal.is_seed_generator_state(v)]
   variables = [v for v in variables
                if isinstance(v, tf.distribute.DistributedValues)]
   if strategy.num_replicas_in_sync == 1 or not variables or isinstance(

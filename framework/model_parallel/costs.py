@@ -31,7 +31,7 @@ def count_params(layer):
 def call_layer(layer, args, kwargs, training):
   """`layer(*args, **kwargs)`, with `training` if the layer takes it."""
   # As keras.Model's call: `training` only for layers that take it.
-  if "training" in getattr(layer, "_call_context_args", ()):
+  if "training" in _tf_internal.call_context_args(layer):
     kwargs = dict(kwargs, training=training)
   return layer(*args, **kwargs)
 

@@ -32,7 +32,7 @@ from framework.model_parallel.stages import (Record, read_state,
 
 def is_functional(model):
   """Whether `model` is a Keras functional model (it has a layer graph)."""
-  return hasattr(model, "_nodes_by_depth") and hasattr(model, "inputs")
+  return _tf_internal.has_layer_graph(model)
 
 
 def graph_nodes(model):

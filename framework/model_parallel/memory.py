@@ -18,6 +18,7 @@ keep less (a Flatten's output is a view), some keep their own temporaries.
 import numpy as np
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.model_parallel.devices import short_device, variable_device
 
 
@@ -28,8 +29,8 @@ def _nbytes(variable):
 def _optimizer_bookkeeping(optimizer):
   """The step counter and learning-rate variable: not per-parameter slots."""
   ids = {id(optimizer.iterations)}
-  learning_rate = getattr(optimizer, "_learning_rate", None)
-  if hasattr(learning_rate, "assign"):
+  learning_rate = _tf_internal.learning_rate_variable(optimizer)
+  if learning_rate is not None:
     ids.add(id(learning_rate))
   return ids
 
