@@ -20,6 +20,7 @@ import shutil
 
 from absl import logging
 from google.protobuf import text_format
+import keras
 import tensorflow as tf
 
 from framework.core import atomic
@@ -143,6 +144,30 @@ def latest_intact(directory, restore_policy="latest_intact"):
                     "files exist; starting from scratch", directory,
                     ", ".join(os.path.basename(p) for p, _ in damaged))
   return None, []
+
+
+def _save_reason(error):
+  """The OS's words in a saver's error, without TensorFlow's function
+  and op names ("{{function_node __wrapped__SaveV2...}} <file>; No space
+  left on device [Op:SaveV2]" -> "No space left on device")."""
+  text = re.sub(r"\{\{[^}]*\}\}\s*", "", _first_line(error))
+  text = re.sub(r"\s*\[Op:\w+\]\s*$", "", text)
+  return text.rsplit("; ", 1)[-1].strip() or type(error).__name__
+
+
+def _megabytes(count):
+  return (f"{count / 1e9:.1f} GB" if count >= 1e9 else
+          f"{count / 1e6:.1f} MB")
+
+
+def _free_bytes(directory):
+  """Free bytes on `directory`'s filesystem (None for a URL or an error)."""
+  if "://" in directory:
+    return None
+  try:
+    return shutil.disk_usage(directory).free
+  except OSError:
+    return None
 
 
 def _describe(value):
@@ -320,6 +345,56 @@ class CheckpointManager:
         "use the same flags, another model_dir, or allow_config_change to "
         "resume anyway (e.g. fine-tuning)")
 
+  def _failed_save(self, step, error):
+    """Removes what the failed save of `step` wrote; returns the line that
+    names the folder, the OS's reason, the space needed and the last good
+    checkpoint.
+
+    A full disk stays full otherwise: the saver's `ckpt-<step>_temp` folder
+    (megabytes of partial shards) is never reused.
+    """
+    prefix = os.path.join(self.directory, f"ckpt-{step}")
+    for path in tf.io.gfile.glob(prefix + "_temp*") + tf.io.gfile.glob(
+        prefix + ".*.tempstate*"):
+      if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+      elif tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
+    if (tf.io.gfile.glob(prefix + ".*") and prefix != self.latest
+        and damage(prefix) is not None):
+      for path in tf.io.gfile.glob(prefix + ".*"):
+        tf.io.gfile.remove(path)
+    if not self.is_chief:
+      shutil.rmtree(self.directory, ignore_errors=True)
+    line = (f"cannot write checkpoint ckpt-{step} in {self.directory} "
+            f"({_save_reason(error)}): it needs about "
+            f"{_megabytes(self._checkpoint_bytes())}")
+    free = _free_bytes(self.model_dir)
+    if free is not None:
+      line += f", {_megabytes(free)} free there"
+    line += f"; the partial ckpt-{step} was removed; "
+    latest = self.latest
+    if latest:
+      line += f"the last good checkpoint is {latest} (unchanged)"
+    else:
+      line += "there is no earlier checkpoint"
+    return line
+
+  def _checkpoint_bytes(self):
+    """The size of the newest checkpoint's files, else of the variables."""
+    latest = self.latest
+    if latest:
+      files = tf.io.gfile.glob(latest + ".*")
+      if files:
+        return sum(tf.io.gfile.stat(f).length for f in files)
+    total = 0
+    for obj in tf.train.TrackableView(self.checkpoint).descendants():
+      if isinstance(obj, (tf.Variable, keras.Variable)):
+        shape = tf.TensorShape(obj.shape)
+        if shape.is_fully_defined():
+          total += shape.num_elements() * tf.as_dtype(obj.dtype).size
+    return total
+
   def save(self, step):
     """Saves at `step`; every worker must call this (it is a collective)."""
     try:
@@ -329,10 +404,7 @@ class CheckpointManager:
       # read: the task died, not the disk. The caller reports the cluster.
       raise
     except tf.errors.OpError as e:
-      raise ModelDirError(
-          f"cannot write checkpoint ckpt-{step} in {self.directory} "
-          f"({_first_line(e)}); the previous checkpoints are unchanged"
-      ) from None
+      raise ModelDirError(self._failed_save(step, e)) from None
     if not self.is_chief:
       shutil.rmtree(self.directory, ignore_errors=True)
       return None
