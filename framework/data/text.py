@@ -153,6 +153,19 @@ def _split(paths, sequence_length, files_per_shard, name, split):
                                 lambda records: records["index"])
 
 
+def unigram_entropy(paths):
+  """The entropy (nats/byte) of the byte frequencies of `paths`: the loss
+  of a model that ignores context; exp of it is the unigram perplexity
+  that a language model must beat."""
+  counts = np.zeros(VOCAB_SIZE, np.int64)
+  for path in paths:
+    with open(path, "rb") as f:
+      counts += np.bincount(np.frombuffer(f.read(), np.uint8),
+                            minlength=VOCAB_SIZE)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
 def _byte_name(value):
   char = chr(value)
   return char if char.isprintable() and value < 128 else f"\\x{value:02x}"
