@@ -23,7 +23,7 @@ from framework.errors import ConfigError
 
 _BUILDERS = {}
 _TASKS = {}  # name -> "classification" or "segmentation", where declared
-TASKS = ("classification", "segmentation")
+TASKS = ("classification", "segmentation", "language_model")
 
 
 def register(name, task=None):
@@ -311,19 +311,25 @@ def check_task(name, per_pixel, dataset, model=None):
   """Raises ConfigError unless model `name` solves the dataset's task.
 
   Args:
-    per_pixel: whether the dataset has one label per pixel (segmentation).
+    per_pixel: whether the dataset has one label per pixel (segmentation),
+      or the dataset's task by name (one of `TASKS`).
     dataset: the dataset's name, for the message.
     model: the built model, if any: its output rank decides for a model
       registered without a task.
   """
-  want = "segmentation" if per_pixel else "classification"
+  if isinstance(per_pixel, str):
+    want = per_pixel
+  else:
+    want = "segmentation" if per_pixel else "classification"
   task = _TASKS.get(name)
   if task is None and model is not None:
     task = "segmentation" if len(model.output_shape) == 4 else "classification"
   if task is None or task == want:
     return
   fitting = [n for n in model_names() if _TASKS.get(n) == want]
-  labels = "one class per pixel" if per_pixel else "one class per image"
+  labels = {"segmentation": "one class per pixel",
+            "language_model": "the next token at every position"}.get(
+                want, "one class per image")
   raise ConfigError(
       f"model={name!r} is a {task} model but dataset={dataset!r} is a {want} "
       f"task ({labels}); use a {want} model: {', '.join(fitting) or 'none'}")

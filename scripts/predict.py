@@ -8,6 +8,13 @@
 The model is rebuilt from model_dir/model_info.json without a strategy and
 loads model_dir/model.weights.h5, whatever strategy and replica count wrote
 them. Prints each class's probability and the predicted class.
+
+    python scripts/predict.py --model_dir=runs/gpt --prompt="def " \
+        --max_new_tokens=200 [--temperature=0.8 --seed=1]
+
+A language model (`--model=gpt --dataset=text`) continues `--prompt`
+instead: greedy with `--temperature=0`, else sampled (the same text for
+the same `--seed`).
 """
 
 import os
@@ -45,6 +52,15 @@ flags.DEFINE_string("data_dir", None, "The dataset's directory for --index "
                     "(default: the run's; CIFAR-10 without one: Keras's "
                     "cache).")
 flags.DEFINE_string("output_json", None, "Also write the result here.")
+flags.DEFINE_string("prompt", None, "A language model's run: the text to "
+                    "continue (UTF-8 bytes are its tokens).")
+flags.DEFINE_integer("max_new_tokens", 200, "--prompt: tokens (bytes) to "
+                     "generate.")
+flags.DEFINE_float("temperature", 0.0, "--prompt: 0 = greedy (always the "
+                   "most likely token); > 0 samples from softmax(logits / "
+                   "temperature).")
+flags.DEFINE_integer("seed", 0, "--prompt with --temperature > 0: the "
+                     "sampling seed (the same seed, the same text).")
 flags.DEFINE_string("save_image", None, "Write the classified image (as "
                     "fed to the model) to this PNG.")
 
@@ -55,6 +71,8 @@ def run():
   # pylint: disable=g-import-not-at-top
   from framework.app import export, prediction
   prediction.use_cpu_only()
+  if FLAGS.prompt is not None:
+    return _generate(errors, export, prediction)
   if (FLAGS.index is None) == (FLAGS.image is None):
     raise errors.ConfigError("set exactly one of --index (an image of the "
                              "run's test split) and --image (a PNG/JPEG "
@@ -94,6 +112,38 @@ def run():
   except OSError as e:  # e.g. permission denied, disk full
     raise errors.ConfigError(f"cannot write {e.filename or 'an output'}: "
                              f"{e.strerror or e}") from None
+
+
+def _generate(errors, export, prediction):
+  """Continues --prompt with a language model's run and prints the text."""
+  from framework.app import generation  # pylint: disable=g-import-not-at-top
+  if FLAGS.index is not None or FLAGS.image is not None:
+    raise errors.ConfigError("--prompt generates text; --index and --image "
+                             "classify: set one of them")
+  if FLAGS.save_image:
+    raise errors.ConfigError("--save_image is for --index or --image, not "
+                             "--prompt")
+  _check_outputs(errors)
+  info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
+                                           FLAGS.model)
+  export.check_model_code(info, FLAGS.trust_model_code)
+  generation.check_language_model(info)
+  model = prediction.load_model(info, weights,
+                                trust_model_code=FLAGS.trust_model_code)
+  text = generation.generate_text(
+      model, FLAGS.prompt, FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature, seed=FLAGS.seed)
+  print(text)
+  if FLAGS.output_json:
+    summary = {"prompt": FLAGS.prompt, "text": text,
+               "max_new_tokens": FLAGS.max_new_tokens,
+               "temperature": FLAGS.temperature, "seed": FLAGS.seed,
+               "model": info["model"], "weights": weights}
+    try:
+      prediction.write_json(FLAGS.output_json, summary)
+    except OSError as e:
+      raise errors.ConfigError(f"cannot write {e.filename or 'an output'}: "
+                               f"{e.strerror or e}") from None
 
 
 def _check_outputs(errors):

@@ -33,5 +33,5 @@ def test_mlp_hidden_units():
 
 def test_unknown_model_lists_the_known_ones():
   with pytest.raises(framework.ConfigError,
-                     match=r"model='resnet' is unknown.*cifar_cnn, mlp"):
+                     match=r"model='resnet' is unknown.*cifar_cnn, gpt, mlp"):
     models.build_model("resnet", (32, 32, 3), 10)

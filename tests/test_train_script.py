@@ -136,7 +136,7 @@ def assert_one_line_error(proc, *fragments, unchanged=None):
 
 @pytest.mark.parametrize("args,fragments", [
     (["--strategy=nccl"], ["--strategy"]),
-    (["--model=resnet"], ["model='resnet'", "cifar_cnn, mlp"]),
+    (["--model=resnet"], ["model='resnet'", "cifar_cnn, gpt, mlp"]),
     (["--optimizer=lamb"], ["--optimizer"]),
     (["--global_batch_size=33", "--strategy=mirrored", "--cpu_devices=2"],
      ["global_batch_size=33", "2 replicas"]),

@@ -41,6 +41,14 @@ class ModelOptions:
                        minimum=POSITIVE)
   width: int = setting(32, "unet: filters of the first level.",
                        flag="unet_width", minimum=POSITIVE)
+  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE)
+  num_heads: int = setting(4, "gpt: attention heads per block (must divide "
+                           "--model_width).", minimum=POSITIVE)
+  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE)
+  vocab_size: int = setting(0, "gpt: vocabulary; 0: the dataset's (256 byte "
+                            "tokens for --dataset=text).")
+  tie_embeddings: bool = setting(True, "gpt: the output head is the token "
+                                 "embedding table (tied), else its own.")
 
   def __post_init__(self):
     check_settings(self)
@@ -63,7 +71,9 @@ class ExperimentConfig:
                        "path package.module:function of a builder.", key=True)
   dataset: str = setting(
       "cifar10", "cifar10, synthetic, shapes (generated segmentation) or "
-      "oxford_pet (in memory); tfrecord (--data_dir written by "
+      "oxford_pet (in memory); text (byte-level language modelling: "
+      "--data_dir of text files, default the Python standard library's "
+      "sources); tfrecord (--data_dir written by "
       "make_tfrecords.py), image_folder (--data_dir/<class>/*.png|jpg) or "
       "tfds:NAME[:VERSION] (prepared under --data_dir; pip install -e "
       '".[tfds]"), streamed.', key=True)

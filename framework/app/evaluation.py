@@ -30,7 +30,7 @@ from framework.app import export
 from framework.core import checkpointing
 from framework.data import datasets, inputs
 from framework.distribute import strategies
-from framework.tasks import segmentation
+from framework.tasks import language_model, segmentation
 from framework.errors import CheckpointError, ConfigError, check_positive
 from framework.tasks.metrics import ConfusionTrainer, format_confusion
 from framework.core.summaries import SummaryWriter, markdown_table
@@ -118,6 +118,8 @@ class EvalResult:
     width = max(len(k) for k in self.metrics)
     out += [f"  {k:<{width}}  {v:.6f}" for k, v in sorted(self.metrics.items())
             if k != "examples"]
+    if self.confusion is None:  # a language model: no classes to confuse
+      return out
     out.append("confusion matrix (" + ("pixels" if any(
         k == "mean_iou" for k in self.metrics) else "examples") + "):")
     out += format_confusion(self.confusion, self.class_names).splitlines()
@@ -160,6 +162,8 @@ class Evaluator:
     per_pixel = segmentation.is_segmentation(self.dataset)
     trainer_cls = (segmentation.SegmentationTrainer if per_pixel
                    else ConfusionTrainer)
+    if language_model.is_language_model(self.dataset):
+      trainer_cls = language_model.LanguageModelTrainer
     with self.strategy.scope():
       model = export.build_inference_model(
           self.info, trust_model_code=config.trust_model_code)
@@ -241,11 +245,13 @@ class Evaluator:
     step = self.restore(path)
     metrics = self.trainer.evaluate(inputs.distribute_test(
         self.strategy, self.dataset, self.trainer.global_batch_size))
-    result = EvalResult(path, step, metrics, self.trainer.last_confusion,
+    result = EvalResult(path, step, metrics,
+                        getattr(self.trainer, "last_confusion", None),
                         tuple(self.info["class_names"]))
     writer.scalars(step, {k: v for k, v in metrics.items()
                           if k != "examples"})
-    writer.text(step, "confusion_matrix", _confusion_markdown(result))
+    if result.confusion is not None:
+      writer.text(step, "confusion_matrix", _confusion_markdown(result))
     if self.samples is not None:
       images, masks = self.samples
       writer.images(step, segmentation.TRIPLETS_TAG,

@@ -24,7 +24,7 @@ from framework.app import factory
 from framework.core import precision, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
-from framework.tasks import segmentation
+from framework.tasks import language_model, segmentation
 from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
@@ -227,7 +227,7 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
     inputs.steps_per_epoch(dataset.num_train_examples,
                            config.global_batch_size)
   # Before the distribution check, which builds the model too.
-  models.check_task(config.model, segmentation.is_segmentation(dataset),
+  models.check_task(config.model, language_model.task_name(dataset),
                     config.dataset)
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the

@@ -24,6 +24,7 @@ from models import registry
 from framework.core import atomic
 from framework.errors import CheckpointError, ConfigError
 from framework.data.inputs import to_float
+from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 
 MODEL_INFO_FILE = "model_info.json"
 EXPORT_DIR = "export"
@@ -50,7 +51,10 @@ def model_info(config, dataset):
           # How the run evaluates, so that evaluate.py reports the same.
           "ema_decay": getattr(config, "ema_decay", None),
           "eval_tta": getattr(config, "eval_tta", "none"),
-          "label_smoothing": getattr(config, "label_smoothing", 0.0)}
+          "label_smoothing": getattr(config, "label_smoothing", 0.0),
+          # Token sequences, not images: predict.py generates, the export
+          # takes int32 tokens.
+          **({"task": LANGUAGE_MODEL} if is_text(dataset) else {})}
 
 
 def run_config(config, model=None):
@@ -204,14 +208,29 @@ def with_model(info, model):
 
 
 class ServingModule(tf.Module):
-  """uint8 images in, class probabilities out (the SavedModel's signature)."""
+  """uint8 images in, class probabilities out (the SavedModel's signature);
+  for a language model (`task`), int32 tokens in, per-position next-token
+  probabilities out."""
 
-  def __init__(self, model, input_shape, class_names):
+  def __init__(self, model, input_shape, class_names, task=None):
     super().__init__(name="serving")
     self.model = model
     self.class_names = tf.constant(list(class_names))
+    if task == LANGUAGE_MODEL:
+      self.serve = tf.function(self._serve_tokens, input_signature=[
+          tf.TensorSpec([None] + list(input_shape), tf.int32, name="tokens")])
+      return
     self.serve = tf.function(self._serve, input_signature=[
         tf.TensorSpec([None] + list(input_shape), tf.uint8, name="images")])
+
+  def _serve_tokens(self, tokens):
+    """Tokens [N, T]: probabilities [N, T, vocab] of the token after each
+    position, and `next_token` [N], the most likely one after the last."""
+    probabilities = tf.nn.softmax(tf.cast(self.model(tokens, training=False),
+                                          tf.float32))
+    return {"probabilities": probabilities,
+            "next_token": tf.argmax(probabilities[:, -1], axis=-1,
+                                    output_type=tf.int32)}
 
   def _serve(self, images):
     """Images [N, H, W, C] with values 0..255, as in training."""
@@ -227,12 +246,14 @@ def export_saved_model(model, info, export_dir, *, trust_model_code=False):
   A fresh copy of the model is built outside any strategy, so the export
   holds plain variables. Its `serving_default` signature takes uint8 images
   [N, H, W, C] and returns `probabilities` (softmax over the last axis, so
-  per pixel for segmentation), `class_index` and `class_name`.
-  `trust_model_code`: see `build_inference_model` (the training process
+  per pixel for segmentation), `class_index` and `class_name`; a language
+  model's takes int32 `tokens` [N, T] and returns `probabilities` [N, T,
+  vocab] and `next_token` [N]. `trust_model_code`: see `build_inference_model` (the training process
   passes True: its own config named the model).
   """
   plain = build_inference_model(info, trust_model_code=trust_model_code)
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
-  module = ServingModule(plain, info["input_shape"], info["class_names"])
+  module = ServingModule(plain, info["input_shape"], info["class_names"],
+                         task=info.get("task"))
   return atomic.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
       module, tmp, signatures={"serving_default": module.serve}))

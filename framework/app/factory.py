@@ -18,7 +18,7 @@ from framework.core.controller import LoopConfig
 from framework.core.trainer import Trainer
 from framework.data import inputs
 from framework.errors import ConfigError
-from framework.tasks import segmentation
+from framework.tasks import language_model, segmentation
 
 # Trainer defaults that are only passed when a config changes them, so that
 # Trainer subclasses with their own constructor keep working.
@@ -34,7 +34,10 @@ def total_steps(config, num_train_examples):
 
 
 def default_trainer_cls(dataset):
-  """SegmentationTrainer for per-pixel labels, else the plain Trainer."""
+  """SegmentationTrainer for per-pixel labels, LanguageModelTrainer for
+  token sequences, else the plain Trainer."""
+  if language_model.is_language_model(dataset):
+    return language_model.LanguageModelTrainer
   if segmentation.is_segmentation(dataset):
     return segmentation.SegmentationTrainer
   return Trainer
@@ -91,7 +94,7 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
       registry.check_outputs(config.model, model, dataset.num_classes,
                              config.dataset)
       # A model registered without its task is known once built.
-      models.check_task(config.model, segmentation.is_segmentation(dataset),
+      models.check_task(config.model, language_model.task_name(dataset),
                         config.dataset, model)
       optimizer = optimizers.make_optimizer(optimizer_cfg)
   finally:

@@ -80,7 +80,7 @@ def load_model(info, weights, *, trust_model_code=False):
   """Builds `info`'s model without a strategy and loads `weights` into it
   (`trust_model_code`: see `export.build_inference_model`)."""
   model = build_inference_model(info, trust_model_code=trust_model_code)
-  if len(model.output_shape) != 2:
+  if len(model.output_shape) != 2 and info.get("task") != "language_model":
     raise ConfigError(f"model={info['model']} predicts per-pixel classes "
                       f"(output shape {model.output_shape}); predict "
                       "classifies whole images")

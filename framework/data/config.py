@@ -37,6 +37,9 @@ class DatasetOptions:
       "(memory: a few shards); 'global' orders each epoch as the in-memory "
       "arrays are (on one worker the very same batches; memory: the "
       "encoded training split).", choices=SHUFFLES)
+  sequence_length: int = setting(
+      128, "text: tokens (bytes) per example; targets are the next bytes.",
+      minimum=POSITIVE)
 
   def __post_init__(self):
     check_settings(self)
@@ -47,6 +50,8 @@ class DatasetOptions:
     options = {"image_size": self.image_size}
     if name.startswith(TFDS_PREFIX):
       options.update(image_key=self.image_key, label_key=self.label_key)
+    if name == "text":
+      options["sequence_length"] = self.sequence_length
     if self.file_shuffle != "shards":
       options["file_shuffle"] = self.file_shuffle
     return options

@@ -188,6 +188,7 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
 
 # Modules that add their datasets to DATASETS when imported.
 _REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file_input",
+                        "framework.data.text",
                         "framework.data.image_folder",
                         "framework.data.tfds_input")
 # Loaders named by a prefix: `load_dataset("tfds:mnist")` calls

@@ -99,6 +99,11 @@ class FileDataset:
   def num_classes(self):
     return len(self.class_names)
 
+  def prepare_features(self, features):
+    """A batch of decoded features as the model takes them (uint8 images
+    to float32 in [0, 1])."""
+    return _to_float(features)
+
   @property
   def num_train_examples(self):
     return self.train.num_examples
@@ -155,7 +160,7 @@ class FileDataset:
       return epoch, index, image, label
 
     def finish(epoch, index, images, labels):
-      images = _to_float(images)
+      images = self.prepare_features(images)
       if augment is not None:
         # As framework.data.inputs: seeds from (seed, epoch, example index).
         seeds = tf.stack([epoch * 1000003 + seed, index], axis=1)
@@ -262,7 +267,7 @@ class FileDataset:
       ds = ds.shard(num_pipelines, pipeline_id)
     ds = ds.map(lambda r: self.test.decode(r)[1:],
                 num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch_size).map(lambda x, y: (_to_float(x), y))
+    ds = ds.batch(batch_size).map(lambda x, y: (self.prepare_features(x), y))
     if pad:
       batches = lambda n: -(-n // batch_size)
       steps = max(-(-batches(self._eval_shards(num_pipelines, p)[1])

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from framework.core.controller import Controller
 from framework.data.inputs import to_float
+from framework.data.text import is_text
 from framework.tasks.metrics import ConfusionTrainer, iou_metrics
 
 # Mask colours by class (RGB); classes past the end reuse them cyclically.
@@ -23,7 +24,10 @@ TRIPLETS_TAG = "image_true_predicted"
 
 
 def is_segmentation(dataset):
-  """Whether `dataset` has one label per pixel (masks) rather than per image."""
+  """Whether `dataset` has one label per pixel (masks) rather than per image
+  (token sequences have one per token: not segmentation)."""
+  if is_text(dataset):
+    return False
   shape = getattr(dataset, "label_shape", None)
   if shape is None:  # A user's dataset object with arrays only.
     return np.ndim(dataset.train_y) > 1
