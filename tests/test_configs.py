@@ -287,7 +287,11 @@ with open(os.path.join(ROOT, "tests", "data", "configs_before.json")) as f:
   BEFORE = json.load(f)
 _ABSENT = "<absent>"
 # Settings added after the fixture was written, at their defaults.
-NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False}
+NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
+                "model_options.num_layers": 2, "model_options.num_heads": 4,
+                "model_options.model_width": 128,
+                "model_options.vocab_size": 0,
+                "model_options.tie_embeddings": True}
 
 
 def _flat(value, prefix=""):
