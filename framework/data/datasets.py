@@ -190,7 +190,8 @@ DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
 _REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file_input",
                         "framework.data.text",
                         "framework.data.image_folder",
-                        "framework.data.tfds_input")
+                        "framework.data.tfds_input",
+                        "framework.data.numpy_input")
 # Loaders named by a prefix: `load_dataset("tfds:mnist")` calls
 # DATASETS["tfds"](spec="mnist", ...).
 _SPEC_LOADERS = ("tfds",)

@@ -1,0 +1,309 @@
+"""`--dataset=numpy`: your own arrays of any shape, streamed from disk.
+
+`data_dir` is an `.npz` file holding `x_train`, `y_train`, `x_test`,
+`y_test` (and optionally `class_names`), or a folder of those `.npy` files.
+The arrays are memory-mapped (`np.load(mmap_mode="r")`; the members of an
+uncompressed `.npz` in place), and each input pipeline gathers only the rows
+of its own replicas' batches: no process copies a whole array, and the page
+cache is shared by the workers of one host. A compressed `.npz`
+(`np.savez_compressed`) cannot be mapped and is read into memory once per
+process, with a warning.
+
+Batches are the same pure function of (seed, step) as for in-memory arrays
+(`framework.data.inputs`), so a resumed run gets exactly the batches an
+uninterrupted one would, and the same batches as the same arrays in memory.
+Features are scaled by the input pipeline like every dataset's
+(`inputs.to_float`: uint8 divided by 255, floats as they are).
+"""
+
+import os
+import struct
+import zipfile
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from framework.data import inputs
+from framework.errors import DataError, check_positive
+
+KEYS = ("x_train", "y_train", "x_test", "y_test")
+CLASS_NAMES_KEY = "class_names"
+
+
+def _npz_member(path, key):
+  """The `.npz` member `key` memory-mapped in place (None if compressed)."""
+  with zipfile.ZipFile(path) as archive:
+    info = archive.getinfo(key + ".npy")
+  if info.compress_type != zipfile.ZIP_STORED:
+    return None
+  with open(path, "rb") as f:
+    f.seek(info.header_offset)
+    local = f.read(30)  # the member's local header: its own name and extra
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    f.seek(info.header_offset + 30 + name_len + extra_len)
+    version = np.lib.format.read_magic(f)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read_header(f)
+    offset = f.tell()
+  if dtype.hasobject:
+    raise DataError(f"data_dir={path!r}: {key} holds Python objects; save "
+                    "numeric arrays")
+  if not shape or 0 in shape:
+    # np.memmap cannot map 0 bytes; such a split is refused below anyway.
+    return np.zeros(shape, dtype)
+  return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape,
+                   order="F" if fortran else "C")
+
+
+def _open_arrays(data_dir):
+  """{key: array} of `data_dir` (an .npz or a folder of .npy files)."""
+  if not data_dir:
+    raise DataError("dataset=numpy needs data_dir (--data_dir): an .npz "
+                    f"file with {', '.join(KEYS)}, or a folder of those .npy "
+                    "files")
+  arrays = {}
+  if os.path.isdir(data_dir):
+    missing = [k for k in KEYS
+               if not os.path.isfile(os.path.join(data_dir, k + ".npy"))]
+    if missing:
+      raise DataError(f"data_dir={data_dir!r} has no "
+                      f"{', '.join(k + '.npy' for k in missing)} (a numpy "
+                      f"folder holds {', '.join(k + '.npy' for k in KEYS)})")
+    for key in KEYS + (CLASS_NAMES_KEY,):
+      path = os.path.join(data_dir, key + ".npy")
+      if os.path.isfile(path):
+        arrays[key] = _load(np.load, path, key, mmap_mode="r")
+    return arrays
+  if not os.path.isfile(data_dir):
+    raise DataError(f"data_dir={data_dir!r} does not exist (dataset=numpy "
+                    "reads an .npz file or a folder of .npy files)")
+  try:
+    with zipfile.ZipFile(data_dir) as archive:
+      members = {n[:-4] for n in archive.namelist() if n.endswith(".npy")}
+  except (zipfile.BadZipFile, OSError) as e:
+    raise DataError(f"data_dir={data_dir!r} is not an .npz file ({e})") from None
+  missing = [k for k in KEYS if k not in members]
+  if missing:
+    raise DataError(f"data_dir={data_dir!r} has no {', '.join(missing)} "
+                    f"(an .npz for dataset=numpy holds {', '.join(KEYS)}; "
+                    f"it has {', '.join(sorted(members)) or 'nothing'})")
+  compressed = []
+  for key in KEYS + (CLASS_NAMES_KEY,):
+    if key not in members:
+      continue
+    array = _load(_npz_member, data_dir, key)
+    if array is None:
+      compressed.append(key)
+      array = _load(lambda p, k: np.load(p, allow_pickle=False)[k],
+                    data_dir, key)
+    arrays[key] = array
+  if compressed:
+    logging.warning(
+        "%s is compressed: %s read into memory (np.savez, or a folder of "
+        ".npy files, is memory-mapped instead)", data_dir,
+        ", ".join(compressed))
+  return arrays
+
+
+def _load(load, path, key, **kwargs):
+  try:
+    return load(path, key, **kwargs) if load is not np.load else load(
+        path, allow_pickle=False, **kwargs)
+  except DataError:
+    raise
+  except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+    raise DataError(f"cannot read {key} from {path}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                    ) from None
+
+
+class NumpyDataset:
+  """Memory-mapped train and test arrays, streamed by index.
+
+  Has the attributes of an `ArrayDataset` (`train_x` ... are the mapped
+  arrays) and streams itself (`train_dataset`, `distribute_train`,
+  `distribute_eval`), so that no pipeline embeds a whole array.
+  """
+
+  def __init__(self, data_dir, class_names=None):
+    arrays = _open_arrays(data_dir)
+    self.name = "numpy"
+    self.data_dir = data_dir
+    self.train_x, self.train_y = arrays["x_train"], arrays["y_train"]
+    self.test_x, self.test_y = arrays["x_test"], arrays["y_test"]
+    for split, x, y in (("train", self.train_x, self.train_y),
+                        ("test", self.test_x, self.test_y)):
+      if x.ndim < 2 or len(x) == 0:
+        raise DataError(f"data_dir={data_dir!r}: x_{split} has shape "
+                        f"{x.shape}; expected [examples, features...] with "
+                        "at least one example")
+      if len(y) != len(x):
+        raise DataError(f"data_dir={data_dir!r}: x_{split} has {len(x)} "
+                        f"examples but y_{split} has {len(y)} labels")
+      if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"data_dir={data_dir!r}: y_{split} is {y.dtype}; "
+                        "labels are integer class indices")
+      if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise DataError(f"data_dir={data_dir!r}: x_{split} is {x.dtype}; "
+                        "features are numbers")
+    if self.train_x.shape[1:] != self.test_x.shape[1:]:
+      raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
+                      f"{self.train_x.shape[1:]}, x_test's "
+                      f"{self.test_x.shape[1:]}")
+    if self.train_y.shape[1:] != self.test_y.shape[1:]:
+      raise DataError(f"data_dir={data_dir!r}: y_train labels have shape "
+                      f"{self.train_y.shape[1:]}, y_test's "
+                      f"{self.test_y.shape[1:]}")
+    if class_names is None and CLASS_NAMES_KEY in arrays:
+      class_names = [str(n) for n in np.asarray(arrays[CLASS_NAMES_KEY])]
+    if class_names is None:
+      top = max(int(np.max(self.train_y)), int(np.max(self.test_y)))
+      class_names = [f"class_{i}" for i in range(max(top + 1, 2))]
+    self.class_names = tuple(class_names)
+
+  @property
+  def input_shape(self):
+    return tuple(self.train_x.shape[1:])
+
+  @property
+  def label_shape(self):
+    return tuple(self.train_y.shape[1:])
+
+  @property
+  def num_classes(self):
+    return len(self.class_names)
+
+  @property
+  def num_train_examples(self):
+    return len(self.train_x)
+
+  @property
+  def num_test_examples(self):
+    return len(self.test_x)
+
+  def test_samples(self, n):
+    return np.asarray(self.test_x[:n]), np.asarray(self.test_y[:n])
+
+  def _rows(self, x, y):
+    """`indices -> (features, labels)` read from the mapped arrays."""
+    x_dtype = tf.as_dtype(x.dtype)
+    y_dtype = tf.int32
+
+    def read(idx):
+      idx = np.asarray(idx)
+      return np.asarray(x[idx]), np.asarray(y[idx], np.int32)
+
+    def rows(idx):
+      features, labels = tf.numpy_function(read, [idx], (x_dtype, y_dtype),
+                                           stateful=False)
+      count = idx.shape[0]
+      return (tf.ensure_shape(features, [count] + list(x.shape[1:])),
+              tf.ensure_shape(labels, [count] + list(y.shape[1:])))
+
+    return rows
+
+  def _gather(self, seed, augment):
+    rows = self._rows(self.train_x, self.train_y)
+
+    def gather(epoch, idx):
+      features, labels = rows(idx)
+      features = inputs.to_float(features)
+      if augment is not None:
+        # The seeds of `inputs`: the same augmentation as in memory.
+        seeds = tf.stack([tf.fill(tf.shape(idx), epoch * 1000003 + seed),
+                          idx], axis=1)
+        features, labels = augment(features, labels, seeds)
+      return features, labels
+
+    return gather
+
+  def train_dataset_fn(self, global_batch_size, *, seed=0, start_step=0,
+                       augment=None):
+    """A `distribute_datasets_from_function` argument: each pipeline reads
+    only its replicas' rows of every global batch."""
+    check_positive("global_batch_size", global_batch_size)
+
+    def dataset_fn(context):
+      replicas = context.num_replicas_in_sync
+      per_replica = context.get_per_replica_batch_size(global_batch_size)
+      per_pipeline = replicas // context.num_input_pipelines
+      first = context.input_pipeline_id * per_pipeline
+      ds = inputs._index_batches(  # pylint: disable=protected-access
+          self.num_train_examples, global_batch_size, seed, start_step)
+
+      def my_rows(epoch, idx):
+        rows = tf.reshape(idx, [replicas, per_replica])[first:first +
+                                                        per_pipeline]
+        return tf.fill([per_pipeline], epoch), rows
+
+      ds = ds.map(my_rows).unbatch()
+      ds = ds.map(self._gather(seed, augment),
+                  num_parallel_calls=tf.data.AUTOTUNE)
+      return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+    return dataset_fn
+
+  def train_dataset(self, global_batch_size, *, seed=0, start_step=0,
+                    augment=None):
+    """Endless global batches from step `start_step` on (one pipeline)."""
+    check_positive("global_batch_size", global_batch_size)
+    ds = inputs._index_batches(  # pylint: disable=protected-access
+        self.num_train_examples, global_batch_size, seed, start_step)
+    ds = ds.map(self._gather(seed, augment),
+                num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+  def distribute_train(self, strategy, global_batch_size, *, seed=0,
+                       start_step=0, augment=None, input_mode="global"):
+    """Per input pipeline in both input modes (the same global batches)."""
+    del input_mode
+    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
+        global_batch_size, seed=seed, start_step=start_step, augment=augment))
+
+  def eval_dataset(self, global_batch_size, *, pad=True):
+    """One pass over the test split in order, read by slices; padded
+    `MaskedBatch`es (`pad=False`: plain batches, the last one partial)."""
+    check_positive("global_batch_size", global_batch_size)
+    size = self.num_test_examples
+    rows = self._rows(self.test_x, self.test_y)
+    ds = tf.data.Dataset.range(0, size, global_batch_size).map(
+        lambda start: tf.range(start, tf.minimum(start + global_batch_size,
+                                                 size)))
+    ds = ds.map(lambda idx: _unknown_rows(rows(idx)))
+    ds = ds.map(lambda x, y: (inputs.to_float(x), y))
+    if pad:
+      ds = inputs.pad_batches(ds, global_batch_size)
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+
+  def distribute_eval(self, strategy, global_batch_size):
+    return strategy.experimental_distribute_dataset(
+        self.eval_dataset(global_batch_size))
+
+
+def _unknown_rows(batch):
+  # The last batch is partial: a batch dimension of None, as `.batch()`.
+  return tuple(tf.ensure_shape(t, [None] + t.shape[1:].as_list())
+               for t in batch)
+
+
+def _options():
+  options = tf.data.Options()
+  options.deterministic = True
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.DATA)
+  return options
+
+
+def load_numpy(data_dir=None, **_):
+  """The `numpy` dataset of `data_dir` (see the module docstring)."""
+  return NumpyDataset(data_dir)
+
+
+def _register():
+  from framework.data import datasets  # pylint: disable=g-import-not-at-top
+  datasets.DATASETS["numpy"] = load_numpy
+
+
+_register()
