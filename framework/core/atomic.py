@@ -19,7 +19,8 @@ TMP_PREFIX = ".tmp_"
 # What a process killed inside `write_atomically` can leave behind.
 ORPHAN_NAMES = re.compile(
     re.escape(TMP_PREFIX) + r"(model\.weights\.h5|model_info\.json"
-    r"|run_config\.json|target_reached\.json|checkpoint|export)(\.old)?")
+    r"|run_config\.json|target_reached\.json|checkpoint|export"
+    r"|metrics\.jsonl)(\.old)?")
 
 
 def _reason(error):

@@ -36,6 +36,7 @@ from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core import run_state
 from framework.core import actions as actions_lib
+from framework.core import metric_sinks as metric_sinks_lib
 from framework.core import progress
 from framework.core import protocols
 from framework.core.checkpointing import CheckpointManager
@@ -176,6 +177,9 @@ class Controller:
       `self.eval_actions` likewise.
     evaluator: a `LoopEvaluator` (default: the trainer).
     on_loop_end: deprecated: callables `fn(step)`, run as train actions.
+    metric_sinks: more `framework.core.summaries.MetricSink`s for every
+      scalar point, besides TensorBoard and `model_dir/metrics.jsonl`
+      (`self.metric_sinks`; chief only).
     `self.on_train_end`: callables `fn(step)` run once training is over and
       its final checkpoint saved, before the final evaluation (e.g. what a
       preemption then does).
@@ -201,7 +205,8 @@ class Controller:
                train_actions: Sequence[actions_lib.Action] = (),
                eval_actions: Sequence[actions_lib.Action] = (),
                evaluator: Optional[protocols.LoopEvaluator] = None,
-               on_loop_end: Sequence[Callable[[int], Any]] = ()):
+               on_loop_end: Sequence[Callable[[int], Any]] = (),
+               metric_sinks: Sequence[Any] = ()):
     if not isinstance(trainer, protocols.LoopTrainer):
       missing = [name for name in ("model", "optimizer", "strategy",
                                    "global_step", "train",
@@ -243,6 +248,10 @@ class Controller:
         max_to_keep=config.keep_checkpoints)
     self._chief = chief
     self._writers = {}
+    # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
+    self.metric_sinks = [metric_sinks_lib.JsonlSink(os.path.join(
+        model_dir, metric_sinks_lib.METRICS_FILE)), *metric_sinks] if (
+            chief) else []
     self._restored = False
     self.restored_from = None  # the checkpoint restore() restored, if any
     # Whether the last loop's watched metrics were finite: a loop that was
@@ -280,7 +289,8 @@ class Controller:
     run that fails while restoring leaves no new event files)."""
     if name not in self._writers:
       self._writers[name] = SummaryWriter(self.model_dir, name,
-                                          enabled=self._chief)
+                                          enabled=self._chief,
+                                          sinks=self.metric_sinks)
     return self._writers[name]
 
   @property
@@ -385,6 +395,9 @@ class Controller:
     if not self._restored:
       self.restored_from = self.checkpoints.restore_latest()
       self._restored = True
+      for sink in self.metric_sinks:  # the steps after it are trained again
+        if hasattr(sink, "restart"):
+          sink.restart(self.step)
 
   def run(self) -> Optional[dict]:
     """Trains to `train_steps` (or a stop request), resuming from the latest

@@ -1,20 +1,55 @@
-"""TensorBoard writers: only the chief writes; values arrive already reduced."""
+"""TensorBoard writers: only the chief writes; values arrive already reduced.
+
+Every scalar a `SummaryWriter` writes also goes to its metric sinks: any
+object with `write(step, split, values)` (`MetricSink`), e.g. the
+`metrics.jsonl` file every run writes (`framework.core.metric_sinks`).
+TensorBoard stays the default; a sink adds a copy of the same points.
+"""
 
 import contextlib
 import numbers
 import os
+import time
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 
-class SummaryWriter:
-  """Scalars and text under `model_dir/<name>` (a no-op on non-chief tasks)."""
+@runtime_checkable
+class MetricSink(Protocol):
+  """Where a run's scalars go besides TensorBoard.
 
-  def __init__(self, model_dir, name, *, enabled=True):
+  `write` gets each summary point as TensorBoard gets it: the step, the
+  split (the writer's folder under model_dir: `train`, `eval`, ...), and
+  {name: float}; `time` is the wall time of the point. Optional: the
+  Controller calls `restart(step)` once a relaunch restored `step` (the
+  points past it will be written again: drop them).
+  """
+
+  def write(self, step: int, split: str, values: Mapping[str, float],
+            time: float) -> None:  # pylint: disable=redefined-outer-name
+    ...
+
+
+class SummaryWriter:
+  """Scalars and text under `model_dir/<name>` (a no-op on non-chief tasks).
+
+  Args:
+    model_dir, name: the folder `model_dir/<name>`.
+    enabled: False on non-chief tasks: nothing is written anywhere.
+    sinks: `MetricSink`s that get every scalar point as well (split
+      `name`).
+  """
+
+  def __init__(self, model_dir, name, *, enabled=True,
+               sinks: Sequence[MetricSink] = ()):
     self.logdir = os.path.join(model_dir, name)
+    self.name = name
     self._writer = (tf.summary.create_file_writer(self.logdir) if enabled
                     else tf.summary.create_noop_writer())
+    # The caller's list itself: a sink appended to it later gets points too.
+    self.sinks = sinks if enabled else []
 
   def as_default(self, step=None):
     """A context with this writer as the default for `tf.summary` calls
@@ -26,6 +61,11 @@ class SummaryWriter:
       for tag, value in values.items():
         tf.summary.scalar(tag, value)
     self._writer.flush()
+    if self.sinks:
+      now = time.time()
+      points = {tag: float(value) for tag, value in values.items()}
+      for sink in self.sinks:
+        sink.write(int(step), self.name, points, now)
 
   def text(self, step, tag, markdown):
     with self._writer.as_default(step=step):
