@@ -69,7 +69,7 @@ def test_labels_out_of_range_fail_before_writing(model_dir, tmp_path, split,
 @pytest.mark.parametrize("args,fragments", [
     (["--model=unet", "--unet_depth=1", "--unet_width=4"],
      ["model='unet' is a segmentation model", "dataset='synthetic'",
-      "cifar_cnn, gpt, mlp"]),
+      "cifar_cnn, mlp"]),
     (["--model=cifar_cnn", "--dataset=shapes", "--image_size=16"],
      ["model='cifar_cnn' is a classification model", "dataset='shapes'",
       "unet"]),
