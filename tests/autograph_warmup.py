@@ -29,7 +29,9 @@ import pkgutil
 # used first. A package name stands for all of its modules. CORE_MODULES:
 # what every train.py run of the Trainer converts.
 CORE_MODULES = (
-    "framework.core.trainer", "framework.core.fused_updates",
+    "framework.core.trainer", "framework.core.step_loop",
+    "framework.core.gradients", "framework.core.eval_step",
+    "framework.core.replica_sync", "framework.core.fused_updates",
     "framework._tf_internal", "framework.data.inputs", "framework.app.export",
     "framework.core.communication", "framework.core.tta")
 _MODULES = CORE_MODULES + (
@@ -41,7 +43,8 @@ _MODULES = CORE_MODULES + (
     "framework.data.tfds_input", "framework.check", "framework.perf.flops")
 # Modules that hold the functions a tf.function wraps (converted with
 # user_requested=True; what they call is converted without).
-_ENTRY_MODULES = ("framework.core.trainer", "framework.app.export",
+_ENTRY_MODULES = ("framework.core.trainer", "framework.core.step_loop",
+                  "framework.core.eval_step", "framework.app.export",
                   "framework.core.ps_training",
                   "framework.model_parallel.staged_trainer",
                   "framework.model_parallel.tensor_parallel",
