@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import losses
-from framework.app import export
+from framework.app import custom_inputs, export
 from framework.core import checkpointing
 from framework.data import datasets, inputs
 from framework.distribute import strategies
@@ -146,6 +146,8 @@ class Evaluator:
     export.check_model_code(self.info, config.trust_model_code)
     self.strategy = strategy or strategies.make_strategy(config.strategy,
                                                          tpu=config.tpu)
+    # Never the config's dataset in place of a run's own custom data.
+    custom_inputs.check_own_data(self.info, config.dataset, config.data_dir)
     name = config.dataset or self.info.get("dataset")
     data_dir = config.data_dir
     if data_dir is None and name == self.info.get("dataset"):

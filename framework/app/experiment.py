@@ -20,6 +20,7 @@ import models
 from models import registry
 from framework.app import export
 from framework.app import check_run
+from framework.app import custom_inputs
 from framework.app import factory
 from framework.core import precision, ps_training
 from framework.data import augment, datasets, inputs
@@ -222,6 +223,9 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name,
                dataset.num_train_examples, dataset.num_test_examples)
+  # Custom inputs: the model is built for the features they give.
+  dataset = custom_inputs.fit_dataset(dataset, config.dataset, train_input,
+                                      eval_input)
   if train_input is None:
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
@@ -243,7 +247,8 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   controller.restore()
   chief = strategies.is_chief(strategy)
   info = dict(export.model_info(config, dataset),
-              train_steps=controller.config.train_steps)
+              train_steps=controller.config.train_steps,
+              **custom_inputs.record(train_input, eval_input))
   info.update(_config_changes(config.model_dir, controller))
   if chief:
     lock.record()

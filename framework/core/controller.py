@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.data import integrity
+from framework.data import integrity, preprocessing
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core import run_state
@@ -232,6 +232,7 @@ class Controller:
     self.model_dir = model_dir
     self.train_input = train_input
     self.eval_input = eval_input
+    self._said_scaled = False
     self.hparams = hparams or {}
     chief = strategies.is_chief(trainer.strategy)
     # Dropout's random state too, so that a resumed run draws the same masks.
@@ -493,7 +494,15 @@ class Controller:
 
   def _distribute(self, data):
     """The trainer's `distribute_dataset` if it has one (a parameter-server
-    coordinator evaluates plain datasets itself), else the strategy's."""
+    coordinator evaluates plain datasets itself), else the strategy's;
+    uint8 features scaled first (`framework.data.preprocessing`)."""
+    if preprocessing.has_uint8_features(data.element_spec):
+      if not self._said_scaled:
+        logging.info("the input gives uint8 features: scaled to float32 in "
+                     "[0, 1] before the model (the preprocessing contract, "
+                     "as for the built-in datasets)")
+        self._said_scaled = True
+      data = preprocessing.scale_dataset(data)
     if isinstance(self.trainer, protocols.DatasetDistributing):
       return self.trainer.distribute_dataset(data)
     return self.trainer.strategy.experimental_distribute_dataset(data)
