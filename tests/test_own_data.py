@@ -237,3 +237,18 @@ def test_a_controller_run_is_evaluated_by_evaluate_py(tmp_path, user_nets):
   with pytest.raises(framework.ConfigError, match="module-level"):
     framework.describe_run(model_dir, lambda s, n: None, dataset="numpy",
                            data_dir=str(tmp_path / "tab.npz"))
+
+
+def test_a_model_that_cannot_take_the_data_is_one_line(tmp_path):
+  train_x, train_y = _tabular(64, 0)
+  np.savez(tmp_path / "tab.npz", x_train=train_x, y_train=train_y,
+           x_test=train_x, y_test=train_y)
+  proc = run_script("train.py", "--model=cifar_cnn", "--dataset=numpy",
+                    "--data_dir=tab.npz", "--global_batch_size=32",
+                    "--train_steps=2", "--model_dir=run", cwd=tmp_path,
+                    check=False)
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("train.py: error: model=cifar_cnn cannot be built")
+  assert "(16,)" in last and "Traceback" not in proc.stderr
+  assert not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ from framework.app import export
 from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
-from framework.core import precision, ps_training
+from framework.core import precision, progress, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -132,6 +132,9 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     make_trainer: `(model, optimizer, strategy, *, global_batch_size,
       clip_norm, nan_policy, ...) -> trainer` (default: `trainer_cls`).
   """
+  # Before the first log line: absl's first one, before any flag parsing,
+  # installs a root handler, which would read as logging configured.
+  progress.show_progress_by_default()
   if build_model is not None:
     path = registry.import_path_of(build_model)
     if path is None:
