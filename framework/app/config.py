@@ -179,9 +179,12 @@ class ExperimentConfig:
       object.__setattr__(self, name, absolute_path(getattr(self, name)))
     check_settings(self)
     if (self.train_steps is None) == (self.epochs is None):
-      raise ConfigError("set exactly one of train_steps and epochs (got "
-                        f"train_steps={self.train_steps}, "
-                        f"epochs={self.epochs})")
+      both = self.train_steps is not None
+      raise ConfigError(
+          "set exactly one of train_steps and epochs (got "
+          f"train_steps={self.train_steps}, epochs={self.epochs})" + (
+              "; 0 unsets either, e.g. --train_steps=N --epochs=0 over a "
+              "flag file's --epochs" if both else ""))
     if self.label_smoothing:
       from framework.core import losses  # pylint: disable=g-import-not-at-top
       losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks

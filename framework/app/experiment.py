@@ -22,7 +22,7 @@ from framework.app import export
 from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
-from framework.core import precision, progress, ps_training
+from framework.core import optimizers, precision, progress, ps_training
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -175,21 +175,36 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
                 start_time=start_time)
 
 
-def _config_changes(model_dir, controller):
+def _config_changes(model_dir, controller, config):
   """{"config_changes": [...]} for model_info.json: the earlier entries,
   plus this resume's if `allow_config_change` let the configuration change
-  (which is then logged); {} if there never was one."""
+  or a longer (shorter) run re-stretched a decaying learning-rate schedule
+  (each is then logged); {} if there never was one."""
   previous = export.read_model_info_quietly(model_dir) or {}
   history = list(previous.get("config_changes") or [])
-  changes = controller.checkpoints.config_changes
-  if changes:
-    step = controller.step
-    history.append({"step": step, **{
-        key: {"was": old, "now": new} for key, old, new in changes}})
+  step = controller.step
+  entry = {key: {"was": old, "now": new}
+           for key, old, new in controller.checkpoints.config_changes}
+  if entry:
     logging.warning(
         "%s now describes the changed configuration (%s) and records the "
         "change at step %d under config_changes", export.MODEL_INFO_FILE,
-        ", ".join(key for key, _, _ in changes), step)
+        ", ".join(entry), step)
+  was, now = previous.get("train_steps"), controller.config.train_steps
+  schedule = config.optimizer.schedule
+  if (step and was and was != now and step < now
+      and schedule in optimizers.DECAYING_SCHEDULES
+      and not config.optimizer.total_steps):
+    entry["train_steps"] = {"was": was, "now": now}
+    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
+                            "now": f"{schedule} over {now} steps"}
+    logging.warning(
+        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
+        "%d steps, so from step %d on the rate differs from the first "
+        "launch's (recorded in %s under config_changes)", was, now,
+        schedule, now, step, export.MODEL_INFO_FILE)
+  if entry:
+    history.append({"step": step, **entry})
   return {"config_changes": history} if history else {}
 
 
@@ -252,7 +267,7 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps,
               **custom_inputs.record(train_input, eval_input))
-  info.update(_config_changes(config.model_dir, controller))
+  info.update(_config_changes(config.model_dir, controller, config))
   if chief:
     lock.record()
     # Written first, so a side-car evaluator can rebuild the model.

@@ -421,7 +421,19 @@ class Controller:
       for fn in self.on_train_end:
         fn(step)
       return self.last_eval
-    if record is not None and self._chief:
+    if run_state.continues_past_target(record, step, c.stop_at_accuracy):
+      # More steps for a run that met its target: train them, keep the
+      # first time to target (the record stays as it is).
+      self.measure_target = False
+      logging.info(
+          "accuracy %.4f reached stop_at_accuracy=%.4f at step %d "
+          "(time_to_target_seconds=%.1f, kept in %s); training on to step "
+          "%d without stopping at that target again (a higher "
+          "stop_at_accuracy is a new target)", record["accuracy"],
+          c.stop_at_accuracy, int(record["step"]),
+          float(record.get("time_to_target_seconds", float("nan"))),
+          run_state.TARGET_FILE, c.train_steps)
+    elif record is not None and self._chief:
       run_state.forget_target(self.model_dir)  # it trains on from here
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,
@@ -455,7 +467,8 @@ class Controller:
       results = self.evaluate()
     self._record_target(step)
     condition = c.stop_condition()
-    if condition is not None and self.time_to_target is None:
+    if (condition is not None and self.time_to_target is None
+        and self.measure_target):
       logging.info("target %s not reached in %d steps",
                    f"accuracy {c.stop_at_accuracy:.4f}"
                    if c.stop_when is None else condition, step)
