@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework.core import losses
+from framework.core import losses, precision
 from framework.app import custom_inputs, export
 from framework.core import checkpointing
 from framework.data import datasets, inputs
@@ -166,10 +166,21 @@ class Evaluator:
                    else ConfusionTrainer)
     if language_model.is_language_model(self.dataset):
       trainer_cls = language_model.LanguageModelTrainer
-    with self.strategy.scope():
-      model = export.build_inference_model(
-          self.info, trust_model_code=config.trust_model_code)
-      optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
+    # The run's own compute precision, so that its numbers come out again.
+    self.precision = self.info.get("mixed_precision") or "float32"
+    if self.precision not in ("float32", "auto"):
+      logging.info("evaluating in %s, the precision the run evaluated in "
+                   "(model_info.json mixed_precision)", self.precision)
+    policy = keras.mixed_precision.global_policy()
+    try:
+      if self.precision != "auto":
+        precision.set_precision(self.precision)
+      with self.strategy.scope():
+        model = export.build_inference_model(
+            self.info, trust_model_code=config.trust_model_code)
+        optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
+    finally:
+      keras.mixed_precision.set_global_policy(policy)
     replicas = self.strategy.num_replicas_in_sync
     batch = -(-self.global_batch_size // replicas) * replicas
     extra = {}

@@ -236,6 +236,8 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
         f"global_batch_size={config.global_batch_size} is not divisible by "
         f"the {replicas} replicas of strategy={config.strategy}; use a "
         f"multiple of {replicas}")
+  logging.info("loading dataset=%s%s", config.dataset,
+               f" from {config.data_dir}" if config.data_dir else "")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",

@@ -53,6 +53,10 @@ def model_info(config, dataset):
           "ema_decay": getattr(config, "ema_decay", None),
           "eval_tta": getattr(config, "eval_tta", "none"),
           "label_smoothing": getattr(config, "label_smoothing", 0.0),
+          # The compute precision it evaluated in (`auto` resolved), which
+          # evaluate.py uses too: bfloat16 and float32 differ in the 4th
+          # digit.
+          "mixed_precision": getattr(config, "mixed_precision", "float32"),
           # Which side scales images (framework.data.preprocessing).
           "input_preprocessing": preprocessing.CONTRACT,
           # Token sequences, not images: predict.py generates, the export

@@ -576,12 +576,25 @@ class Controller:
     c = self.config
     last_saved = start_step = step
     start_time = time.time()
+    first = True
     while step < c.train_steps:
       num_steps = self._steps_to_next_event(step)
       self.profiler.maybe_start(step)
+      if first:
+        # Nothing else prints while the step function is traced.
+        logging.info(
+            "training steps %d..%d (the ETA counts to step %d%s); the first "
+            "loop (%d steps) includes tracing the train step", step + 1,
+            c.train_steps, c.train_steps,
+            "" if c.stop_condition() is None else
+            ", train_steps: the stop condition may end the run earlier",
+            num_steps)
       loop_start = time.time()
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
+      if first:
+        logging.info("first loop done in %.1f s (tracing included)", elapsed)
+        first = False
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
       watched = protocols.watched_metrics(metrics)
@@ -594,13 +607,13 @@ class Controller:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: %s%s ETA %s%s", step, c.train_steps,
+            "train step %d/%d: %s%s ETA %s %s%s", step, c.train_steps,
             " ".join(f"{k}={v:.4f}" for k, v in
                      sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
             (f" examples/s={outputs['examples_per_second']:.1f}"
              if "examples_per_second" in outputs else
              f" steps/s={outputs['steps_per_second']:.2f}"),
-            _format_seconds(eta),
+            _format_seconds(eta), f"to step {c.train_steps}",
             f" skipped_steps={int(outputs['skipped_steps'])}"
             if "skipped_steps" in outputs else "")
       for action in self.train_actions:
