@@ -20,7 +20,11 @@ from framework.data.config import (AUGMENTATIONS, INPUT_MODES,
 from framework.distribute.choices import STRATEGIES
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
-from framework.settings import POSITIVE, check_settings, setting
+from framework.settings import POSITIVE, all_but, check_settings, setting
+
+# The built-in models (models/); `read_by` tables speak of these, and a
+# model of one's own (package.module:function) counts as reading any option.
+BUILTIN_MODELS = ("cifar_cnn", "mlp", "unet", "gpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,24 +35,31 @@ class ModelOptions:
   gets its options from `--model_options=key=value,...` (typed from its
   signature, see `models.registry.parse_options`).
   """
-  hidden_units: tuple[int, ...] = setting((64, 64),
-                                          "mlp: hidden layer sizes.")
-  dropout: bool = setting(True, "cifar_cnn: keep the Dropout layers.")
+  hidden_units: tuple[int, ...] = setting(
+      (64, 64), "mlp: hidden layer sizes.", read_by={"model": ("mlp",)})
+  dropout: bool = setting(True, "cifar_cnn: keep the Dropout layers.",
+                          read_by={"model": ("cifar_cnn",)})
   sync_batch_norm: bool = setting(
       False, "BatchNorm statistics over all replicas (Keras "
-      "synchronized=True).")
+      "synchronized=True).", read_by={"model": ("cifar_cnn", "unet")})
   depth: int = setting(4, "unet: down-sampling levels.", flag="unet_depth",
-                       minimum=POSITIVE)
+                       minimum=POSITIVE, read_by={"model": ("unet",)})
   width: int = setting(32, "unet: filters of the first level.",
-                       flag="unet_width", minimum=POSITIVE)
-  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE)
+                       flag="unet_width", minimum=POSITIVE,
+                       read_by={"model": ("unet",)})
+  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE,
+                            read_by={"model": ("gpt",)})
   num_heads: int = setting(4, "gpt: attention heads per block (must divide "
-                           "--model_width).", minimum=POSITIVE)
-  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE)
+                           "--model_width).", minimum=POSITIVE,
+                           read_by={"model": ("gpt",)})
+  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE,
+                             read_by={"model": ("gpt",)})
   vocab_size: int = setting(0, "gpt: vocabulary; 0: the dataset's (256 byte "
-                            "tokens for --dataset=text).")
+                            "tokens for --dataset=text).",
+                            read_by={"model": ("gpt",)})
   tie_embeddings: bool = setting(True, "gpt: the output head is the token "
-                                 "embedding table (tied), else its own.")
+                                 "embedding table (tied), else its own.",
+                                 read_by={"model": ("gpt",)})
 
   def __post_init__(self):
     check_settings(self)
@@ -80,13 +91,14 @@ class ExperimentConfig:
   data_dir: str | None = setting(
       None, "CIFAR-10 python directory (default: Keras's cache, "
       "~/.keras/datasets/cifar-10-batches-py) or the Oxford-IIIT Pet "
-      "directory.")
+      "directory.", read_by={"dataset": all_but("synthetic", "shapes")})
   model_dir: str = setting("/tmp/distloop", "Checkpoints, TensorBoard "
                            "(train/, eval/) and the final weights.")
   strategy: str = setting("default", "tf.distribute strategy.",
                           choices=STRATEGIES, key=True)
   tpu: str | None = setting(None, "TPU name or grpc://host:port for "
-                            "--strategy=tpu.")
+                            "--strategy=tpu.",
+                            read_by={"strategy": ("tpu",)})
   global_batch_size: int = setting(128, "Examples per step, all replicas "
                                    "together.", minimum=POSITIVE, key=True)
   train_steps: int | None = setting(
@@ -105,7 +117,8 @@ class ExperimentConfig:
       "skip the step.", choices=NAN_POLICIES)
   max_skipped_steps: int = setting(
       10, "--nan_policy=skip: stop with an error (saving nothing) after this "
-      "many skipped steps in a row.", minimum=POSITIVE)
+      "many skipped steps in a row.", minimum=POSITIVE,
+      read_by={"nan_policy": ("skip",)})
   # train_steps filled in by `experiment.build_model_and_optimizer`.
   loop: LoopConfig | None = None
   seed: int = setting(0, "Seed for weights, data order and augmentation.")

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from framework.core import losses, precision
 from framework.app import custom_inputs, export
-from framework.core import checkpointing
+from framework.core import checkpoint_state, checkpointing
 from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -302,7 +302,7 @@ def watch(config, strategy=None):
   evaluator = Evaluator(config, strategy=strategy, info=info)
   last = None
   while True:
-    path = tf.train.latest_checkpoint(config.model_dir)
+    path = checkpoint_state.latest(config.model_dir)
     if path is not None and path != last and checkpointing.damage(path):
       # Rotated away while we looked, or damaged: wait for the next one.
       logging.warning("Skipping checkpoint %s: %s", path,
