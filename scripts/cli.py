@@ -344,6 +344,22 @@ def onednn_enabled():
   return _tf_internal.onednn_enabled()
 
 
+def warn_unread_flags(*, extra=None, table=None):
+  """Prints one `<script>: warning: ...` line naming each flag set that the
+  run's choices do not read (`config_flags.unread_flags`: train.py's
+  settings' `read_by` and `extra`, or an app's own `table`)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    from . import config_flags  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    from scripts import config_flags  # pylint: disable=g-import-not-at-top
+  text = config_flags.unread_warning(sys.argv, flags.FLAGS, extra=extra,
+                                     table=table)
+  if text:
+    print(f"{os.path.basename(sys.argv[0])}: warning: {text}",
+          file=sys.stderr)
+
+
 def main_running(run):
   """An absl `main(argv)` that rejects positional arguments and runs `run()`
   with one-line errors (the apps take flags only)."""

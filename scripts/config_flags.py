@@ -228,8 +228,18 @@ def _set_in(args, flag_values):
         value = "true"
       elif words:
         value = words.pop(0)
+    if flag_values[name].boolean:
+      value = value.lower()
     found.append((name, value))
   return found
+
+
+def _text(flag):
+  """A flag's value as `read_by` patterns name it ("true"/"false" for a
+  boolean)."""
+  if flag.boolean:
+    return "true" if flag.value else "false"
+  return str(flag.value)
 
 
 def _flag_files(args):
@@ -246,18 +256,21 @@ def _flag_files(args):
   return paths
 
 
-def unread_flags(argv, flag_values=flags.FLAGS, extra=None):
+def unread_flags(argv, flag_values=flags.FLAGS, extra=None, table=None):
   """[(flag, {choosing flag: value})]: the flags that `argv` sets but the
   run's choices (its --model, --dataset, --strategy, ...) do not read.
+
+  `table` ({flag: read_by}) replaces train.py's (`read_by_table(extra)`),
+  for an app with flags of its own only.
 
   A flag that only a flag file sets is also fine when that file's own
   choices read it (a recipe's `--hidden_units` when the command line picks
   another `--model`): only what the command line itself sets is held
   against the final choices alone.
   """
-  table = read_by_table(extra)
+  table = read_by_table(extra) if table is None else table
   choosing = sorted({c for read_by in table.values() for c in read_by})
-  final = {c: str(flag_values[c].value) for c in choosing}
+  final = {c: _text(flag_values[c]) for c in choosing}
   direct = {name for name, _ in _set_in(argv[1:], flag_values)}
   contexts = {}  # flag set only by flag files -> their choices
   for path in _flag_files(argv[1:]):
@@ -283,9 +296,9 @@ def unread_flags(argv, flag_values=flags.FLAGS, extra=None):
   return unread
 
 
-def unread_warning(argv, flag_values=flags.FLAGS, extra=None):
+def unread_warning(argv, flag_values=flags.FLAGS, extra=None, table=None):
   """The text of the one warning line about `unread_flags` (None: none)."""
-  unread = unread_flags(argv, flag_values, extra)
+  unread = unread_flags(argv, flag_values, extra, table)
   if not unread:
     return None
   return "; ".join(

@@ -59,12 +59,18 @@ flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
                   "that model_info.json names (runs that module's code; off "
                   "by default, as Keras's safe_mode).")
 flags.mark_flag_as_required("model_dir")
+# Which choices read a flag (every other flag is read by every run): a set
+# flag they do not read is one warning line.
+READ_BY = {"poll_seconds": {"watch": ("true",)},
+           "timeout_seconds": {"watch": ("true",)},
+           "tpu": {"strategy": ("tpu",)}}
 
 
 def run():
   """Evaluates (or watches); raises DistloopError on bad input."""
   import framework  # pylint: disable=g-import-not-at-top
   from framework.app import evaluation  # pylint: disable=g-import-not-at-top
+  cli.warn_unread_flags(table=READ_BY)
   if FLAGS.cpu_devices:
     framework.configure_cpu_devices(FLAGS.cpu_devices)
   if FLAGS.watch and FLAGS.checkpoint:

@@ -218,10 +218,7 @@ def warn_unread_flags():
   """One warning line naming each flag set that the run does not read
   (`--data_dir` with `--dataset=synthetic`, `--tpu` without
   `--strategy=tpu`, another model's options, ...)."""
-  text = config_flags.unread_warning(sys.argv, FLAGS, extra=READ_BY)
-  if text:
-    print(f"{os.path.basename(sys.argv[0])}: warning: {text}",
-          file=sys.stderr)
+  cli.warn_unread_flags(extra=READ_BY)
 
 
 def _check_and_run():
