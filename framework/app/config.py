@@ -169,6 +169,11 @@ class ExperimentConfig:
       "logits of each image and its horizontal mirror.", choices=TTA_MODES)
   # The gradient all-reduce's packing, implementation and wire dtype.
   all_reduce: AllReduceConfig = AllReduceConfig()
+  jit_compile: bool = setting(
+      False, "Compile the replica step with XLA: the whole step on one "
+      "replica, each replica's forward and backward pass under several "
+      "(the all-reduce and update outside); a warning and no XLA under "
+      "parameter_server or model parallelism.")
   init_checkpoint: str | None = setting(
       None, "Warm start the model's weights (not the optimizer, step or data "
       "position) from a run folder (its newest checkpoint; <run>/best for "
