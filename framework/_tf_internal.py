@@ -215,3 +215,18 @@ def configure_coordination_service(spec, jobs, heartbeat_timeout_ms):
       service_leader=multi_worker_util.coordination_leader(spec),
       heartbeat_timeout_in_ms=heartbeat_timeout_ms,
       coordinated_jobs=coordinated)
+
+
+# --- Checkpoint object graphs (core/warm_start.py). ---------------------------
+
+
+def checkpoint_object_graph(reader):
+  """The `TrackableObjectGraph` proto of the TF2 checkpoint `reader` reads
+  (`tf.train.load_checkpoint`). Missing publicly: which object path (e.g.
+  model/_functional/_operations/2/_kernel) a key belongs to; a checkpoint
+  keys a variable by its first path from the root, which is often the
+  optimizer's list, not the model's."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return graph

@@ -10,6 +10,7 @@ flags exist before TensorFlow loads.
 
 import dataclasses
 import os
+import re
 
 from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
                                    RESTORE_POLICIES, TTA_MODES,
@@ -181,6 +182,25 @@ class ExperimentConfig:
       "logits of each image and its horizontal mirror.", choices=TTA_MODES)
   # The gradient all-reduce's packing, implementation and wire dtype.
   all_reduce: AllReduceConfig = AllReduceConfig()
+  jit_compile: bool = setting(
+      False, "Compile the replica step with XLA: the whole step on one "
+      "replica, each replica's forward and backward pass under several "
+      "(the all-reduce and update outside); a warning and no XLA under "
+      "parameter_server or model parallelism.")
+  init_checkpoint: str | None = setting(
+      None, "Warm start the model's weights (not the optimizer, step or data "
+      "position) from a run folder (its newest checkpoint; <run>/best for "
+      "its best), a folder or prefix of a TF checkpoint, or a Keras "
+      ".weights.h5 file; only when --model_dir has no checkpoint of its own "
+      "(a relaunch resumes).")
+  init_skip_mismatch: bool = setting(
+      False, "--init_checkpoint: keep the fresh values of variables the "
+      "source lacks or has in another shape (a new head), logged by name; "
+      "otherwise those are an error.")
+  init_exclude: str | None = setting(
+      None, "--init_checkpoint: a regular expression; model variables whose "
+      "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
+      "values.")
 
   def __post_init__(self):
     if not self.model_dir:
@@ -188,7 +208,7 @@ class ExperimentConfig:
                         "path")
     # Resolved once, here: what the run records (model_info.json, the
     # checkpoint state) then means the same folder from any other folder.
-    for name in ("model_dir", "data_dir"):
+    for name in ("model_dir", "data_dir", "init_checkpoint"):
       object.__setattr__(self, name, absolute_path(getattr(self, name)))
     check_settings(self)
     if (self.train_steps is None) == (self.epochs is None):
@@ -198,6 +218,12 @@ class ExperimentConfig:
           f"train_steps={self.train_steps}, epochs={self.epochs})" + (
               "; 0 unsets either, e.g. --train_steps=N --epochs=0 over a "
               "flag file's --epochs" if both else ""))
+    if self.init_exclude:
+      try:
+        re.compile(self.init_exclude)
+      except re.error as e:
+        raise ConfigError(f"init_exclude={self.init_exclude!r} is not a "
+                          f"regular expression ({e})") from None
     if self.label_smoothing:
       from framework.core import losses  # pylint: disable=g-import-not-at-top
       losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks

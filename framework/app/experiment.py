@@ -23,6 +23,7 @@ from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
 from framework.core import optimizers, precision, progress, ps_training
+from framework.core import warm_start
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -265,10 +266,19 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
       make_trainer=make_trainer)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
   controller.restore()
+  # Only when the run has no checkpoint of its own; before anything is written.
+  init = warm_start.warm_start(
+      controller, config.init_checkpoint,
+      skip_mismatch=config.init_skip_mismatch, exclude=config.init_exclude)
   chief = strategies.is_chief(strategy)
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps,
               **custom_inputs.record(train_input, eval_input))
+  # A relaunch keeps the record of the warm start its first launch did.
+  init = init or (export.read_model_info_quietly(config.model_dir)
+                  or {}).get("init_checkpoint")
+  if init:
+    info["init_checkpoint"] = init
   info.update(_config_changes(config.model_dir, controller, config))
   if chief:
     lock.record()

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 import keras
 import tensorflow as tf
 
-from framework.core import tta
+from framework.core import tta, xla
 from framework.core.config import NAN_POLICIES
 from framework.core.ema import WeightAverage
 from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
@@ -113,6 +113,9 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       `none` or `flip` (mean logits of each image and its mirror).
     all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
       implementation, wire dtype of the gradient all-reduce); None: defaults.
+    jit_compile: compile the replica step with XLA where TensorFlow can
+      (`framework.core.xla`: the whole step on one replica, each replica's
+      forward and backward pass under several; a warning where it cannot).
   """
 
   def __init__(self, model: keras.Model,
@@ -124,7 +127,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                grad_accum_steps: int = 1, loss_scale: Any = None,
                fused_updates: bool = True, max_skipped_steps: int = 10,
                ema_decay: float | None = None, ema_warmup: bool = False,
-               eval_tta: str = "none", all_reduce: Any = None) -> None:
+               eval_tta: str = "none", all_reduce: Any = None,
+               jit_compile: bool = False) -> None:
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
@@ -181,6 +185,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
     self._trace_error = None
+    # What XLA compiles (framework/core/xla.py): the replica step or its
+    # forward and backward; `distributed_train_step` runs `_replica_step`.
+    self.jit_compile = xla.jit_mode(jit_compile, strategy)
+    self._replica_step = self.train_step
+    if self.jit_compile == xla.STEP:
+      self._replica_step = xla.compiled_step(self)
+    elif self.jit_compile == xla.GRADIENTS:
+      self.compute_gradients = xla.compiled(self.compute_gradients)
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
