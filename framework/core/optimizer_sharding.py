@@ -125,9 +125,18 @@ class ShardedOptimizerState:
   def gather_weights(self, context):
     """The full weights from every replica's updated shard (replica
     context): one all-gather of all shards."""
-    local = [tf.convert_to_tensor(_local(s)) for s in self.shards]
-    gathered = context.all_gather(local, axis=0)
+    gathered = context.all_gather(self._read_local(self.shards), axis=0)
     return [self._unshard(g, v) for g, v in zip(gathered, self.variables)]
+
+  def _read_local(self, variables):
+    """This replica's copies of `variables` as tensors placed on its device
+    (a gather's destination is the device of what it gathers; a worker
+    with one device runs its replica outside any device scope)."""
+    devices = self.strategy.extended.worker_devices
+    if len(devices) == 1:
+      with tf.device(devices[0]):
+        return [tf.identity(_local(v)) for v in variables]
+    return [tf.convert_to_tensor(_local(v)) for v in variables]
 
   @staticmethod
   def _unshard(flat, variable):
@@ -182,7 +191,7 @@ class ShardedOptimizerState:
     def gather():
       context = tf.distribute.get_replica_context()
       return context.all_gather(
-          [tf.convert_to_tensor(_local(s)) for s, _ in self._slots], axis=0)
+          self._read_local([s for s, _ in self._slots]), axis=0)
     gathered = self.strategy.run(gather)
     return [self.strategy.experimental_local_results(g)[0] for g in gathered]
 
