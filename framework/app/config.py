@@ -28,6 +28,12 @@ from framework.settings import POSITIVE, all_but, check_settings, setting
 BUILTIN_MODELS = ("cifar_cnn", "mlp", "unet", "gpt")
 
 
+# Where `shard_optimizer_state` applies: the data-parallel strategies whose
+# update the trainer owns (one replica: nothing to shard, a note).
+SHARDING_STRATEGIES = ("default", "one_device", "mirrored",
+                       "multi_worker_mirrored")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
   """The options of the built-in models (`ExperimentConfig.model_options`).
@@ -201,6 +207,12 @@ class ExperimentConfig:
       None, "--init_checkpoint: a regular expression; model variables whose "
       "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
       "values.")
+  shard_optimizer_state: bool = setting(
+      False, "Each replica keeps and updates 1/N of the optimizer's slots "
+      "and the weights are all-gathered after the update (ZeRO-1; mirrored "
+      "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
+      "the whole slots, so a run resumes with it on or off and on another "
+      "replica count.")
 
   def __post_init__(self):
     if not self.model_dir:
@@ -230,6 +242,16 @@ class ExperimentConfig:
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
       raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
                         "unset)")
+    if self.shard_optimizer_state and (
+        self.strategy not in SHARDING_STRATEGIES or
+        self.model_parallel.mode != "none"):
+      where = (f"strategy={self.strategy}"
+               if self.strategy not in SHARDING_STRATEGIES
+               else f"model_parallel={self.model_parallel.mode}")
+      raise ConfigError(
+          f"shard_optimizer_state=True needs the trainer's data-parallel "
+          f"update ({', '.join(SHARDING_STRATEGIES)} without model "
+          f"parallelism), not {where}")
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(

@@ -242,7 +242,8 @@ class Controller:
     if rng_states:
       items["rng_states"] = rng_states
     self.checkpoint = tf.train.Checkpoint(
-        model=trainer.model, optimizer=trainer.optimizer,
+        model=trainer.model,
+        optimizer=protocols.checkpointed_optimizer(trainer),
         global_step=trainer.global_step, **items)
     self.checkpoints = CheckpointManager(
         self.checkpoint, model_dir, trainer.strategy,
