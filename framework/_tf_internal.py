@@ -107,6 +107,18 @@ def per_replica(values):
   return _distribute_module("values").PerReplica(tuple(values))
 
 
+# --- Checkpoints (model_parallel/parallel_layers.py). ------------------------
+
+# The base class of objects a tf.train.Checkpoint saves, for a weight kept as
+# shards that saves itself as slices of one tensor. Missing publicly: the
+# Trackable protocol (`_serialize_to_tensors`) has no public base class.
+Trackable = tf.__internal__.tracking.Trackable
+# The attribute name under which a variable's value is checkpointed
+# (`<path>/.ATTRIBUTES/VARIABLE_VALUE`). Missing publicly: the constant.
+VARIABLE_VALUE_KEY = importlib.import_module(
+    "tensorflow.python.trackable.base").VARIABLE_VALUE_KEY
+
+
 # --- Graphs (model_parallel/streams.py, placement.py). ------------------------
 
 

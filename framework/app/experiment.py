@@ -164,9 +164,12 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
       strategy, config.strategy)
   if model_parallel.replica_devices:
     config = dataclasses.replace(config, model_parallel=model_parallel)
-    logging.info("data x pipeline: %d copies of a %d-stage pipeline on %s",
-                 len(model_parallel.replica_devices),
-                 model_parallel.num_stages, model_parallel.replica_devices)
+    piece = ("stage pipeline" if model_parallel.mode == "pipeline"
+             else "way tensor split")
+    logging.info("data x %s: %d copies of a %d-%s on %s",
+                 model_parallel.mode, len(model_parallel.replica_devices),
+                 model_parallel.device_count[0], piece,
+                 model_parallel.replica_devices)
   # One writer per model_dir, locked before anything there is touched.
   with RunLock(config.model_dir,
                enabled=strategies.is_chief(strategy)) as lock:
