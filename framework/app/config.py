@@ -19,6 +19,8 @@ from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
 from framework.data.config import (AUGMENTATIONS, INPUT_MODES,
                                    DatasetOptions)
 from framework.distribute.choices import STRATEGIES
+from framework.app import eval_set_specs
+from framework.core.stop_condition import StopCondition, parse_metric
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
 from framework.settings import POSITIVE, all_but, check_settings, setting
@@ -213,6 +215,12 @@ class ExperimentConfig:
       "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
       "the whole slots, so a run resumes with it on or off and on another "
       "replica count.")
+  eval_sets: tuple[str, ...] = setting(
+      (), "More eval sets, evaluated at every evaluation into "
+      "model_dir/eval_<NAME>: NAME:DATASET[:DATA_DIR[:SPLIT]] (SPLIT test or "
+      "train), several separated by commas, e.g. "
+      "test:cifar10:data/cifar10-test; --stop_when, --stop_at_accuracy and "
+      "--best_metric can name them as eval_<NAME>/<metric>.")
 
   def __post_init__(self):
     if not self.model_dir:
@@ -252,11 +260,28 @@ class ExperimentConfig:
           f"shard_optimizer_state=True needs the trainer's data-parallel "
           f"update ({', '.join(SHARDING_STRATEGIES)} without model "
           f"parallelism), not {where}")
+    self._check_eval_splits()
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(
           f"ema_decay and eval_tta are not supported with model_parallel="
           f"{self.model_parallel.mode}")
+
+  def _check_eval_splits(self):
+    """`best_metric` and `stop_when` name eval sets this run has."""
+    loop = self.loop or LoopConfig(train_steps=1)
+    splits = {"eval"} | {f"eval_{spec.name}" for spec in
+                         eval_set_specs.parse_all(self.eval_sets)}
+    named = {"best_metric": loop.best_metric and parse_metric(
+        loop.best_metric)[0], "stop_when": loop.stop_when and
+             StopCondition.parse(loop.stop_when).split}
+    for name, split in named.items():
+      if split and split != "train" and split not in splits:
+        raise ConfigError(
+            f"{name}={getattr(loop, name)!r} names the eval set "
+            f"{split[len('eval_'):]!r}, which this run does not have (its "
+            f"eval splits: {', '.join(sorted(splits))}; add one with "
+            "eval_sets)")
 
 
 def absolute_path(path):
