@@ -130,8 +130,17 @@ def trainer_options(config, strategy):
     options["eval_tta"] = config.eval_tta
   if not config.all_reduce.is_default:
     options["all_reduce"] = config.all_reduce
+  if config.shard_optimizer_state:
+    options["shard_optimizer_state"] = True
   if precision.needs_loss_scale(config.mixed_precision):
     options["loss_scale"] = precision.LossScale(strategy)
+  if config.jit_compile:
+    if config.model_parallel.mode != "none":
+      logging.warning("jit_compile: not supported with model_parallel=%s (a "
+                      "stage's ops run on several devices, an XLA function on "
+                      "one); training without XLA", config.model_parallel.mode)
+    else:
+      options["jit_compile"] = True
   return options
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.app import custom_inputs
+from framework.core import best_checkpoint
 from framework.data import datasets
 from framework.errors import CheckpointError, ConfigError, DataError
 from framework.app.experiment import WEIGHTS_FILE
@@ -46,7 +47,8 @@ def resolve_model(model_dir=None, weights=None, model=None):
   """(model info, weights path) for a run's `model_dir` or a `weights` file.
 
   The architecture comes from model_info.json in `model_dir` (or beside
-  `weights`); `model` overrides its name (and, being named by the user, is
+  `weights`; `weights="best"`: the run's best checkpoint, see
+  `framework.core.best_checkpoint`); `model` overrides its name (and, being named by the user, is
   trusted code: see `export.build_inference_model`), and without any
   model_info.json describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
   """
@@ -55,6 +57,11 @@ def resolve_model(model_dir=None, weights=None, model=None):
                       "weights (a .weights.h5 file)")
   if model_dir and not os.path.isdir(model_dir):
     raise CheckpointError(f"model_dir={model_dir!r} does not exist")
+  if weights == "best":  # the weights evaluation used at the best step
+    if not model_dir:
+      raise ConfigError("weights=best needs model_dir (the run whose best "
+                        "checkpoint to use)")
+    weights = best_checkpoint.resolve(model_dir, "weights")
   if weights is None:
     weights = os.path.join(model_dir, WEIGHTS_FILE)
     if not os.path.isfile(weights):

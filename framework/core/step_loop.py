@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from framework.core import summaries
+from framework.core import summaries, xla
 from framework.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -37,7 +37,8 @@ class StepLoop:
     """`train_step` on every replica's part of `dist_batch`: the per-replica
     outputs, before their SUM (what the loop and the distribution check
     both run)."""
-    return self.strategy.run(self.train_step, args=(dist_batch,))
+    step = getattr(self, "_replica_step", self.train_step)  # XLA or not
+    return self.strategy.run(step, args=(dist_batch,))
 
   def _one_step(self, iterator):
     self._applied_in_trace = False
@@ -89,5 +90,13 @@ class StepLoop:
     self._train_loop.get_concrete_function(iterator, num_steps)
     if self._trace_error:
       raise ConfigError(self._trace_error)
-    return self._train_loop(iterator, num_steps)
+    if not getattr(self, "jit_compile", None):
+      return self._train_loop(iterator, num_steps)
+    try:  # XLA compiles at the first call
+      return self._train_loop(iterator, num_steps)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+      line = xla.compile_error(e)
+      if line is None:
+        raise
+      raise ConfigError(line) from None
 

@@ -42,8 +42,9 @@ class ModelParallelConfig:
       gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
-    replica_devices: data x pipeline: R tuples of `num_stages` devices, one
-      pipeline copy on each (set by `with_strategy`; empty: one pipeline).
+    replica_devices: data x pipeline (x tensor): R tuples of `num_stages`
+      (`num_shards`) devices, one copy of the split on each (set by
+      `with_strategy`; empty: one copy).
   """
   mode: str = setting(
       "none", "pipeline: cut the layers into --num_stages stages on as many "
@@ -114,24 +115,27 @@ class ModelParallelConfig:
   def with_strategy(self, strategy, name):
     """(config, strategy) for a run under `strategy` (flag value `name`).
 
-    A pipeline under a multi-replica local strategy (mirrored) becomes
-    data x pipeline: the strategy's R * num_stages devices are cut into R
-    groups of num_stages consecutive devices (`replica_devices`) and the
-    run uses one replica (the default strategy). Anything else is returned
+    A pipeline (a tensor split) under a multi-replica local strategy
+    (mirrored) becomes data x pipeline (data x tensor): the strategy's
+    R * S devices (S = num_stages or num_shards) are cut into R groups of
+    S consecutive devices (`replica_devices`) and the run uses one replica
+    (the default strategy). Anything else is returned
     as it is (the trainers reject other splits with several replicas).
 
     Raises:
       ConfigError: the device count is not a multiple of num_stages, or
         a strategy other than mirrored, or cluster placement.
     """
-    if self.mode != "pipeline" or strategy.num_replicas_in_sync == 1:
+    if self.mode == "none" or strategy.num_replicas_in_sync == 1:
       return self, strategy
     if self.devices == "cluster":
       raise ConfigError(
           f"model_parallel_devices=cluster with strategy={name} is not "
           "supported; use strategy=default (one pipeline over the workers)")
     from framework.model_parallel.replicas import split_strategy  # pylint: disable=g-import-not-at-top
-    strategy, groups = split_strategy(strategy, self.num_stages, name=name)
+    count, argument = self.device_count
+    strategy, groups = split_strategy(strategy, count, name=name,
+                                      argument=argument)
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
@@ -182,4 +186,6 @@ class ModelParallelConfig:
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
-        input_grads_first=self.input_grads_first, devices=devices)
+        input_grads_first=self.input_grads_first, devices=devices,
+        **({"replica_devices": [list(g) for g in self.replica_devices]}
+           if self.replica_devices else {}))
