@@ -29,7 +29,13 @@ READ_BY_EVERY_CHOICE = {
     "model", "model_dir", "model_options", "model_parallel", "nan_policy",
     "nesterov", "onednn", "optimizer", "profile_steps", "restore", "seed",
     "serial_stages", "steps_per_loop", "stop_at_accuracy", "stop_when",
-    "strategy", "summary_every", "train_steps", "warmup_steps"}
+    "strategy", "summary_every", "train_steps", "warmup_steps",
+    # Read by every choice (a strategy that cannot shard is a config error;
+    # parameter_server warns that it compiles no XLA).
+    "best_metric", "best_min_delta", "best_mode", "early_stopping_patience",
+    "early_stopping_start_step", "eval_sets", "eval_steps",
+    "init_checkpoint", "init_exclude", "init_skip_mismatch", "jit_compile",
+    "restore_best_on_stop", "shard_optimizer_state"}
 
 
 def _unread(*args):
