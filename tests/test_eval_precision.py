@@ -2,11 +2,10 @@
 run's final evaluation comes out again to the last digit."""
 
 import json
-import re
 
 import pytest
 
-from helpers import run_script
+from helpers import final_eval, printed_metrics, run_script
 
 
 @pytest.mark.slow
@@ -16,13 +15,11 @@ def test_evaluate_reproduces_a_bfloat16_runs_final_eval(tmp_path):
                     "--train_steps=30", "--mixed_precision=bfloat16",
                     "--export_saved_model=false", "--model_dir=run",
                     cwd=tmp_path)
-  final = json.loads(re.search(r"final eval: (\{.*\})", proc.stderr)
-                     .group(1).replace("'", '"'))
+  final = final_eval(proc.stderr)
   with open(tmp_path / "run" / "model_info.json") as f:
     assert json.load(f)["mixed_precision"] == "bfloat16"
   out = run_script("evaluate.py", "--model_dir=run", cwd=tmp_path).stdout
-  metrics = {k: float(v) for k, v in
-             re.findall(r"^  (\w+)\s+([\d.]+)$", out, re.M)}
+  metrics = printed_metrics(out)
   # float32 evaluation of the same weights differs in the 3rd-4th digit.
   assert metrics["loss"] == pytest.approx(final["loss"], abs=2e-6)
   assert metrics["accuracy"] == pytest.approx(final["accuracy"], abs=1e-9)

@@ -6,7 +6,7 @@ evaluate.py once `describe_run` recorded it."""
 
 import importlib
 import json
-import re
+
 import sys
 
 import numpy as np
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import framework
 from framework.app import experiment
-from helpers import run_script
+from helpers import final_eval, printed_metrics, run_script
 from PIL import Image
 
 USER_MODULE = '''
@@ -56,12 +56,6 @@ def _tabular(n, seed, weights=np.random.RandomState(7).randn(16, 3)):
   rng = np.random.RandomState(seed)
   x = rng.randn(n, 16).astype(np.float32)
   return x, np.argmax(x @ weights, 1).astype(np.int64)
-
-
-def _metrics(text):
-  """{name: value} of evaluate.py's printed lines."""
-  return {k: float(v) for k, v in re.findall(r"^  (\w+)\s+([\d.]+)$", text,
-                                             re.M)}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +108,7 @@ def test_told_the_data_evaluate_gives_the_runs_own_accuracy(custom_image_run):
                     "--trust_model_code", "--dataset=numpy",
                     f"--data_dir={run['tmp'] / 'own.npz'}",
                     f"--eval_dir={run['tmp'] / 'eval'}")
-  metrics = _metrics(proc.stdout)
+  metrics = printed_metrics(proc.stdout)
   assert metrics["accuracy"] == pytest.approx(run["results"]["accuracy"])
   assert metrics["loss"] == pytest.approx(run["results"]["loss"], rel=1e-4)
 
@@ -151,11 +145,10 @@ def test_16_feature_arrays_train_evaluate_and_predict_from_the_scripts(
                     "--global_batch_size=32", "--train_steps=48",
                     "--export_saved_model=false", "--model_dir=run",
                     cwd=tmp_path)
-  final = json.loads(re.search(r"final eval: (\{.*\})", proc.stderr)
-                     .group(1).replace("'", '"'))
+  final = final_eval(proc.stderr)
   with open(run / "model_info.json") as f:
     assert json.load(f)["input_shape"] == [16]
-  metrics = _metrics(run_script("evaluate.py", "--model_dir=run",
+  metrics = printed_metrics(run_script("evaluate.py", "--model_dir=run",
                                 cwd=tmp_path).stdout)
   assert metrics["accuracy"] == pytest.approx(final["accuracy"])
   assert metrics["loss"] == pytest.approx(final["loss"], rel=1e-5)
@@ -230,7 +223,7 @@ def test_a_controller_run_is_evaluated_by_evaluate_py(tmp_path, user_nets):
   framework.describe_run(model_dir, user_nets.build, dataset="numpy",
                          data_dir=str(tmp_path / "tab.npz"),
                          model_options={"width": 24})
-  metrics = _metrics(run_script("evaluate.py", f"--model_dir={model_dir}",
+  metrics = printed_metrics(run_script("evaluate.py", f"--model_dir={model_dir}",
                                 "--trust_model_code").stdout)
   assert metrics["accuracy"] == pytest.approx(results["accuracy"])
   assert metrics["loss"] == pytest.approx(results["loss"], rel=1e-5)

@@ -29,6 +29,9 @@ SUM = tf.distribute.ReduceOp.SUM
 class StepLoop:
   """`train(iterator, num_steps)` over the trainer's `train_step`."""
 
+  # The replica step compiled with XLA (framework/core/xla.py), if any.
+  _replica_step = None
+
   def _reduce(self, per_replica):
     return {k: self.strategy.reduce(SUM, v, axis=None)
             for k, v in per_replica.items()}
@@ -37,7 +40,7 @@ class StepLoop:
     """`train_step` on every replica's part of `dist_batch`: the per-replica
     outputs, before their SUM (what the loop and the distribution check
     both run)."""
-    step = getattr(self, "_replica_step", self.train_step)  # XLA or not
+    step = self._replica_step or self.train_step  # XLA-compiled or not
     return self.strategy.run(step, args=(dist_batch,))
 
   def _one_step(self, iterator):
