@@ -148,3 +148,32 @@ def test_train_py_warns_in_one_line_and_trains(tmp_path):
                      "--train_steps=4", "--model_dir=runs/w",
                      "--export_saved_model=false", cwd=tmp_path)
   assert "warning: --" not in quiet.stderr
+
+
+@pytest.mark.parametrize("args, unread", [
+    (["--poll_seconds=1"], ["poll_seconds"]),
+    (["--watch", "--poll_seconds=1"], []),
+    (["--watch=True", "--poll_seconds", "1"], []),
+    (["--nowatch", "--poll_seconds=1"], ["poll_seconds"]),
+])
+def test_an_apps_own_table_and_boolean_choices(args, unread):
+  values = flags.FlagValues()
+  flags.DEFINE_bool("watch", False, "", flag_values=values)
+  flags.DEFINE_float("poll_seconds", 5.0, "", flag_values=values)
+  argv = ["evaluate.py", *args]
+  values(argv)
+  table = {"poll_seconds": {"watch": ("true",)}}
+  assert [n for n, _ in config_flags.unread_flags(
+      argv, values, table=table)] == unread
+
+
+@pytest.mark.slow
+def test_evaluate_py_warns_about_its_own_flags(tmp_path):
+  proc = run_script("evaluate.py", "--model_dir=runs/none",
+                    "--timeout_seconds=3", "--tpu=grpc://x:1", check=False,
+                    cwd=tmp_path)
+  assert proc.returncode == 1  # no such run: the warning comes first
+  assert ("evaluate.py: warning: --timeout_seconds is not read by "
+          "--watch=false; --tpu is not read by --strategy=default; they "
+          "have no effect in this run") in proc.stderr.splitlines(), (
+              proc.stderr[-3000:])
