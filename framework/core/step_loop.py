@@ -29,6 +29,10 @@ SUM = tf.distribute.ReduceOp.SUM
 class StepLoop:
   """`train(iterator, num_steps)` over the trainer's `train_step`."""
 
+  # The compiled replica step under jit_compile (framework/core/xla.py).
+  _replica_step = None
+  jit_compile = None
+
   def _reduce(self, per_replica):
     return {k: self.strategy.reduce(SUM, v, axis=None)
             for k, v in per_replica.items()}
@@ -37,7 +41,7 @@ class StepLoop:
     """`train_step` on every replica's part of `dist_batch`: the per-replica
     outputs, before their SUM (what the loop and the distribution check
     both run)."""
-    step = getattr(self, "_replica_step", self.train_step)  # XLA or not
+    step = self._replica_step or self.train_step  # XLA-compiled or not
     return self.strategy.run(step, args=(dist_batch,))
 
   def _one_step(self, iterator):
@@ -90,7 +94,7 @@ class StepLoop:
     self._train_loop.get_concrete_function(iterator, num_steps)
     if self._trace_error:
       raise ConfigError(self._trace_error)
-    if not getattr(self, "jit_compile", None):
+    if not self.jit_compile:
       return self._train_loop(iterator, num_steps)
     try:  # XLA compiles at the first call
       return self._train_loop(iterator, num_steps)
