@@ -30,6 +30,29 @@ def test_optimizer_slots_and_weight_decay():
   assert not _tf_internal.uses_weight_decay(optimizer, bias)
 
 
+def test_optimizer_children_and_a_value_saved_as_a_variable(tmp_path):
+  kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
+  optimizer = keras.optimizers.Adam()
+  optimizer.build([kernel])
+  children = _tf_internal.trackable_children(optimizer)
+  assert {"_variables", "_trainable_variables", "_iterations",
+          "_momentums", "_velocities"} <= set(children)
+  assert list(children["_momentums"])[0] is _tf_internal.adam_slots(
+      optimizer, 0)[0]
+  # Saved under a variable's key: a variable restores it, and back.
+  restored = []
+  saved = _tf_internal.SavedAsVariable(
+      save=lambda: tf.constant([1.0, 2.0]), restore=restored.append)
+  path = tf.train.Checkpoint(v=saved).write(str(tmp_path / "a"))
+  variable = tf.Variable([0.0, 0.0])
+  tf.train.Checkpoint(v=variable).read(path).assert_consumed()
+  assert variable.numpy().tolist() == [1.0, 2.0]
+  path = tf.train.Checkpoint(v=tf.Variable([3.0, 4.0])).write(
+      str(tmp_path / "b"))
+  tf.train.Checkpoint(v=saved).read(path).assert_consumed()
+  assert restored[0].numpy().tolist() == [3.0, 4.0]
+
+
 def test_parameter_server_strategy_counts_its_workers():
   # Set when it connects, which needs a live cluster: checked in source.
   source = inspect.getsource(
