@@ -122,3 +122,19 @@ def test_a_low_precision_run_is_checked_in_float32(compute, cifar_dir,
   # float16's loss scale is part of the distributed logic: still checked.
   assert [t.loss_scale is not None for t in built] == [
       compute == "float16"] * 2
+
+
+def test_the_unet_config_trains_the_same_on_two_replicas(tmp_path,
+                                                         monkeypatch):
+  # Its BatchNorms are synchronised: 2 replicas normalise with the statistics
+  # of the whole batch, as one device does, so the check has nothing to
+  # switch on and warns of nothing about them.
+  config = _config("unet_shapes.cfg", *TINY, *SHRINK["unet_shapes.cfg"],
+                   f"--model_dir={tmp_path}")
+  assert config.model_options["sync_batch_norm"] is True
+  built, report = _check(config, monkeypatch)
+  assert report.verdict == distribution_check.PASS, report.table()
+  assert "batch_norm_unsynchronized" not in report.warning_codes
+  layers = [layer for layer in built[0].model.layers
+            if "batch_normalization" in layer.name]
+  assert layers and all(layer.synchronized for layer in layers)

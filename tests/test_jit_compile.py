@@ -114,3 +114,16 @@ def test_the_step_is_compiled_an_op_xla_lacks_is_one_line(data, where):
   assert str(raised.value).startswith("jit_compile: ")
   assert "PyFunc" in str(raised.value)
   assert "\n" not in str(raised.value)
+
+
+def test_the_flag_reaches_the_trainer(tmp_path):
+  from framework.app import experiment  # pylint: disable=g-import-not-at-top
+  seen = {}
+  config = framework.ExperimentConfig(
+      model="mlp", dataset="synthetic", model_dir=str(tmp_path / "run"),
+      global_batch_size=32, train_steps=2, jit_compile=True,
+      model_options={"hidden_units": (8,)}, export_saved_model=False,
+      loop=framework.LoopConfig(train_steps=2, steps_per_loop=2))
+  results = experiment.run(config, prepare_controller=lambda c: seen.update(
+      mode=c.trainer.jit_compile))
+  assert seen["mode"] == xla.STEP and results["examples"] > 0

@@ -29,8 +29,9 @@ SUM = tf.distribute.ReduceOp.SUM
 class StepLoop:
   """`train(iterator, num_steps)` over the trainer's `train_step`."""
 
-  # The replica step compiled with XLA (framework/core/xla.py), if any.
+  # The compiled replica step under jit_compile (framework/core/xla.py).
   _replica_step = None
+  jit_compile = None
 
   def _reduce(self, per_replica):
     return {k: self.strategy.reduce(SUM, v, axis=None)
@@ -93,7 +94,7 @@ class StepLoop:
     self._train_loop.get_concrete_function(iterator, num_steps)
     if self._trace_error:
       raise ConfigError(self._trace_error)
-    if not getattr(self, "jit_compile", None):
+    if not self.jit_compile:
       return self._train_loop(iterator, num_steps)
     try:  # XLA compiles at the first call
       return self._train_loop(iterator, num_steps)

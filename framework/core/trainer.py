@@ -201,9 +201,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self._applied_in_trace = False
     self._trace_error = None
     # What XLA compiles (framework/core/xla.py): the replica step or its
-    # forward and backward; `distributed_train_step` runs `_replica_step`.
+    # forward and backward; `distributed_train_step` runs `_replica_step`
+    # when set.
     self.jit_compile = xla.jit_mode(jit_compile, strategy)
-    self._replica_step = self.train_step
+    self._replica_step = None  # None: `train_step` as it is at each trace
     if self.jit_compile == xla.STEP:
       self._replica_step = xla.compiled_step(self)
     elif self.jit_compile == xla.GRADIENTS:
