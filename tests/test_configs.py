@@ -298,7 +298,11 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "loop.early_stopping_patience": None,
                 "loop.early_stopping_start_step": 0,
                 "loop.restore_best_on_stop": False, "loop.eval_steps": None,
-                "eval_sets": {"tuple": []}}
+                "eval_sets": {"tuple": []},
+                # Warm start, XLA, optimizer-state sharding.
+                "init_checkpoint": None, "init_exclude": None,
+                "init_skip_mismatch": False, "jit_compile": False,
+                "shard_optimizer_state": False}
 
 
 def _flat(value, prefix=""):

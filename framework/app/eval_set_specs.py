@@ -19,7 +19,7 @@ import dataclasses
 import os
 import re
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, DistloopError
 
 SPLITS = ("test", "train")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -84,8 +84,13 @@ def eval_inputs(config, strategy, dataset, eval_input=None):
   found = {"eval": eval_input or (lambda: _distributed(
       eval_sets, inputs, strategy, dataset, batch, "test", steps))}
   for spec in parse_all(config.eval_sets):
-    other = datasets.load_dataset(spec.dataset, spec.data_dir,
-                                  seed=config.seed, **config.dataset_options)
+    try:
+      other = datasets.load_dataset(spec.dataset, spec.data_dir,
+                                    seed=config.seed,
+                                    **config.dataset_options)
+    except DistloopError as e:
+      # Which flag named the data: the main dataset loaded fine.
+      raise type(e)(f"eval_sets={spec.name}:{spec.dataset}: {e}") from None
     _check_fits(spec, other, dataset)
     found[spec.name] = (lambda other=other, spec=spec: _distributed(
         eval_sets, inputs, strategy, other, batch, spec.split, steps))

@@ -217,8 +217,10 @@ class OptimizerConfig:
   name: str = setting("adam", "Optimizer.", flag="optimizer",
                       choices=OPTIMIZERS, key=True)
   learning_rate: float = setting(1e-3, "Peak learning rate.", key=True)
-  momentum: float = setting(0.9, "Momentum for --optimizer=momentum.")
-  weight_decay: float = setting(1e-4, "Decoupled weight decay (adamw).")
+  momentum: float = setting(0.9, "Momentum for --optimizer=momentum.",
+                            read_by={"optimizer": ("momentum",)})
+  weight_decay: float = setting(1e-4, "Decoupled weight decay (adamw).",
+                                read_by={"optimizer": ("adamw",)})
   schedule: str = setting(
       "constant", "Learning-rate schedule after warm-up. linear: straight "
       "down to --lr_min_ratio x peak at the last step; onecycle: linear "
@@ -229,12 +231,15 @@ class OptimizerConfig:
   total_steps: int = setting(0, flag=False)
   step_boundaries: tuple[int, ...] = setting(
       (), "Steps where --lr_schedule=step multiplies the rate by "
-      "--lr_step_decay.", flag="lr_step_boundaries")
+      "--lr_step_decay.", flag="lr_step_boundaries",
+      read_by={"lr_schedule": ("step",)})
   step_decay: float = setting(0.1, "Factor at each step boundary.",
-                              flag="lr_step_decay")
+                              flag="lr_step_decay",
+                              read_by={"lr_schedule": ("step",)})
   min_lr_ratio: float = setting(
       0.0, "cosine, linear, onecycle: final learning rate as a fraction of "
-      "the peak.", flag="lr_min_ratio")
+      "the peak.", flag="lr_min_ratio",
+      read_by={"lr_schedule": DECAYING_SCHEDULES})
   nesterov: bool = setting(False, "Nesterov momentum for "
                            "--optimizer=momentum.")
   lr_scaling: str = setting(
@@ -243,7 +248,8 @@ class OptimizerConfig:
       choices=LR_SCALINGS)
   base_batch_size: int = setting(
       256, "The global batch --learning_rate is given for (with "
-      "--lr_scaling).", flag="lr_base_batch_size", minimum=POSITIVE)
+      "--lr_scaling).", flag="lr_base_batch_size", minimum=POSITIVE,
+      read_by={"lr_scaling": ("linear", "sqrt")})
 
   def __post_init__(self):
     check_settings(self)

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.data import integrity
+from framework.data import integrity, preprocessing
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core import run_state
@@ -241,6 +241,7 @@ class Controller:
     self.model_dir = model_dir
     self.train_input = train_input
     self.eval_input = eval_input
+    self._said_scaled = False
     self.hparams = hparams or {}
     chief = strategies.is_chief(trainer.strategy)
     # Dropout's random state too, so that a resumed run draws the same masks.
@@ -250,7 +251,8 @@ class Controller:
     if rng_states:
       items["rng_states"] = rng_states
     self.checkpoint = tf.train.Checkpoint(
-        model=trainer.model, optimizer=trainer.optimizer,
+        model=trainer.model,
+        optimizer=protocols.checkpointed_optimizer(trainer),
         global_step=trainer.global_step, **items)
     self.checkpoints = CheckpointManager(
         self.checkpoint, model_dir, trainer.strategy,
@@ -433,7 +435,19 @@ class Controller:
       for fn in self.on_train_end:
         fn(step)
       return self.last_eval
-    if record is not None and self._chief:
+    if run_state.continues_past_target(record, step, c.stop_at_accuracy):
+      # More steps for a run that met its target: train them, keep the
+      # first time to target (the record stays as it is).
+      self.measure_target = False
+      logging.info(
+          "accuracy %.4f reached stop_at_accuracy=%.4f at step %d "
+          "(time_to_target_seconds=%.1f, kept in %s); training on to step "
+          "%d without stopping at that target again (a higher "
+          "stop_at_accuracy is a new target)", record["accuracy"],
+          c.stop_at_accuracy, int(record["step"]),
+          float(record.get("time_to_target_seconds", float("nan"))),
+          run_state.TARGET_FILE, c.train_steps)
+    elif record is not None and self._chief:
       run_state.forget_target(self.model_dir)  # it trains on from here
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,
@@ -467,7 +481,8 @@ class Controller:
       results = self.evaluate()
     self._record_target(step)
     condition = c.stop_condition()
-    if condition is not None and self.time_to_target is None:
+    if (condition is not None and self.time_to_target is None
+        and self.measure_target):
       logging.info("target %s not reached in %d steps",
                    f"accuracy {c.stop_at_accuracy:.4f}"
                    if c.stop_when is None else condition, step)
@@ -506,7 +521,15 @@ class Controller:
 
   def _distribute(self, data):
     """The trainer's `distribute_dataset` if it has one (a parameter-server
-    coordinator evaluates plain datasets itself), else the strategy's."""
+    coordinator evaluates plain datasets itself), else the strategy's;
+    uint8 features scaled first (`framework.data.preprocessing`)."""
+    if preprocessing.has_uint8_features(data.element_spec):
+      if not self._said_scaled:
+        logging.info("the input gives uint8 features: scaled to float32 in "
+                     "[0, 1] before the model (the preprocessing contract, "
+                     "as for the built-in datasets)")
+        self._said_scaled = True
+      data = preprocessing.scale_dataset(data)
     if isinstance(self.trainer, protocols.DatasetDistributing):
       return self.trainer.distribute_dataset(data)
     return self.trainer.strategy.experimental_distribute_dataset(data)
@@ -567,12 +590,25 @@ class Controller:
     c = self.config
     last_saved = start_step = step
     start_time = time.time()
+    first = True
     while step < c.train_steps:
       num_steps = self._steps_to_next_event(step)
       self.profiler.maybe_start(step)
+      if first:
+        # Nothing else prints while the step function is traced.
+        logging.info(
+            "training steps %d..%d (the ETA counts to step %d%s); the first "
+            "loop (%d steps) includes tracing the train step", step + 1,
+            c.train_steps, c.train_steps,
+            "" if c.stop_condition() is None else
+            ", train_steps: the stop condition may end the run earlier",
+            num_steps)
       loop_start = time.time()
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
+      if first:
+        logging.info("first loop done in %.1f s (tracing included)", elapsed)
+        first = False
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
       watched = protocols.watched_metrics(metrics)
@@ -585,13 +621,13 @@ class Controller:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: %s%s ETA %s%s", step, c.train_steps,
+            "train step %d/%d: %s%s ETA %s %s%s", step, c.train_steps,
             " ".join(f"{k}={v:.4f}" for k, v in
                      sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
             (f" examples/s={outputs['examples_per_second']:.1f}"
              if "examples_per_second" in outputs else
              f" steps/s={outputs['steps_per_second']:.2f}"),
-            _format_seconds(eta),
+            _format_seconds(eta), f"to step {c.train_steps}",
             f" skipped_steps={int(outputs['skipped_steps'])}"
             if "skipped_steps" in outputs else "")
       for action in self.train_actions:

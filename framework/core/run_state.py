@@ -82,6 +82,14 @@ def finished_at_target(record, step, train_steps, stop_at_accuracy):
           and stop_at_accuracy <= float(record["accuracy"]))
 
 
+def continues_past_target(record, step, stop_at_accuracy):
+  """Whether a run restored at `step` goes on past a target it already met
+  (the same or a lower `stop_at_accuracy`), with more steps to train."""
+  return (record is not None and stop_at_accuracy is not None
+          and step >= int(record["step"])
+          and stop_at_accuracy <= float(record["accuracy"]))
+
+
 def record_early_stop(model_dir, *, step, reason, best_metric, patience,
                       train_steps, metrics):
   """Writes the early-stopping record (the chief, after the checkpoint at
