@@ -62,6 +62,7 @@ def run(tmp_path_factory):
   return model_dir, results
 
 
+@pytest.mark.slow
 def test_best_json_names_the_peak_and_the_run_stops_after_its_patience(run):
   model_dir, results = run
   accuracy = _scalars(model_dir / "eval", "accuracy")
@@ -89,6 +90,7 @@ def test_best_json_names_the_peak_and_the_run_stops_after_its_patience(run):
   assert tf.train.latest_checkpoint(str(model_dir)).endswith(f"ckpt-{last}")
 
 
+@pytest.mark.slow
 def test_the_best_checkpoint_evaluates_to_the_peak(run):
   model_dir, _ = run
   best = _best(model_dir)
@@ -101,6 +103,7 @@ def test_the_best_checkpoint_evaluates_to_the_peak(run):
                                                  rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_relaunch_trains_nothing_and_says_why(run, caplog):
   model_dir, results = run
   before = sorted(os.listdir(model_dir))
@@ -160,6 +163,7 @@ def _h5_weights(path):
   return found
 
 
+@pytest.mark.slow
 def test_mirrored_with_an_ema_restores_the_averaged_best_on_stop(tmp_path):
   model_dir = tmp_path / "run"
   config = dataclasses.replace(
@@ -237,7 +241,11 @@ def test_kill_9_during_a_best_export_keeps_the_previous_best(
   with open(os.path.join(folder, "best.json")) as f:
     assert json.load(f)["step"] == first
   assert checkpointing.damage(os.path.join(folder, "ckpt")) is None
-  # The relaunch puts it back, cleans up and ends as the uninterrupted run.
+  # What the next run does first: the previous best back in place.
+  best_checkpoint.recover(str(model_dir))
+  assert _best(model_dir)["step"] == first
+  assert not [n for n in os.listdir(model_dir) if n.startswith(".tmp_best")]
+  # The relaunch ends as the uninterrupted run.
   experiment.run(_config(model_dir))
   assert _best(model_dir)["step"] == _best(run[0])["step"]
   assert _best(model_dir)["value"] == pytest.approx(_best(run[0])["value"])

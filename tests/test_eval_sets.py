@@ -31,6 +31,7 @@ def _mae(model, x, y):
   return float(np.mean(np.abs(model(x, training=False).numpy()[:, 0] - y)))
 
 
+@pytest.mark.slow
 def test_two_eval_sets_are_each_exact_on_two_replicas(tmp_path):
   x, y = _rows(13, 1)  # batches of 8: the last one holds 5 rows
   test = tf.data.Dataset.from_tensor_slices((x, y))
@@ -56,6 +57,7 @@ def test_two_eval_sets_are_each_exact_on_two_replicas(tmp_path):
       found["eval_test"]["mae"])
 
 
+@pytest.mark.slow
 def test_stop_when_on_the_second_set_stops_the_run(tmp_path):
   x, y = _rows(13, 1)
   made = make_controller(tmp_path / "unused", 40)
@@ -78,6 +80,7 @@ def test_stop_when_on_the_second_set_stops_the_run(tmp_path):
     make_controller(tmp_path / "c", 4, eval_inputs={"a b": _data})
 
 
+@pytest.mark.slow
 def test_eval_steps_evaluates_the_first_batches_and_says_so(tmp_path, caplog):
   controller = make_controller(tmp_path, 4)
   controller.config = dataclasses.replace(controller.config, eval_steps=2)
@@ -106,6 +109,7 @@ def _config(model_dir, **loop):
                       summary_every=0, log_every=0, **loop))
 
 
+@pytest.mark.slow
 def test_eval_sets_from_the_config_with_best_metric_and_stop_when(tmp_path):
   # 2048 training examples in batches of 48 on 2 replicas: padded.
   results = experiment.run(_config(
@@ -140,7 +144,7 @@ def test_eval_set_specs_parse():
     ("--eval_sets=eval:synthetic", "not eval or standalone"),
     ("--eval_sets=a:synthetic::valid", "split 'valid'"),
     ("--eval_sets=a:synthetic,a:synthetic", "names 'a' twice"),
-    ("--eval_sets=a:cifar10:/nonexistent", "cifar10"),
+    ("--eval_sets=a:cifar10:/nonexistent", "data_dir='/nonexistent'"),
     ("--eval_steps=-1", "eval_steps=-1"),
     ("--stop_when=eval_a/accuracy>0.5", "eval set 'a'"),
 ])

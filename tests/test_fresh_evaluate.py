@@ -12,6 +12,7 @@ import framework
 from test_controller import eval_input, make_controller, scalars
 
 
+@pytest.mark.slow
 def test_a_fresh_controller_without_a_checkpoint_evaluates_its_weights(
     tmp_path):
   controller = make_controller(tmp_path, 12)
@@ -39,6 +40,7 @@ def test_a_fresh_controller_without_a_checkpoint_evaluates_its_weights(
   assert np.isfinite(again["loss"])
 
 
+@pytest.mark.slow
 def test_steps_per_loop_may_be_a_function_of_the_global_step(tmp_path):
   controller = make_controller(tmp_path, 10)
   controller.config = dataclasses.replace(
