@@ -107,6 +107,18 @@ def per_replica(values):
   return _distribute_module("values").PerReplica(tuple(values))
 
 
+# --- Checkpoints (model_parallel/parallel_layers.py). ------------------------
+
+# The base class of objects a tf.train.Checkpoint saves, for a weight kept as
+# shards that saves itself as slices of one tensor. Missing publicly: the
+# Trackable protocol (`_serialize_to_tensors`) has no public base class.
+Trackable = tf.__internal__.tracking.Trackable
+# The attribute name under which a variable's value is checkpointed
+# (`<path>/.ATTRIBUTES/VARIABLE_VALUE`). Missing publicly: the constant.
+VARIABLE_VALUE_KEY = importlib.import_module(
+    "tensorflow.python.trackable.base").VARIABLE_VALUE_KEY
+
+
 # --- Graphs (model_parallel/streams.py, placement.py). ------------------------
 
 
@@ -243,3 +255,18 @@ def configure_coordination_service(spec, jobs, heartbeat_timeout_ms):
       service_leader=multi_worker_util.coordination_leader(spec),
       heartbeat_timeout_in_ms=heartbeat_timeout_ms,
       coordinated_jobs=coordinated)
+
+
+# --- Checkpoint object graphs (core/warm_start.py). ---------------------------
+
+
+def checkpoint_object_graph(reader):
+  """The `TrackableObjectGraph` proto of the TF2 checkpoint `reader` reads
+  (`tf.train.load_checkpoint`). Missing publicly: which object path (e.g.
+  model/_functional/_operations/2/_kernel) a key belongs to; a checkpoint
+  keys a variable by its first path from the root, which is often the
+  optimizer's list, not the model's."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return graph

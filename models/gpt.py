@@ -9,6 +9,12 @@ The pieces are small layers (`CausalSelfAttention`, `MLP`, `Block`,
 `split_heads`, `merge_heads`), so that a tensor-parallel version can hold
 a slice of each weight (heads of Q/K/V, columns then rows of the MLP) and
 run the same math on it. Logits at position t depend on tokens 0..t only.
+
+Split (`devices=`, see `models/gpt_parallel.py`), the same layers hold
+Megatron-style parallel sublayers instead (`framework.model_parallel.
+parallel_layers`): Q/K/V and the MLP's first Dense cut by columns (heads),
+the attention output and the MLP's second Dense by rows, and their
+`split_call` runs one shard per device with one all-reduce per sub-layer.
 """
 
 import math
@@ -17,6 +23,7 @@ import keras
 from keras import ops
 
 from framework.errors import ConfigError
+from framework.model_parallel import parallel_layers, parallel_ops
 from models.registry import register
 
 
@@ -58,13 +65,23 @@ class CausalSelfAttention(keras.layers.Layer):
   of each head, one output projection. Q/K/V are separate Dense layers so
   that a split by heads is a split of their columns."""
 
-  def __init__(self, width, num_heads, **kwargs):
+  def __init__(self, width, num_heads, devices=None, **kwargs):
     super().__init__(**kwargs)
     if width % num_heads:
       raise ConfigError(f"gpt model_width={width} is not divisible by "
                         f"num_heads={num_heads}; use a multiple of it")
     self.width = width
     self.num_heads = num_heads
+    self.devices = tuple(devices or ())
+    if self.devices:
+      parallel_layers.check_divides(len(self.devices), num_heads=num_heads)
+      column = lambda name: parallel_layers.ColumnParallelLinear(
+          width, self.devices, name=name)
+      self.query, self.key, self.value = map(column, ("query", "key",
+                                                      "value"))
+      self.out = parallel_layers.RowParallelLinear(width, self.devices,
+                                                   name="out")
+      return
     self.query = keras.layers.Dense(width, name="query", dtype=self.dtype_policy)
     self.key = keras.layers.Dense(width, name="key", dtype=self.dtype_policy)
     self.value = keras.layers.Dense(width, name="value", dtype=self.dtype_policy)
@@ -80,6 +97,13 @@ class CausalSelfAttention(keras.layers.Layer):
                for layer in (self.query, self.key, self.value))
     return self.out(merge_heads(causal_attention(q, k, v)))
 
+  def shard(self, d, x):
+    """Split: shard d's heads, up to its partial output projection."""
+    heads = self.num_heads // len(self.devices)
+    q, k, v = (split_heads(layer.shard(d, x), heads)
+               for layer in (self.query, self.key, self.value))
+    return self.out.partial(d, merge_heads(causal_attention(q, k, v)))
+
   def get_config(self):
     return {**super().get_config(), "width": self.width,
             "num_heads": self.num_heads}
@@ -89,10 +113,17 @@ class MLP(keras.layers.Layer):
   """Dense(hidden, GELU) then Dense(width): column- then row-parallel
   under a tensor split."""
 
-  def __init__(self, width, hidden, **kwargs):
+  def __init__(self, width, hidden, devices=None, **kwargs):
     super().__init__(**kwargs)
     self.width = width
     self.hidden = hidden
+    self.devices = tuple(devices or ())
+    if self.devices:
+      self.fc = parallel_layers.ColumnParallelLinear(
+          hidden, self.devices, activation="gelu", name="fc")
+      self.proj = parallel_layers.RowParallelLinear(width, self.devices,
+                                                    name="proj")
+      return
     self.fc = keras.layers.Dense(hidden, activation="gelu", name="fc",
                                  dtype=self.dtype_policy)
     self.proj = keras.layers.Dense(width, name="proj", dtype=self.dtype_policy)
@@ -104,6 +135,10 @@ class MLP(keras.layers.Layer):
   def call(self, x):
     return self.proj(self.fc(x))
 
+  def shard(self, d, x):
+    """Split: shard d's hidden units, up to its partial product."""
+    return self.proj.partial(d, self.fc.shard(d, x))
+
   def get_config(self):
     return {**super().get_config(), "width": self.width,
             "hidden": self.hidden}
@@ -112,25 +147,43 @@ class MLP(keras.layers.Layer):
 class Block(keras.layers.Layer):
   """A pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-  def __init__(self, width, num_heads, hidden, **kwargs):
+  def __init__(self, width, num_heads, hidden, devices=None, **kwargs):
     super().__init__(**kwargs)
     self.width, self.num_heads, self.hidden = width, num_heads, hidden
+    self.devices = tuple(devices or ())
     policy = self.dtype_policy
     self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln1",
                                                dtype=policy)
-    self.attention = CausalSelfAttention(width, num_heads, name="attention",
-                                         dtype=policy)
+    self.attention = CausalSelfAttention(width, num_heads, devices,
+                                         name="attention", dtype=policy)
     self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln2",
                                                dtype=policy)
-    self.mlp = MLP(width, hidden, name="mlp", dtype=policy)
+    self.mlp = MLP(width, hidden, devices, name="mlp", dtype=policy)
 
   def build(self, input_shape):
     for layer in (self.ln1, self.attention, self.ln2, self.mlp):
-      layer.build(input_shape)
+      # Split: the layer norms (replicated) live on the first device.
+      with parallel_ops.maybe_device(self.devices[:1]):
+        layer.build(input_shape)
 
   def call(self, x):
     x = x + self.attention(self.ln1(x))
     return x + self.mlp(self.ln2(x))
+
+  def split_call(self, xs):
+    """Split: `xs` one copy of the residual stream per device (equal
+    values); each sub-layer's shards, one all-reduce, the residual add."""
+    for norm, layer, output in ((self.ln1, self.attention, self.attention.out),
+                                (self.ln2, self.mlp, self.mlp.proj)):
+      partials = [parallel_ops.on_device(
+          device, lambda x, d=d, norm=norm, layer=layer: layer.shard(
+              d, norm(x)), x) for d, (device, x) in enumerate(
+                  zip(self.devices, xs))]
+      sums = parallel_ops.all_reduce(partials, self.devices)
+      xs = [parallel_ops.on_device(
+          device, lambda x, s, output=output: x + output.add_bias(s), x, s)
+            for device, x, s in zip(self.devices, xs, sums)]
+    return xs
 
   def get_config(self):
     return {**super().get_config(), "width": self.width,

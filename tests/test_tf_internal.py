@@ -222,3 +222,14 @@ def test_preemption_handler_has_its_peer_watcher_stop():
   source = inspect.getsource(
       tf.distribute.experimental.PreemptionCheckpointHandler)
   assert "def _stop_cluster_wise_termination_watcher_thread" in source
+
+
+def test_checkpoint_object_graph_names_each_value(tmp_path):
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+  graph = _tf_internal.checkpoint_object_graph(tf.train.load_checkpoint(
+      prefix))
+  keys = {a.checkpoint_key for node in graph.nodes for a in node.attributes
+          if a.name == "VARIABLE_VALUE"}
+  assert keys == {name for name, _ in tf.train.list_variables(prefix)
+                  if name.endswith("VARIABLE_VALUE")}

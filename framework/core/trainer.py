@@ -42,7 +42,7 @@ import tensorflow as tf
 from absl import logging
 
 from framework.core import optimizer_sharding
-from framework.core import tta
+from framework.core import tta, xla
 from framework.core.config import NAN_POLICIES
 from framework.core.ema import WeightAverage
 from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
@@ -115,6 +115,9 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       `none` or `flip` (mean logits of each image and its mirror).
     all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
       implementation, wire dtype of the gradient all-reduce); None: defaults.
+    jit_compile: compile the replica step with XLA where TensorFlow can
+      (`framework.core.xla`: the whole step on one replica, each replica's
+      forward and backward pass under several; a warning where it cannot).
     shard_optimizer_state: each replica keeps and updates 1/N of the
       optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1);
       mirrored and multi-worker mirrored strategies, SGD/Adam/AdamW. With
@@ -131,6 +134,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                fused_updates: bool = True, max_skipped_steps: int = 10,
                ema_decay: float | None = None, ema_warmup: bool = False,
                eval_tta: str = "none", all_reduce: Any = None,
+               jit_compile: bool = False,
                shard_optimizer_state: bool = False) -> None:
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
@@ -196,6 +200,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
     self._trace_error = None
+    # What XLA compiles (framework/core/xla.py): the replica step or its
+    # forward and backward; `distributed_train_step` runs `_replica_step`.
+    self.jit_compile = xla.jit_mode(jit_compile, strategy)
+    self._replica_step = self.train_step
+    if self.jit_compile == xla.STEP:
+      self._replica_step = xla.compiled_step(self)
+    elif self.jit_compile == xla.GRADIENTS:
+      self.compute_gradients = xla.compiled(self.compute_gradients)
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)

@@ -11,6 +11,11 @@ from framework.settings import POSITIVE, check_settings, setting
 # ModelParallelConfig before TensorFlow loads): the trainers and devices are
 # imported where they are used.
 
+# What only a split model reads (`setting(read_by=...)`).
+_SPLIT = {"model_parallel": ("pipeline", "tensor")}
+_PIPELINE = {"model_parallel": ("pipeline",)}
+_TENSOR = {"model_parallel": ("tensor",)}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelParallelConfig:
@@ -37,36 +42,38 @@ class ModelParallelConfig:
       gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
-    replica_devices: data x pipeline: R tuples of `num_stages` devices, one
-      pipeline copy on each (set by `with_strategy`; empty: one pipeline).
+    replica_devices: data x pipeline (x tensor): R tuples of `num_stages`
+      (`num_shards`) devices, one copy of the split on each (set by
+      `with_strategy`; empty: one copy).
   """
   mode: str = setting(
       "none", "pipeline: cut the layers into --num_stages stages on as many "
       "devices; tensor: split one hidden Dense layer's units across "
       "--num_shards devices.", flag="model_parallel", choices=MODES)
   num_stages: int = setting(2, "Pipeline stages (devices).",
-                            minimum=POSITIVE)
+                            minimum=POSITIVE, read_by=_PIPELINE)
   num_microbatches: int = setting(
       1, "Micro-batches per global batch (GPipe schedule); must divide "
-      "--global_batch_size.", minimum=POSITIVE)
+      "--global_batch_size.", minimum=POSITIVE, read_by=_SPLIT)
   stage_boundaries: tuple[int | str, ...] = setting(
       (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
       "names (a name starts a stage); default: balanced by "
-      "--stage_balance.")
+      "--stage_balance.", read_by=_PIPELINE)
   num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
-                            "are split across.", minimum=POSITIVE)
+                            "are split across.", minimum=POSITIVE,
+                            read_by=_TENSOR)
   split_layer: int | None = setting(
       None, "Tensor parallel: index of the Dense layer to split (default: "
-      "the last Dense followed by a Dense).")
+      "the last Dense followed by a Dense).", read_by=_TENSOR)
   devices: str = setting(
       "local", "local: this process's GPUs or --cpu_devices; cluster: "
       "stage/shard i on TF_CONFIG's worker i, the chief runs the loop "
       "(scripts/launch.py --workers=N adds the chief).",
-      flag="model_parallel_devices", choices=PLACEMENTS)
+      flag="model_parallel_devices", choices=PLACEMENTS, read_by=_SPLIT)
   recompute: bool = setting(
       False, "Model parallel: keep only each stage's inputs per micro-batch "
       "and recompute its forward pass in the backward pass (less "
-      "activation memory, one more forward pass per step).")
+      "activation memory, one more forward pass per step).", read_by=_SPLIT)
   serial_stages: bool = setting(
       False, "Model parallel: each stage device runs its ops one at a time, "
       "in program order, as a GPU stream does (logical CPU devices "
@@ -76,11 +83,11 @@ class ModelParallelConfig:
       True, "Model parallel, with --serial_stages: each stage computes the "
       "input gradient it sends back before its weight gradients (B before "
       "W, as zero-bubble pipelines do: a smaller bubble); false: the "
-      "backward pass in creation order.")
+      "backward pass in creation order.", read_by=_SPLIT)
   stage_balance: str = setting(
       "flops", "Pipeline cut points without --stage_boundaries: equal "
       "forward+backward conv/matmul FLOPs per stage, or equal parameter "
-      "counts.", choices=BALANCES)
+      "counts.", choices=BALANCES, read_by=_PIPELINE)
   replica_devices: tuple = setting((), flag=False)  # set by with_strategy
 
   def __post_init__(self):
@@ -108,24 +115,27 @@ class ModelParallelConfig:
   def with_strategy(self, strategy, name):
     """(config, strategy) for a run under `strategy` (flag value `name`).
 
-    A pipeline under a multi-replica local strategy (mirrored) becomes
-    data x pipeline: the strategy's R * num_stages devices are cut into R
-    groups of num_stages consecutive devices (`replica_devices`) and the
-    run uses one replica (the default strategy). Anything else is returned
+    A pipeline (a tensor split) under a multi-replica local strategy
+    (mirrored) becomes data x pipeline (data x tensor): the strategy's
+    R * S devices (S = num_stages or num_shards) are cut into R groups of
+    S consecutive devices (`replica_devices`) and the run uses one replica
+    (the default strategy). Anything else is returned
     as it is (the trainers reject other splits with several replicas).
 
     Raises:
       ConfigError: the device count is not a multiple of num_stages, or
         a strategy other than mirrored, or cluster placement.
     """
-    if self.mode != "pipeline" or strategy.num_replicas_in_sync == 1:
+    if self.mode == "none" or strategy.num_replicas_in_sync == 1:
       return self, strategy
     if self.devices == "cluster":
       raise ConfigError(
           f"model_parallel_devices=cluster with strategy={name} is not "
           "supported; use strategy=default (one pipeline over the workers)")
     from framework.model_parallel.replicas import split_strategy  # pylint: disable=g-import-not-at-top
-    strategy, groups = split_strategy(strategy, self.num_stages, name=name)
+    count, argument = self.device_count
+    strategy, groups = split_strategy(strategy, count, name=name,
+                                      argument=argument)
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
@@ -176,4 +186,6 @@ class ModelParallelConfig:
         trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
-        input_grads_first=self.input_grads_first, devices=devices)
+        input_grads_first=self.input_grads_first, devices=devices,
+        **({"replica_devices": [list(g) for g in self.replica_devices]}
+           if self.replica_devices else {}))

@@ -26,23 +26,28 @@ from framework.model_parallel.devices import short_device
 SUM = tf.distribute.ReduceOp.SUM
 
 
-def replica_groups(devices, num_stages, *, strategy="mirrored"):
+def replica_groups(devices, num_stages, *, strategy="mirrored",
+                   name="num_stages"):
   """`devices` (R*S of them) cut into R lists of S consecutive devices.
 
+  Args:
+    name: the argument S came from (`num_shards` for data x tensor).
   Raises:
     ConfigError: the device count is not a multiple of `num_stages`.
   """
   devices = [short_device(d) for d in devices]
+  split = "pipeline" if name == "num_stages" else "tensor"
   if len(devices) % num_stages:
     raise ConfigError(
         f"strategy={strategy} has {len(devices)} devices, not a multiple of "
-        f"num_stages={num_stages}: data x pipeline needs R * num_stages "
+        f"{name}={num_stages}: data x {split} needs R * {name} "
         f"devices (e.g. --cpu_devices={2 * num_stages} for 2 copies)")
   return [devices[r:r + num_stages]
           for r in range(0, len(devices), num_stages)]
 
 
-def split_strategy(strategy, num_stages, *, name="mirrored"):
+def split_strategy(strategy, num_stages, *, name="mirrored",
+                   argument="num_stages"):
   """(one-replica strategy, R device groups) for a pipeline under `strategy`.
 
   A one-replica strategy is returned as it is, with no groups (None): the
@@ -55,12 +60,13 @@ def split_strategy(strategy, num_stages, *, name="mirrored"):
   if strategy.num_replicas_in_sync == 1:
     return strategy, None
   if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    split = "pipeline" if argument == "num_stages" else "tensor"
     raise ConfigError(
-        f"model_parallel=pipeline with strategy={name} is not supported; "
-        "use strategy=mirrored (R copies of the pipeline on R * num_stages "
+        f"model_parallel={split} with strategy={name} is not supported; "
+        f"use strategy=mirrored (R copies of the split on R * {argument} "
         "local devices) or strategy=default")
   groups = replica_groups(strategy.extended.worker_devices, num_stages,
-                          strategy=name)
+                          strategy=name, name=argument)
   return tf.distribute.get_strategy(), groups
 
 

@@ -18,9 +18,12 @@ import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
+from framework.model_parallel.parallel_layers import split_for
 from framework.model_parallel.pipeline import model_layers
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import ParallelStage, Stage
+from framework.model_parallel.transformer_split import (sharded_correct,
+                                                        split_setup)
 
 
 class BiasActivation(keras.layers.Layer):
@@ -237,7 +240,9 @@ def merge_dense_pair(placed, model, index):
 
 
 class TensorParallelTrainer(StagedTrainer):
-  """Trains a Sequential model with one hidden Dense split across devices.
+  """Trains a Sequential model with one hidden Dense split across devices,
+  or a whole transformer (a model with a registered split, e.g. `gpt`:
+  every block, the embedding and the head; see `transformer_split`).
 
   Args:
     model: a built `keras.Sequential`; copied into a `TensorParallelModel`
@@ -248,11 +253,33 @@ class TensorParallelTrainer(StagedTrainer):
       followed directly by a Dense. Default: the last such layer.
     num_microbatches: optional micro-batching (as in the pipeline).
     devices: D device names; default `/GPU:0..` or `/CPU:0..`.
+    replica_devices: data x tensor (transformer splits only): R lists of D
+      devices, one copy of the split on each.
     **kwargs: `Trainer` arguments.
   """
 
   def __init__(self, model, optimizer, strategy, *, num_shards=2,
-               split_layer=None, num_microbatches=1, devices=None, **kwargs):
+               split_layer=None, num_microbatches=1, devices=None,
+               replica_devices=None, **kwargs):
+    split = split_for(model)
+    if split is not None:  # a whole transformer (see transformer_split)
+      devices = list(devices or model_parallel_devices(
+          num_shards * len(replica_devices or [()]), name="num_shards"))
+      devices = devices[:num_shards]
+      placed, stages, copies, kwargs = split_setup(
+          split, model, optimizer, strategy, devices=devices,
+          replica_devices=replica_devices, kwargs=kwargs)
+      self.split_layer = None
+      self._unsplit = model
+      super().__init__(placed, optimizer, strategy, stages=stages,
+                       num_microbatches=num_microbatches, copies=copies,
+                       **kwargs)
+      return
+    if replica_devices:
+      raise ConfigError(
+          "data x tensor parallelism needs a model with a whole-model "
+          f"split (model=gpt); {model.name} splits one Dense pair on one "
+          "group of devices only")
     layers = model_layers(model)
     if split_layer is None:
       split_layer = default_split_layer(layers)
@@ -276,6 +303,14 @@ class TensorParallelTrainer(StagedTrainer):
     super().__init__(placed, optimizer, strategy, stages=stages,
                      num_microbatches=num_microbatches, **kwargs)
 
+  def correct(self, labels, logits):
+    """As `Trainer.correct`; over logit shards for a transformer split."""
+    if isinstance(logits, (list, tuple)):
+      return sharded_correct(labels, logits)
+    return super().correct(labels, logits)
+
   def export_model(self):
     """The unsplit model with the trained weights (shards concatenated)."""
+    if self.split_layer is None:
+      return self.model.save_weights_to(self._unsplit)
     return merge_dense_pair(self.model, self._unsplit, self.split_layer)

@@ -1,0 +1,309 @@
+"""Megatron-style tensor-parallel layers: weights cut across shard devices.
+
+    ColumnParallelLinear   kernel [n, k] cut by output columns: shard d
+                           computes x W[:, d] (+ b[d]) from the full x
+    RowParallelLinear      kernel [k, n] cut by input rows: shard d
+                           computes the partial product x_d W[d, :]; the
+                           sum (`parallel_ops.all_reduce`) plus the bias
+                           is the layer's output on every device
+    VocabParallelEmbedding token table [V, W] cut by vocabulary: shard d
+                           looks up the ids in its range (zeros
+                           elsewhere; the all-reduce sums the shards), and
+                           its reverse gives shard d's logits [.., V/D]
+    vocab_parallel_cross_entropy
+                           the softmax cross-entropy over logit shards,
+                           from per-shard log-sum-exps: the full logits
+                           are never gathered
+
+A layer's shard methods (`shard`, `partial`, `lookup`, `logits`) compute
+one device's part; the caller runs them under `parallel_ops.on_device`.
+Each cut weight is a `ShardedWeight`: one checkpoint entry, the whole
+tensor, under the path the unsplit layer's weight has, so a checkpoint of
+a split model restores into the unsplit one (and into other splits), and
+back.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from framework import _tf_internal
+from framework.errors import ConfigError
+from framework.model_parallel.devices import short_device
+from framework.model_parallel.parallel_ops import all_gather, on_device
+
+_VALUE = _tf_internal.VARIABLE_VALUE_KEY
+
+
+def check_divides(num_shards, **sizes):
+  """Raises ConfigError unless `num_shards` divides every size."""
+  for name, size in sizes.items():
+    if size % num_shards:
+      divisors = [d for d in range(1, size + 1) if size % d == 0]
+      raise ConfigError(
+          f"num_shards={num_shards} does not divide {name}={size}; a tensor "
+          f"split needs a divisor of it ({', '.join(map(str, divisors))})")
+
+
+# The base class of objects a tf.train.Checkpoint saves (children by
+# `_trackable_children`, values by `_serialize_to_tensors`).
+CheckpointNode = _tf_internal.Trackable
+
+
+class ShardedWeight(_tf_internal.Trackable):
+  """One logical weight stored as D variables cut along `axis`.
+
+  Checkpointed as the whole tensor: the key is the one an unsplit layer's
+  variable at the same path has.
+  """
+
+  def __init__(self, shards, axis):
+    self.shards = list(shards)
+    self.axis = axis
+    shape = list(self.shards[0].shape)
+    shape[axis] = sum(int(s.shape[axis]) for s in self.shards)
+    self.shape = tuple(shape)
+
+  def _serialize_to_tensors(self):
+    # The whole tensor, joined on the host (where a checkpoint writes every
+    # variable from anyway): the unsplit layer's entry, so that any split,
+    # or none, restores it.
+    with tf.device("/CPU:0"):
+      return {_VALUE: tf.concat([tf.identity(getattr(s, "value", s))
+                                 for s in self.shards], axis=self.axis)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    values = tf.split(restored_tensors[_VALUE],
+                      [int(s.shape[self.axis]) for s in self.shards],
+                      axis=self.axis)
+    ops = [shard.assign(value) for shard, value in zip(self.shards, values)]
+    return tf.group(ops) if not tf.executing_eagerly() else None
+
+  def numpy(self):
+    """The full value (shards concatenated)."""
+    return np.concatenate([np.asarray(s.numpy()) for s in self.shards],
+                          axis=self.axis)
+
+  def assign(self, value):
+    """Sets the shards from the full value."""
+    value = np.asarray(value)
+    for shard, piece in zip(self.shards, np.split(value, len(self.shards),
+                                                  axis=self.axis)):
+      shard.assign(piece)
+
+
+def _cut_weights(layer, name, shape, axis, devices, initializer):
+  """D variables of `shape` with `shape[axis]` cut D ways, shard d on
+  devices[d], and the `ShardedWeight` over them."""
+  shard_shape = list(shape)
+  shard_shape[axis] //= len(devices)
+  shards = []
+  for d, device in enumerate(devices):
+    with tf.device(device):
+      shards.append(layer.add_weight(shape=tuple(shard_shape),
+                                     initializer=initializer,
+                                     name=f"{name}_shard_{d}"))
+  return shards, ShardedWeight(shards, axis)
+
+
+class ColumnParallelLinear(keras.layers.Layer):
+  """A Dense cut by output units: shard d has `units / D` of them.
+
+  `shard(d, x)` is `activation(x W[:, d] + b[d])` (run it on devices[d]).
+  """
+
+  def __init__(self, units, devices, activation=None, **kwargs):
+    super().__init__(**kwargs)
+    self.devices = tuple(devices)
+    check_divides(len(self.devices), **{f"{self.name} units": units})
+    self.units = units
+    self.activation = keras.activations.get(activation)
+
+  def build(self, input_shape):
+    self.kernel_shards, self._kernel = _cut_weights(
+        self, "kernel", (input_shape[-1], self.units), 1, self.devices,
+        "glorot_uniform")
+    self.bias_shards, self.bias = _cut_weights(
+        self, "bias", (self.units,), 0, self.devices, "zeros")
+
+  @property
+  def kernel(self):
+    """The whole kernel, as its shards (a `ShardedWeight`)."""
+    return self._kernel
+
+  def shard(self, d, x):
+    kernel = tf.cast(self.kernel_shards[d], x.dtype)
+    y = tf.matmul(x, kernel) if x.shape.rank == 2 else tf.einsum(
+        "...i,io->...o", x, kernel)
+    return self.activation(y + tf.cast(self.bias_shards[d], x.dtype))
+
+
+class RowParallelLinear(keras.layers.Layer):
+  """A Dense cut by input units: shard d holds rows `d * k/D ...`.
+
+  `partial(d, x_d)` is shard d's partial product (on devices[d]);
+  `add_bias(s)` the bias added to their all-reduced sum, on every device
+  (one bias variable, on devices[0]).
+  """
+
+  def __init__(self, units, devices, **kwargs):
+    super().__init__(**kwargs)
+    self.devices = tuple(devices)
+    self.units = units
+
+  def build(self, input_shape):
+    check_divides(len(self.devices),
+                  **{f"{self.name} inputs": int(input_shape[-1])})
+    self.kernel_shards, self._kernel = _cut_weights(
+        self, "kernel", (input_shape[-1], self.units), 0, self.devices,
+        "glorot_uniform")
+    with tf.device(self.devices[0]):
+      self.bias = self.add_weight(shape=(self.units,), initializer="zeros",
+                                  name="bias")
+
+  @property
+  def kernel(self):
+    """The whole kernel, as its shards (a `ShardedWeight`)."""
+    return self._kernel
+
+  def partial(self, d, x):
+    kernel = tf.cast(self.kernel_shards[d], x.dtype)
+    return tf.einsum("...i,io->...o", x, kernel)
+
+  def add_bias(self, summed):
+    return summed + tf.cast(self.bias, summed.dtype)
+
+
+class VocabParallelEmbedding(keras.layers.Layer):
+  """A token table [V, W] cut by vocabulary, and its reverse (the head).
+
+  Shard d holds ids `d * V/D ... (d+1) * V/D - 1`. `lookup(d, ids)` is the
+  embedding of the ids in that range and zeros for the others (their sum
+  over shards is the full lookup); `logits(d, x)` shard d's logits
+  [.., V/D], through the same table (tied) or a kernel [W, V] cut by
+  columns.
+  """
+
+  def __init__(self, vocab_size, width, devices, tied=True, **kwargs):
+    super().__init__(**kwargs)
+    self.devices = tuple(devices)
+    check_divides(len(self.devices), vocab_size=vocab_size)
+    self.vocab_size, self.width, self.tied = vocab_size, width, tied
+    self.shard_size = vocab_size // len(self.devices)
+
+  def build(self, input_shape=None):
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    self.table_shards, self.embeddings = _cut_weights(
+        self, "embeddings", (self.vocab_size, self.width), 0, self.devices,
+        init)
+    if not self.tied:
+      self.reverse_shards, self.reverse_kernel = _cut_weights(
+          self, "reverse_kernel", (self.width, self.vocab_size), 1,
+          self.devices, init)
+
+  def lookup(self, d, ids):
+    ids = tf.cast(ids, tf.int32) - d * self.shard_size
+    inside = (ids >= 0) & (ids < self.shard_size)
+    rows = tf.gather(self.table_shards[d],
+                     tf.where(inside, ids, tf.zeros_like(ids)))
+    return rows * tf.cast(inside, rows.dtype)[..., tf.newaxis]
+
+  def logits(self, d, x):
+    if self.tied:
+      return tf.einsum("...w,vw->...v", x,
+                       tf.cast(self.table_shards[d], x.dtype))
+    return tf.einsum("...w,wv->...v", x,
+                     tf.cast(self.reverse_shards[d], x.dtype))
+
+
+def _shard_statistics(d, logits, labels, shard_size):
+  """(log-sum-exp, the label's logit or 0, max, arg-max) of shard d, per
+  token; the label's logit only where the label is in shard d's range."""
+  logits = tf.cast(logits, tf.float32)
+  local = tf.cast(labels, tf.int32) - d * shard_size
+  inside = (local >= 0) & (local < shard_size)
+  picked = tf.gather(logits, tf.where(inside, local, tf.zeros_like(local)),
+                     batch_dims=labels.shape.rank)
+  target = tf.where(inside, picked, tf.zeros_like(picked))
+  best = tf.stop_gradient(tf.reduce_max(logits, axis=-1))
+  index = tf.argmax(logits, axis=-1, output_type=tf.int32) + d * shard_size
+  return tf.reduce_logsumexp(logits, axis=-1), target, best, index
+
+
+def shard_devices(tensors):
+  """The short device names of `tensors` (as placed by `on_device`)."""
+  return tuple(short_device(t.device) for t in tensors)
+
+
+def vocab_parallel_statistics(logit_shards, labels, devices=None):
+  """(per-token cross-entropy, per-token 1.0/0.0 arg-max == label), both on
+  devices[0], from logit shards [.., V/D] (shard d on devices[d]).
+
+  Each shard reduces its own logits to per-token log-sum-exp, label logit,
+  max and arg-max; only those 4 values per token and shard are exchanged
+  (one all-gather), never the logits: loss = logsumexp_d(lse_d) -
+  sum_d target_d.
+  """
+  devices = tuple(devices or shard_devices(logit_shards))
+  shard_size = int(logit_shards[0].shape[-1])
+
+  def pack(d, logits):
+    lse, target, best, index = _shard_statistics(d, logits, labels,
+                                                 shard_size)
+    # Ids are exact in float32 up to 2**24.
+    return tf.stack([lse, target, best, tf.cast(index, tf.float32)], axis=-1)
+
+  packed = [on_device(device, lambda x, d=d: pack(d, x), logits)
+            for d, (logits, device) in enumerate(zip(logit_shards, devices))]
+  gathered = all_gather(packed, devices)[0]  # [D, .., 4]
+  with tf.device(devices[0]):
+    lse, target, best, index = tf.unstack(gathered, axis=-1)
+    loss = (tf.reduce_logsumexp(lse, axis=0) - tf.reduce_sum(target, axis=0))
+    # The first shard holding the maximum wins, as tf.argmax over the full
+    # logits picks the first maximum.
+    winner = tf.one_hot(tf.argmax(tf.stop_gradient(best), axis=0),
+                        len(devices), axis=0, dtype=tf.float32)
+    predicted = tf.reduce_sum(tf.stop_gradient(index) * winner, axis=0)
+    correct = tf.cast(tf.equal(tf.cast(predicted, tf.int32),
+                               tf.cast(labels, tf.int32)), tf.float32)
+  return loss, correct
+
+
+def vocab_parallel_cross_entropy(logit_shards, labels, devices=None):
+  """Per-token softmax cross-entropy of logit shards (see
+  `vocab_parallel_statistics`), on devices[0]."""
+  return vocab_parallel_statistics(logit_shards, labels, devices)[0]
+
+
+def sharded_sparse_categorical_loss(labels, logits):
+  """A Trainer `loss_fn`: the vocab-parallel cross-entropy of a list of
+  logit shards, the usual sparse cross-entropy of a plain tensor."""
+  if isinstance(logits, (list, tuple)):
+    return vocab_parallel_cross_entropy(logits, labels)
+  return keras.losses.sparse_categorical_crossentropy(
+      labels, tf.cast(logits, tf.float32), from_logits=True)
+
+
+# Model name -> `split(model, devices)` (a model package registers its own:
+# framework code never imports models/).
+_SPLITS = {}
+
+
+def register_split(model_name):
+  """Decorator: `split(model, devices) -> split model` for models named
+  `model_name` (`keras.Model.name`), used by `TensorParallelTrainer`.
+
+  The split model's `call(features)` returns the logit shards; it has
+  `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
+  unsplit model's weights) and `replicate(devices)` (a copy on other
+  devices, same weights).
+  """
+  def wrap(split):
+    _SPLITS[model_name] = split
+    return split
+  return wrap
+
+
+def split_for(model):
+  """The registered split of `model`, or None (no transformer split)."""
+  return _SPLITS.get(getattr(model, "name", None))

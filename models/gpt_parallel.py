@@ -1,0 +1,163 @@
+"""The GPT of `models/gpt.py`, tensor-parallel over D shard devices.
+
+The same layers (`Block`, `CausalSelfAttention`, `MLP`) built with
+`devices=`; the token table and the output head cut by vocabulary
+(`VocabParallelEmbedding`); layer norms, position table and row-parallel
+biases replicated (one variable on devices[0], read on every device). The
+residual stream is one copy per device:
+
+    x_d = all_reduce(lookup_d(tokens)) + positions        per device d
+    x   = block.split_call(x)                             per block
+    logits_d = head_d(ln_f(x_d))                          [B, T, V/D]
+
+Weights sit under the unsplit model's checkpoint paths (`_operations/i/`),
+cut weights as slices of the full tensor, so a checkpoint of either
+restores into the other.
+"""
+
+import keras
+import tensorflow as tf
+
+from framework.errors import ConfigError
+from framework.model_parallel import parallel_layers, parallel_ops
+from models import gpt
+
+
+def _weights(embedding, position, blocks, ln_f):
+  """The logical weights of a GPT, in one order for split and unsplit."""
+  weights = [embedding.embeddings]
+  if not embedding.tied:
+    weights.append(embedding.reverse_kernel)
+  weights.append(position.positions)
+  for block in blocks:
+    weights += [block.ln1.gamma, block.ln1.beta, block.ln2.gamma,
+                block.ln2.beta]
+    for dense in (block.attention.query, block.attention.key,
+                  block.attention.value, block.attention.out, block.mlp.fc,
+                  block.mlp.proj):
+      weights += [dense.kernel, dense.bias]
+  return weights + [ln_f.gamma, ln_f.beta]
+
+
+def _unsplit_parts(model):
+  blocks = [layer for layer in model.layers if isinstance(layer, gpt.Block)]
+  return (model.get_layer("token_embedding"),
+          model.get_layer("position_embedding"), blocks,
+          model.get_layer("ln_f"))
+
+
+def logical_weights(model):
+  """The unsplit GPT `model`'s weights in `ShardedGPT.logical_weights`
+  order."""
+  return _weights(*_unsplit_parts(model))
+
+
+class _Slot(keras.layers.Layer):
+  """Stands where the unsplit model's input layer is (`_operations/0`)."""
+
+
+class _Operations(parallel_layers.CheckpointNode):
+  """The layers as the unsplit Functional model lists them: children
+  `0`, `1`, ... (its `_operations` list in a checkpoint)."""
+
+  def __init__(self, layers):
+    self.layers = list(layers)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return {str(i): layer for i, layer in enumerate(self.layers)}
+
+
+class ShardedGPT(keras.Model):
+  """A GPT whose blocks, embedding and head are cut across `devices`."""
+
+  def __init__(self, *, sequence_length, vocab_size, width, num_heads,
+               hidden, num_layers, tied, devices, **kwargs):
+    super().__init__(name="gpt", **kwargs)
+    self.devices = tuple(devices)
+    self.options = dict(sequence_length=sequence_length,
+                        vocab_size=vocab_size, width=width,
+                        num_heads=num_heads, hidden=hidden,
+                        num_layers=num_layers, tied=tied)
+    self.embedding = parallel_layers.VocabParallelEmbedding(
+        vocab_size, width, self.devices, tied=tied, name="token_embedding")
+    self.position = gpt.PositionEmbedding(sequence_length, width,
+                                          name="position_embedding")
+    self.blocks = [gpt.Block(width, num_heads, hidden, self.devices,
+                             name=f"block_{i}") for i in range(num_layers)]
+    self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")
+    # Built eagerly, piece by piece: a device scope inside a symbolic call
+    # does not reach the variables Keras creates there.
+    shape = (None, sequence_length, width)
+    self.embedding.build()
+    with tf.device(self.devices[0]):
+      self.position.build(shape)
+      self.ln_f.build(shape)
+    for block in self.blocks:
+      block.build(shape)
+    # The unsplit Functional model's checkpoint paths.
+    self.checkpoint_layers = _Operations(
+        [_Slot(name="tokens"), self.embedding, self.position, *self.blocks,
+         self.ln_f])
+    self.built = True
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # Only the unsplit model's paths: `_operations/<i>/...`.
+    return {"_operations": self.checkpoint_layers}
+
+  def logical_weights(self):
+    """The weights in the unsplit model's logical order (see `_weights`)."""
+    return _weights(self.embedding, self.position, self.blocks, self.ln_f)
+
+  def call(self, tokens, training=False):
+    devices = self.devices
+    looked_up = [parallel_ops.on_device(
+        device, lambda d=d: self.embedding.lookup(d, tokens))
+                 for d, device in enumerate(devices)]
+    xs = [parallel_ops.on_device(device, self.position, x) for device, x in
+          zip(devices, parallel_ops.all_reduce(looked_up, devices))]
+    for block in self.blocks:
+      xs = block.split_call(xs)
+    return [parallel_ops.on_device(
+        device, lambda x, d=d: self.embedding.logits(d, self.ln_f(x)), x)
+            for d, (device, x) in enumerate(zip(devices, xs))]
+
+  def load_weights_from(self, model):
+    """Sets the shards from the unsplit `model` (or another ShardedGPT)."""
+    source = (model.logical_weights() if isinstance(model, ShardedGPT)
+              else logical_weights(model))
+    for mine, theirs in zip(self.logical_weights(), source):
+      mine.assign(theirs.numpy())
+    return self
+
+  def save_weights_to(self, model):
+    """Writes the shards, joined, into the unsplit `model`."""
+    for mine, theirs in zip(self.logical_weights(), logical_weights(model)):
+      theirs.assign(mine.numpy())
+    return model
+
+  def replicate(self, devices):
+    """Another ShardedGPT on `devices`, with these weights."""
+    return ShardedGPT(**self.options, devices=devices).load_weights_from(self)
+
+
+@parallel_layers.register_split("gpt")
+def split(model, devices):
+  """The ShardedGPT of the unsplit GPT `model` on `devices`, its weights.
+
+  Raises:
+    ConfigError: the shard count does not divide the heads or the vocabulary
+      (before any variable is made).
+  """
+  embedding, position, blocks, _ = _unsplit_parts(model)
+  if not blocks:
+    raise ConfigError("a tensor split of model=gpt needs at least one block")
+  head = blocks[0]
+  num = len(devices)
+  parallel_layers.check_divides(num, num_heads=head.num_heads,
+                                vocab_size=embedding.vocab_size)
+  parallel_layers.check_divides(num, mlp_hidden=head.hidden)
+  return ShardedGPT(
+      sequence_length=position.sequence_length,
+      vocab_size=embedding.vocab_size, width=head.width,
+      num_heads=head.num_heads, hidden=head.hidden, num_layers=len(blocks),
+      tied=embedding.tied, devices=devices).load_weights_from(model)

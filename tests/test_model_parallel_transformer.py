@@ -1,0 +1,138 @@
+"""Tensor parallelism of a whole transformer: the tiny GPT split by heads,
+MLP columns/rows and vocabulary equals the unsplit GPT.
+
+In-process tests have 2 logical CPU devices (conftest); the 4-device
+splits (tensor 4-way, data 2 x tensor 2) run in a fresh process.
+"""
+
+import collections
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from framework import model_parallel as mp
+from framework.errors import ConfigError
+from models import gpt_parallel
+from tests import helpers
+from tests.transformer_split_reference import (BATCH, LENGTH, STRATEGY,
+                                               compare, tiny_gpt,
+                                               token_batches)
+
+TOLERANCE = 1e-5
+STEPS = 3
+
+
+def _check(out):
+  assert out["forward"] < TOLERANCE, out
+  assert max(out["loss"]) < TOLERANCE, out
+  assert max(out["weights"]) < TOLERANCE, out
+  assert out["moved"] > 1e-2, out  # the steps changed the weights
+
+
+def test_two_way_split_equals_unsplit():
+  out = compare(STEPS, 2)
+  _check(out)
+  assert out["devices"] == ["/CPU:0", "/CPU:1"]
+  placed = out["trainer"].model
+  query = placed.blocks[0].attention.query
+  assert [tuple(v.shape) for v in query.kernel_shards] == [(32, 16)] * 2
+  assert [mp.variable_device(v) for v in query.kernel_shards] == [
+      "/CPU:0", "/CPU:1"]
+  assert [tuple(v.shape) for v in placed.embedding.table_shards] == [
+      (32, 32)] * 2
+
+
+def test_every_shard_runs_forward_and_backward_on_its_device():
+  trainer = mp.TensorParallelTrainer(
+      tiny_gpt(), keras.optimizers.SGD(0.1), STRATEGY,
+      global_batch_size=BATCH, num_shards=2, devices=["/CPU:0", "/CPU:1"])
+  graph = tf.function(trainer.gradients).get_concrete_function(
+      tf.TensorSpec((BATCH, LENGTH), tf.int32),
+      tf.TensorSpec((BATCH, LENGTH), tf.int32)).graph
+  ops = graph.get_operations()
+  where = lambda op: op.device.split("device:")[-1]
+  collectives = collections.Counter(
+      where(op) for op in ops if op.type == "CollectiveReduceV2")
+  # Per device: each of the 2 blocks' 2 sub-layers one all-reduce forward
+  # and one backward, the embedding one each way, the loss statistics one
+  # all-gather each way, the accuracy's one forward: 2 * 2 * 2 + 2 + 2 + 1.
+  assert collectives == {"CPU:0": 13, "CPU:1": 13}
+  # The matmuls of both passes (the forward ones and their gradients) of
+  # every shard are on that shard's device: as many on each.
+  matmuls = collections.Counter(
+      where(op) for op in ops
+      if op.type in ("MatMul", "BatchMatMulV2", "Einsum"))
+  assert set(matmuls) == {"CPU:0", "CPU:1"}, matmuls
+  assert matmuls["CPU:0"] == matmuls["CPU:1"], matmuls
+  # No gradient op of shard 1's attention lands on device 0.
+  misplaced = [op.name for op in ops if where(op) == "CPU:0" and
+               "shard_1" in op.name]
+  assert not misplaced, misplaced[:5]
+
+
+def test_a_split_checkpoint_restores_unsplit_and_the_other_way(tmp_path):
+  x, _ = token_batches(1)
+  x = x[:BATCH]
+  unsplit = tiny_gpt()
+  expected = unsplit(x).numpy()
+  placed = gpt_parallel.split(unsplit, ["/CPU:0", "/CPU:1"])
+  for weight in placed.logical_weights():  # a different state to save
+    weight.assign(weight.numpy() * 1.5)
+  path = tf.train.Checkpoint(model=placed).save(
+      str(tmp_path / "split"))
+  fresh = tiny_gpt()
+  tf.train.Checkpoint(model=fresh).restore(
+      path).assert_existing_objects_matched()
+  joined = np.concatenate([t.numpy() for t in placed(x)], -1)
+  np.testing.assert_allclose(fresh(x).numpy(), joined, rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(fresh(x).numpy() - expected)) > 1e-3
+  # And an unsplit checkpoint into a split on the devices the other way
+  # round.
+  back = tf.train.Checkpoint(model=unsplit).save(str(tmp_path / "unsplit"))
+  other = gpt_parallel.split(tiny_gpt(), ["/CPU:1", "/CPU:0"])
+  tf.train.Checkpoint(model=other).restore(
+      back).assert_existing_objects_matched()
+  np.testing.assert_allclose(
+      np.concatenate([t.numpy() for t in other(x)], -1), expected,
+      rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("devices, message", [
+    (["/CPU:0", "/CPU:1", "/CPU:0"], "num_shards=3 does not divide "
+     "num_heads=4"),
+])
+def test_a_shard_count_that_does_not_divide_is_one_line(devices, message):
+  with pytest.raises(ConfigError, match=message) as error:
+    mp.TensorParallelTrainer(tiny_gpt(), keras.optimizers.SGD(0.1), STRATEGY,
+                             global_batch_size=BATCH, num_shards=3,
+                             devices=devices)
+  assert "\n" not in str(error.value)
+
+
+_FOUR_DEVICES = """
+import json, sys
+import framework
+framework.configure_cpu_devices(4)
+from tests.transformer_split_reference import compare
+groups = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
+out = {"tensor4": compare(3, 4), "data2_tensor2": compare(
+    3, 2, replica_devices=groups), "tensor2_untied": compare(3, 2, tied=False)}
+for value in out.values():
+  value.pop("trainer")
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_four_way_and_data_two_by_tensor_two_equal_unsplit():
+  proc = helpers.run_code(_FOUR_DEVICES, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  out = json.loads(line[-1][len("RESULT "):])
+  for name, result in out.items():
+    _check(result)
+  assert out["tensor4"]["devices"] == [f"/CPU:{i}" for i in range(4)]
+  assert out["data2_tensor2"]["devices"] == ["/CPU:0", "/CPU:1"]

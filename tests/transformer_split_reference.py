@@ -1,0 +1,70 @@
+"""The tiny GPT, unsplit and tensor-split, trained side by side (not a
+test module: the tests run it in-process on 2 devices and in a fresh
+process on 4)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import framework
+from framework import model_parallel as mp
+from models import gpt_parallel
+from tests.model_parallel_reference import STRATEGY, build
+
+BATCH, LENGTH, VOCAB = 8, 16, 64
+OPTIONS = dict(num_layers=2, num_heads=4, model_width=32)
+
+
+def tiny_gpt(tied=True):
+  return build("gpt", (LENGTH,), VOCAB, tie_embeddings=tied, **OPTIONS)
+
+
+def token_batches(steps, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.integers(0, VOCAB, size=(BATCH * steps, LENGTH)).astype(np.int32)
+  y = rng.integers(0, VOCAB, size=(BATCH * steps, LENGTH)).astype(np.int32)
+  return x, y
+
+
+def relative(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def flat(weights):
+  return np.concatenate([np.ravel(w.numpy()) for w in weights])
+
+
+def compare(steps, num_shards, replica_devices=None, tied=True):
+  """Relative differences (forward, per-step loss, weights after each step)
+  of the split GPT against the unsplit one, on the same batches."""
+  x, y = token_batches(steps)
+  reference = framework.Trainer(tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9),
+                                STRATEGY, global_batch_size=BATCH)
+  split = mp.TensorParallelTrainer(
+      tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9), STRATEGY,
+      global_batch_size=BATCH, num_shards=num_shards,
+      devices=[f"/CPU:{i}" for i in range(num_shards)],
+      replica_devices=replica_devices)
+  forward = relative(np.concatenate(
+      [t.numpy() for t in split.model(x[:BATCH])], -1),
+                     reference.model(x[:BATCH]).numpy())
+  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+  ref_it, split_it = iter(data), iter(data)
+  out = {"forward": forward, "loss": [], "weights": []}
+  for _ in range(steps):
+    ref_loss = float(reference.train(ref_it, 1)["loss"])
+    out["loss"].append(relative(float(split.train(split_it, 1)["loss"]),
+                                ref_loss))
+    # Over all weights at once: the key biases have an exactly zero true
+    # gradient (softmax ignores a shift shared by all keys), so they stay
+    # at their zero start plus float noise and have no scale of their own.
+    out["weights"].append(relative(flat(split.model.logical_weights()),
+                                   flat(gpt_parallel.logical_weights(
+                                       reference.model))))
+  out["moved"] = relative(split.model.logical_weights()[0].numpy(),
+                          gpt_parallel.logical_weights(tiny_gpt(tied))[0].numpy())
+  out["devices"] = sorted({mp.variable_device(v)
+                           for v in split.model.trainable_variables})
+  out["trainer"] = split
+  return out
