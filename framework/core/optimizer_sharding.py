@@ -114,13 +114,16 @@ class ShardedOptimizerState:
 
   def local_shards(self, values, replica_id):
     """This replica's [L] slice of each full tensor in `values`."""
-    shards = []
-    for value, shard in zip(values, self.shards):
-      length = shard.shape[0]
-      flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-      flat = tf.pad(flat, [[0, length * self.num_shards - flat.shape[0]]])
-      shards.append(tf.reshape(flat, [self.num_shards, length])[replica_id])
-    return shards
+    return [tf.reshape(self._padded(value, shard.shape[0]),
+                       [self.num_shards, shard.shape[0]])[replica_id]
+            for value, shard in zip(values, self.shards)]
+
+  def _padded(self, value, length):
+    """`value` flattened, zero-padded to `num_shards * length` elements
+    (a padded copy only where the size is not a multiple already)."""
+    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+    padding = length * self.num_shards - flat.shape[0]
+    return tf.pad(flat, [[0, padding]]) if padding else flat
 
   def gather_weights(self, context):
     """The full weights from every replica's updated shard (replica
@@ -216,9 +219,7 @@ class ShardedOptimizerState:
       raise ValueError(f"slot {slot.path}: checkpoint shape {value.shape} "
                        f"!= variable shape {variable.shape}")
     length = slot.shape[0]
-    flat = tf.reshape(value, [-1])
-    flat = tf.pad(flat, [[0, length * self.num_shards - flat.shape[0]]])
-    flat = tf.reshape(flat, [self.num_shards, length])
+    flat = tf.reshape(self._padded(value, length), [self.num_shards, length])
     for replica, copy in zip(self._replica_ids,
                              self.strategy.experimental_local_results(
                                  _local(slot))):

@@ -184,8 +184,7 @@ def _row(case, plain):
           f"{buffers / MIB:.3f} | {case['peak_rss_bytes'] / MIB:.0f} |")
 
 
-def bench(argv):
-  del argv
+def bench():
   if FLAGS.result_file:
     with open(FLAGS.result_file, "w") as f:
       json.dump(_measure(), f)
