@@ -188,6 +188,9 @@ class ExperimentConfig:
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
       raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
                         "unset)")
+    self.model_parallel.check_model(
+        self.model, self.model_options.get("num_heads", ModelOptions.num_heads),
+        self.model_options.get("vocab_size", 0))
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(
