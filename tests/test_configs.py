@@ -291,7 +291,8 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "model_options.num_layers": 2, "model_options.num_heads": 4,
                 "model_options.model_width": 128,
                 "model_options.vocab_size": 0,
-                "model_options.tie_embeddings": True}
+                "model_options.tie_embeddings": True,
+                "model_parallel.mesh": "", "model_parallel.data_axis": 1}
 
 
 def _flat(value, prefix=""):

@@ -74,10 +74,16 @@ def test_train_py_on_a_wrong_mesh_is_one_line_and_writes_nothing(
                                 unchanged=before)
 
 
-def _eval_loss(stderr):
-  found = re.findall(r"loss=([0-9.]+)", "\n".join(
-      l for l in stderr.splitlines() if "eval" in l and "loss=" in l))
-  assert found, stderr[-3000:]
+def _train_eval_loss(proc):
+  found = re.findall(r"final eval: \{'loss': ([0-9.]+)", proc.stderr)
+  assert found, proc.stderr[-3000:]
+  return float(found[-1])
+
+
+def _evaluate_loss(proc):
+  found = re.findall(r"^\s*loss\s+([0-9.]+)\s*$",
+                     proc.stdout + "\n" + proc.stderr, re.M)
+  assert found, (proc.stdout + proc.stderr)[-3000:]
   return float(found[-1])
 
 
@@ -95,4 +101,4 @@ def test_a_data_by_tensor_checkpoint_evaluates_the_same_on_one_device(
   # split checkpoint.
   evaluate = helpers.run_script("evaluate.py", f"--model_dir={model_dir}",
                                 cwd=str(tmp_path), timeout=900)
-  assert abs(_eval_loss(evaluate.stderr) - _eval_loss(train.stderr)) < 1e-5
+  assert abs(_evaluate_loss(evaluate) - _train_eval_loss(train)) < 1e-5
