@@ -36,6 +36,7 @@ import warnings
 # importable from its module (e.g. `framework.data.datasets.synthetic`).
 _EXPORTS = {
     "framework.app.experiment": ["ExperimentConfig", "run"],
+    "framework.app.run_info": ["describe_run"],
     "framework.core.communication": ["AllReduceConfig"],
     "framework.core.controller": ["Controller", "LoopConfig"],
     "framework.core.optimizers": ["OptimizerConfig"],

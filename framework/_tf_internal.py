@@ -14,7 +14,7 @@ import importlib
 
 import tensorflow as tf
 
-# --- Keras optimizers (framework/core/fused_updates.py, trainer.py). ---------
+# --- Keras optimizers (core/fused_updates.py, trainer.py, optimizer_sharding.py).
 
 
 def optimizer_variable_index(optimizer, variable):
@@ -42,6 +42,34 @@ def uses_weight_decay(optimizer, variable):
   """Whether `optimizer`'s weight decay applies to `variable` (its
   `exclude_from_weight_decay` lists). Missing publicly: the query."""
   return optimizer._use_weight_decay(variable)
+
+
+def trackable_children(obj):
+  """{name: child} of what a checkpoint saves under `obj` (an optimizer:
+  its variable lists, iterations, learning rate). Missing publicly: the
+  object graph of a checkpoint, by name, before it is written."""
+  return dict(obj._trackable_children())
+
+
+# The name a variable's value has in a checkpoint (`.../.ATTRIBUTES/<it>`).
+VARIABLE_VALUE_KEY = "VARIABLE_VALUE"
+
+
+class SavedAsVariable(tf.__internal__.tracking.Trackable):
+  """A checkpoint node that saves `save()` (a tensor) and restores through
+  `restore(tensor)`, under the key a variable's value has, so that a
+  variable and this read each other's checkpoints. Missing publicly: a
+  checkpointed value computed at save time (`tf.train.experimental.
+  PythonState` saves strings, not tensors of a variable's key)."""
+
+  def __init__(self, save, restore):
+    self._save_value, self._restore_value = save, restore
+
+  def _serialize_to_tensors(self):
+    return {VARIABLE_VALUE_KEY: self._save_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    return self._restore_value(restored_tensors[VARIABLE_VALUE_KEY])
 
 
 # --- tf.distribute (core/ps_training.py, model_parallel/replicas.py). ---------
@@ -227,3 +255,18 @@ def configure_coordination_service(spec, jobs, heartbeat_timeout_ms):
       service_leader=multi_worker_util.coordination_leader(spec),
       heartbeat_timeout_in_ms=heartbeat_timeout_ms,
       coordinated_jobs=coordinated)
+
+
+# --- Checkpoint object graphs (core/warm_start.py). ---------------------------
+
+
+def checkpoint_object_graph(reader):
+  """The `TrackableObjectGraph` proto of the TF2 checkpoint `reader` reads
+  (`tf.train.load_checkpoint`). Missing publicly: which object path (e.g.
+  model/_functional/_operations/2/_kernel) a key belongs to; a checkpoint
+  keys a variable by its first path from the root, which is often the
+  optimizer's list, not the model's."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+  return graph

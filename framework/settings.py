@@ -14,6 +14,7 @@ the flags exist before TensorFlow loads (`--onednn` must be read first).
 """
 
 import dataclasses
+import fnmatch
 import numbers
 
 from framework.errors import ConfigError, check_choice, check_positive
@@ -25,7 +26,8 @@ NON_NEGATIVE = "non_negative"  # an integer >= 0
 
 def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disable=redefined-builtin
             choices=None, minimum=None, key=False, zero_unsets=False,
-            options=None, free_form=False, default_factory=dataclasses.MISSING):
+            options=None, free_form=False, read_by=None,
+            default_factory=dataclasses.MISSING):
   """A dataclass field that is also a command-line flag.
 
   Args:
@@ -42,11 +44,17 @@ def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disab
     options: for a dict field: the dataclass whose fields are the flags that
       fill the dict (e.g. the built-in models' options).
     free_form: for a dict field: also a `--<flag>=key=value,...` flag.
+    read_by: which choices read the setting, when not every one does:
+      {flag of a choosing setting: values (fnmatch patterns) or
+      `all_but(values)`}, e.g. `{"dataset": all_but("synthetic")}`; read
+      when any named choice matches (see `is_read`). train.py warns about
+      a flag that is set but not read by the run's choices.
     default_factory: as in `dataclasses.field`.
   """
   metadata = {"help": help, "flag": flag, "choices": choices,
               "minimum": minimum, "key": key, "zero_unsets": zero_unsets,
-              "options": options, "free_form": free_form}
+              "options": options, "free_form": free_form,
+              "read_by": read_by}
   if minimum not in (None, POSITIVE, NON_NEGATIVE):
     raise ValueError(f"minimum={minimum!r} must be None, {POSITIVE!r} or "
                      f"{NON_NEGATIVE!r}")
@@ -127,3 +135,41 @@ def hparams(config):
     if name is not None and (meta["key"] or value != _default(field)):
       found[name] = value
   return found
+
+
+@dataclasses.dataclass(frozen=True)
+class AllBut:
+  """`read_by` values: every value of the choice except these."""
+  values: tuple
+
+
+def all_but(*values):
+  """`read_by={"dataset": all_but("synthetic")}`: read by every dataset
+  but synthetic."""
+  return AllBut(tuple(values))
+
+
+def _matches(value, patterns):
+  return any(fnmatch.fnmatchcase(value, p) for p in patterns)
+
+
+def is_read(read_by, choices, known=None):
+  """Whether a setting declared with `read_by` is read under `choices`
+  ({flag: value}, the run's values of the choosing settings).
+
+  `known` ({flag: patterns}) lists the values a choice's table entries
+  speak of (the built-in models, the registered datasets); another value
+  (a model of one's own) may read anything, so it counts as reading.
+  """
+  if not read_by:
+    return True
+  for flag, values in read_by.items():
+    value = str(choices[flag])
+    if known and flag in known and not _matches(value, known[flag]):
+      return True
+    if isinstance(values, AllBut):
+      if not _matches(value, values.values):
+        return True
+    elif _matches(value, values):
+      return True
+  return False

@@ -4,6 +4,7 @@ TensorFlow's own log lines (quiet unless asked for)."""
 import contextlib
 import errno
 import gc
+import glob
 import importlib.util
 import logging as py_logging
 import os
@@ -140,8 +141,21 @@ def import_tensorflow_quietly():
     min_level = int(os.environ["TF_CPP_MIN_LOG_LEVEL"])
   except ValueError:
     min_level = 0
-  with filtered_stderr(min_level), collection_paused():
-    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  with filtered_stderr(min_level, drop=_cpu_only_noise()), \
+      collection_paused():
+    import tensorflow  # pylint: disable=g-import-not-at-top
+    # The platforms are probed once, at the first device query: here, so
+    # that a CPU-only machine's "failed call to cuInit" line is dropped
+    # (logical CPU devices can still be configured afterwards).
+    tensorflow.config.list_physical_devices("CPU")
+
+
+def _cpu_only_noise():
+  """Patterns of C++ error lines that mean nothing on a machine without an
+  NVIDIA driver (no /dev/nvidia*): the CUDA probe's failed cuInit."""
+  if glob.glob("/dev/nvidia*"):
+    return ()
+  return (re.compile(r"failed call to cuInit"),)
 
 
 @contextlib.contextmanager
@@ -166,10 +180,10 @@ def collection_paused():
 
 
 @contextlib.contextmanager
-def filtered_stderr(min_level):
+def filtered_stderr(min_level, drop=()):
   """Drops C++ log lines below `min_level` (0..3 = I, W, E, F, as
-  TF_CPP_MIN_LOG_LEVEL counts) and absl's pre-initialisation header from
-  file descriptor 2 while inside.
+  TF_CPP_MIN_LOG_LEVEL counts), C++ log lines matching a pattern of `drop`
+  and absl's pre-initialisation header from file descriptor 2 while inside.
 
   Everything else passes unchanged and at once (so that a crash inside
   still shows its output); a dropped line's continuation lines go too.
@@ -191,7 +205,8 @@ def filtered_stderr(min_level):
         text = line.decode(errors="replace")
         match = _CPP_LOG_LINE.match(text)
         if match:
-          dropping = "IWEF".index(match.group(1)) < min_level
+          dropping = ("IWEF".index(match.group(1)) < min_level
+                      or any(p.search(text) for p in drop))
         elif text.startswith(_ABSL_PRE_INIT):
           dropping = True
         if not dropping:
@@ -233,8 +248,14 @@ def quiet_tensorflow_logs():
   """
   from absl import logging  # pylint: disable=g-import-not-at-top
   handler = logging.get_absl_handler()
-  for f in [f for f in handler.filters if isinstance(f, _LibraryInfoFilter)]:
-    handler.removeFilter(f)
+  # A script that imported TensorFlow before its flags were parsed (and
+  # logged) has the "tensorflow" logger printing through a handler of its
+  # own or the root's: filter that logger too.
+  tf_logger = py_logging.getLogger("tensorflow")
+  for target in (handler, tf_logger):
+    for f in [f for f in target.filters
+              if isinstance(f, _LibraryInfoFilter)]:
+      target.removeFilter(f)
   if logging.get_verbosity() >= logging.DEBUG:
     return
   dirs = []
@@ -243,6 +264,7 @@ def quiet_tensorflow_logs():
     for path in (spec and spec.submodule_search_locations) or ():
       dirs += [os.path.abspath(path), os.path.realpath(path)]
   handler.addFilter(_LibraryInfoFilter(dirs))
+  tf_logger.addFilter(_LibraryInfoFilter(dirs))
 
 
 def quiet_startup(*, import_tensorflow=True):
@@ -322,6 +344,22 @@ def onednn_enabled():
   return _tf_internal.onednn_enabled()
 
 
+def warn_unread_flags(*, extra=None, table=None):
+  """Prints one `<script>: warning: ...` line naming each flag set that the
+  run's choices do not read (`config_flags.unread_flags`: train.py's
+  settings' `read_by` and `extra`, or an app's own `table`)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    from . import config_flags  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    from scripts import config_flags  # pylint: disable=g-import-not-at-top
+  text = config_flags.unread_warning(sys.argv, flags.FLAGS, extra=extra,
+                                     table=table)
+  if text:
+    print(f"{os.path.basename(sys.argv[0])}: warning: {text}",
+          file=sys.stderr)
+
+
 def main_running(run):
   """An absl `main(argv)` that rejects positional arguments and runs `run()`
   with one-line errors (the apps take flags only)."""
@@ -334,6 +372,32 @@ def main_running(run):
       run()
 
   return main
+
+
+def run_app(main):
+  """Runs your absl `main(argv)` as distloop's own apps run.
+
+  Flags are parsed as train.py parses them (`parse_flags`: a bad value is
+  one line); errors a user can fix (`framework.DistloopError`, a damaged
+  record, an unwritable folder) end in one `<script>: error: ...` line and
+  exit status 1; a Ctrl-C outside the training loop in one line and 130.
+  Call `quiet_startup()` at the top of the script, before TensorFlow is
+  imported, for train.py's quiet logs; `framework.run` and the Controller
+  print the progress lines.
+
+      from distloop_cli import cli
+      cli.quiet_startup()
+      ...
+      if __name__ == "__main__":
+        cli.run_app(main)
+  """
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  def main_with_one_line_errors(argv):
+    with one_line_errors():
+      return main(argv)
+
+  app.run(main_with_one_line_errors, flags_parser=parse_flags)
 
 
 def run_entry_point(main, module_name):

@@ -17,7 +17,8 @@ import typing
 from absl import flags
 
 from framework import settings
-from framework.app.config import ExperimentConfig
+from framework.app.config import BUILTIN_MODELS, ExperimentConfig
+from framework.data.config import DATASET_NAMES
 from framework.errors import ConfigError
 
 # Fields without a flag that the flags' config must still fill: the run's
@@ -186,3 +187,123 @@ def config_from_flags(flag_values=flags.FLAGS, hparam_flags=()):
 def key_flags():
   """The flags TensorBoard's HParams dashboard always shows."""
   return [f.name for f in walk() if f.meta["key"]]
+
+
+# The values of the open-ended choices that `read_by` tables speak of: a
+# model or dataset of one's own may read any option.
+KNOWN_CHOICES = {"model": BUILTIN_MODELS, "dataset": DATASET_NAMES}
+
+
+def read_by_table(extra=None):
+  """{flag: read_by} of every setting that only some choices read (its
+  `setting(read_by=...)`), and `extra`: the app's own flags' entries."""
+  table = {f.name: f.meta["read_by"] for f in walk() if f.meta["read_by"]}
+  table.update(extra or {})
+  return table
+
+
+def _set_in(args, flag_values):
+  """[(flag, value text)] that the command-line words `args` set, in order
+  (a `--flagfile` word itself excluded)."""
+  found, words = [], list(args)
+  while words:
+    word = words.pop(0)
+    if word == "--":
+      break
+    if not word.startswith("-"):
+      continue
+    name, has_value, value = word.lstrip("-").partition("=")
+    if name == "flagfile":
+      if not has_value and words:
+        words.pop(0)
+      continue
+    if name not in flag_values and name.startswith("no") and (
+        name[2:] in flag_values) and not has_value:
+      found.append((name[2:], "false"))
+      continue
+    if name not in flag_values:
+      continue
+    if not has_value:
+      if flag_values[name].boolean:
+        value = "true"
+      elif words:
+        value = words.pop(0)
+    if flag_values[name].boolean:
+      value = value.lower()
+    found.append((name, value))
+  return found
+
+
+def _text(flag):
+  """A flag's value as `read_by` patterns name it ("true"/"false" for a
+  boolean)."""
+  if flag.boolean:
+    return "true" if flag.value else "false"
+  return str(flag.value)
+
+
+def _flag_files(args):
+  """The `--flagfile` paths among the command-line words `args`."""
+  paths, words = [], list(args)
+  while words:
+    word = words.pop(0)
+    if word == "--":
+      break
+    if word.lstrip("-") == "flagfile" and words:
+      paths.append(words.pop(0))
+    elif word.lstrip("-").startswith("flagfile="):
+      paths.append(word.split("=", 1)[1])
+  return paths
+
+
+def unread_flags(argv, flag_values=flags.FLAGS, extra=None, table=None):
+  """[(flag, {choosing flag: value})]: the flags that `argv` sets but the
+  run's choices (its --model, --dataset, --strategy, ...) do not read.
+
+  `table` ({flag: read_by}) replaces train.py's (`read_by_table(extra)`),
+  for an app with flags of its own only.
+
+  A flag that only a flag file sets is also fine when that file's own
+  choices read it (a recipe's `--hidden_units` when the command line picks
+  another `--model`): only what the command line itself sets is held
+  against the final choices alone.
+  """
+  table = read_by_table(extra) if table is None else table
+  choosing = sorted({c for read_by in table.values() for c in read_by})
+  final = {c: _text(flag_values[c]) for c in choosing}
+  direct = {name for name, _ in _set_in(argv[1:], flag_values)}
+  contexts = {}  # flag set only by flag files -> their choices
+  for path in _flag_files(argv[1:]):
+    try:
+      words = flag_values.read_flags_from_files([f"--flagfile={path}"],
+                                                force_gnu=False)
+    except flags.Error:
+      continue  # absl reported it already
+    pairs = _set_in(words, flag_values)
+    own = dict(final, **{n: v for n, v in pairs if n in final})
+    for name, _ in pairs:
+      if name not in direct:
+        contexts[name] = own
+  unread = []
+  for name in [n for n in table if n in direct or n in contexts]:
+    read_by = table[name]
+    if settings.is_read(read_by, final, KNOWN_CHOICES):
+      continue
+    if name in contexts and settings.is_read(read_by, contexts[name],
+                                             KNOWN_CHOICES):
+      continue
+    unread.append((name, {c: final[c] for c in read_by}))
+  return unread
+
+
+def unread_warning(argv, flag_values=flags.FLAGS, extra=None, table=None):
+  """The text of the one warning line about `unread_flags` (None: none)."""
+  unread = unread_flags(argv, flag_values, extra, table)
+  if not unread:
+    return None
+  return "; ".join(
+      f"--{name} is not read by " + ", ".join(
+          f"--{c}={v}" for c, v in by.items())
+      for name, by in unread) + (
+          "; it has no effect in this run" if len(unread) == 1 else
+          "; they have no effect in this run")

@@ -3,6 +3,7 @@
     python scripts/evaluate.py --model_dir=runs/cifar            # latest
     python scripts/evaluate.py --model_dir=runs/cifar --checkpoint=runs/cifar/ckpt-2000
     python scripts/evaluate.py --model_dir=runs/cifar --watch    # side-car
+    python scripts/evaluate.py --model_dir=runs/cifar --weights=best
 
 Prints loss, accuracy (pixel accuracy and mean IoU for segmentation) and the
 confusion matrix, and writes them to TensorBoard under
@@ -31,6 +32,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "The training run's directory.")
 flags.DEFINE_string("checkpoint", None, "A checkpoint path (.../ckpt-N); "
                     "default: the latest in --model_dir.")
+flags.DEFINE_enum("weights", "latest", ["latest", "best"], "best: the best "
+                  "checkpoint (<model_dir>/best/, kept by train.py "
+                  "--best_metric); latest: --checkpoint or the newest.")
 flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint until the "
                   "run's last step.")
 flags.DEFINE_float("poll_seconds", 5.0, "--watch: seconds between looks for "
@@ -59,19 +63,33 @@ flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
                   "that model_info.json names (runs that module's code; off "
                   "by default, as Keras's safe_mode).")
 flags.mark_flag_as_required("model_dir")
+# Which choices read a flag (every other flag is read by every run): a set
+# flag they do not read is one warning line.
+READ_BY = {"poll_seconds": {"watch": ("true",)},
+           "timeout_seconds": {"watch": ("true",)},
+           "tpu": {"strategy": ("tpu",)}}
 
 
 def run():
   """Evaluates (or watches); raises DistloopError on bad input."""
   import framework  # pylint: disable=g-import-not-at-top
   from framework.app import evaluation  # pylint: disable=g-import-not-at-top
+  cli.warn_unread_flags(table=READ_BY)
   if FLAGS.cpu_devices:
     framework.configure_cpu_devices(FLAGS.cpu_devices)
   if FLAGS.watch and FLAGS.checkpoint:
     raise framework.ConfigError("--watch evaluates new checkpoints; it "
                                 "cannot be combined with --checkpoint")
+  checkpoint = FLAGS.checkpoint
+  if FLAGS.weights == "best":
+    if FLAGS.watch or FLAGS.checkpoint:
+      raise framework.ConfigError(
+          "--weights=best evaluates the best checkpoint; it cannot be "
+          "combined with --watch or --checkpoint")
+    from framework.core import best_checkpoint  # pylint: disable=g-import-not-at-top
+    checkpoint = best_checkpoint.resolve(FLAGS.model_dir)
   config = evaluation.EvalConfig(
-      model_dir=FLAGS.model_dir, checkpoint=FLAGS.checkpoint,
+      model_dir=FLAGS.model_dir, checkpoint=checkpoint,
       strategy=FLAGS.strategy, tpu=FLAGS.tpu, dataset=FLAGS.dataset,
       data_dir=FLAGS.data_dir, global_batch_size=FLAGS.global_batch_size,
       eval_dir=FLAGS.eval_dir, eval_name=FLAGS.eval_name,

@@ -35,7 +35,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "A training run's directory "
                     "(model_info.json, model.weights.h5).")
 flags.DEFINE_string("weights", None, "A .weights.h5 file (default: "
-                    "<model_dir>/model.weights.h5).")
+                    "<model_dir>/model.weights.h5), or best: the best "
+                    "checkpoint's weights (<model_dir>/best/, kept by "
+                    "train.py --best_metric).")
 flags.DEFINE_string("model", None, "Model name or package.module:function; "
                     "overrides model_info.json (naming a module trusts its "
                     "code), or names a CIFAR-10 model when there is none.")

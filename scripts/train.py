@@ -67,6 +67,13 @@ flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
                    "before exiting with the missing tasks named (0: wait "
                    "forever).")
 
+# Which choices read this app's own flags (the settings declare theirs:
+# `setting(read_by=...)`); a set flag they do not read is a warning.
+_CLUSTER = {"strategy": ("multi_worker_mirrored", "parameter_server"),
+            "model_parallel_devices": ("cluster",)}
+READ_BY = {"cluster_resolver": _CLUSTER, "slurm_ps_tasks": _CLUSTER,
+           "slurm_port_base": _CLUSTER, "startup_timeout": _CLUSTER}
+
 # Recorded in TensorBoard as the run's configuration (those not at their
 # default, and the key ones: see config_flags.hparams).
 TRAIN_FLAGS = sorted(set(FLAGS) - _FLAGS_BEFORE)
@@ -207,7 +214,15 @@ def check_tf_config_early():
       FLAGS.strategy, needs_ps=FLAGS.strategy == "parameter_server")
 
 
+def warn_unread_flags():
+  """One warning line naming each flag set that the run does not read
+  (`--data_dir` with `--dataset=synthetic`, `--tpu` without
+  `--strategy=tpu`, another model's options, ...)."""
+  cli.warn_unread_flags(extra=READ_BY)
+
+
 def _check_and_run():
+  warn_unread_flags()
   check_tf_config_early()
   run_main()
 

@@ -36,6 +36,7 @@ CORE_MODULES = (
     "framework.core.communication", "framework.core.tta")
 _MODULES = CORE_MODULES + (
     "framework.core.losses", "framework.core.precision", "framework.core.ema",
+    "framework.core.optimizer_sharding",
     "framework.core.optimizers", "framework.core.summaries",
     "framework.tasks", "framework.data.augment", "framework.model_parallel",
     "framework.core.ps_training", "framework.data.file_input",

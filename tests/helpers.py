@@ -156,3 +156,15 @@ def assert_one_line_error(proc, script, *fragments, unchanged=None):
     after = snapshot(unchanged.path)
     assert after == unchanged, f"changed: {unchanged} -> {after}"
   return line
+
+
+def final_eval(stderr):
+  """{metric: value} of train.py's `final eval: {...}` log line."""
+  import ast  # pylint: disable=g-import-not-at-top
+  return ast.literal_eval(re.search(r"final eval: (\{.*\})", stderr).group(1))
+
+
+def printed_metrics(stdout):
+  """{metric: value} of evaluate.py's printed metric lines."""
+  return {k: float(v) for k, v in re.findall(r"^  (\w+)\s+([\d.]+)$", stdout,
+                                             re.M)}

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
               "multi_worker", "model_parallel", "large_dataset", "network",
-              "matmul_peak")
+              "matmul_peak", "xla", "optimizer_sharding")
 
 
 def run(script, *args, timeout=120):
@@ -205,3 +205,36 @@ print("ok")
 """
   proc = helpers.run_code(code, ROOT, timeout=120)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_xla_benchmark_reports_both_sides_per_strategy(tmp_path):
+  output = tmp_path / "xla.json"
+  proc = run("benchmarks/xla.py", "--strategies=default,mirrored:2",
+             "--models=cifar_cnn", "--global_batch_size=8",
+             "--steps_per_loop=1", "--loops_per_round=1", "--rounds=1",
+             f"--output_json={output}", timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(output.read_text())["rows"]
+  assert [(r["strategy"], r["xla_mode"]) for r in rows] == [
+      ("default", "step"), ("mirrored:2", "gradients")]
+  assert all(r["plain_examples_per_s"] > 0 and r["xla_examples_per_s"] > 0
+             for r in rows)
+  assert "XLA/plain" in proc.stdout
+
+
+@pytest.mark.slow
+def test_optimizer_sharding_benchmark_halves_the_slots_per_device(tmp_path):
+  output = tmp_path / "sharding.json"
+  proc = run("benchmarks/optimizer_sharding.py", "--models=gpt_tiny",
+             "--replicas=2", "--steps=1", f"--output_json={output}",
+             timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "load average" in proc.stdout
+  plain, sharded = json.loads(output.read_text())
+  assert (plain["sharded"], sharded["sharded"]) == (False, True)
+  for device, size in sharded["slot_bytes"].items():
+    assert size <= plain["slot_bytes"][device] / 2 + 4 * 64  # padding
+    assert sharded["param_bytes"][device] == plain["param_bytes"][device]
+  assert sharded["max_weight_difference"] <= 1e-6
+  assert sharded["peak_rss_bytes"] > 0

@@ -292,6 +292,17 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "model_options.model_width": 128,
                 "model_options.vocab_size": 0,
                 "model_options.tie_embeddings": True,
+                # The best checkpoint, early stopping, eval sets.
+                "loop.best_metric": None, "loop.best_mode": "auto",
+                "loop.best_min_delta": 0.0,
+                "loop.early_stopping_patience": None,
+                "loop.early_stopping_start_step": 0,
+                "loop.restore_best_on_stop": False, "loop.eval_steps": None,
+                "eval_sets": {"tuple": []},
+                # Warm start, XLA, optimizer-state sharding.
+                "init_checkpoint": None, "init_exclude": None,
+                "init_skip_mismatch": False, "jit_compile": False,
+                "shard_optimizer_state": False,
                 "model_parallel.mesh": "", "model_parallel.data_axis": 1}
 
 

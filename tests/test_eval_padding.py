@@ -155,11 +155,10 @@ def test_a_user_eval_input_is_padded_and_a_fresh_controller_restores(
   assert again["loss"] == pytest.approx(results["loss"], rel=1e-6)
   assert again["examples"] == again["rows"] * NUM_TEST == NUM_TEST
   assert _eval_steps(tmp_path) == [2, 2]
-  # Nothing to restore: an error, and no step-0 point of untrained weights.
+  # Nothing to restore: the weights it holds, at its step 0 (Orbit's).
   empty = _controller(data, tmp_path / "empty", ConfusionTrainer)
-  with pytest.raises(framework.CheckpointError, match="no checkpoint"):
-    empty.evaluate()
-  assert not (tmp_path / "empty" / "eval").exists()
+  assert empty.evaluate()["examples"] == NUM_TEST
+  assert _eval_steps(tmp_path / "empty") == [0]
 
 
 @pytest.mark.slow

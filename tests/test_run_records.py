@@ -148,3 +148,31 @@ def test_a_batch_larger_than_the_data_leaves_nothing(tmp_path):
                      match="global_batch_size=1000000 is larger than"):
     experiment.run(_config(model_dir, global_batch_size=1000000))
   assert not model_dir.exists()
+
+
+def test_more_steps_for_a_run_that_met_its_target_train_them(tmp_path,
+                                                             caplog):
+  model_dir = tmp_path / "run"
+  config = _config(model_dir, train_steps=20, optimizer=framework.
+                   OptimizerConfig(schedule="onecycle"), loop=dict(
+                       eval_every=5, checkpoint_every=0,
+                       stop_at_accuracy=0.01))
+  experiment.run(config)
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith("ckpt-5")
+  with open(model_dir / "target_reached.json") as f:
+    first = json.load(f)
+  caplog.set_level(logging.INFO)
+  caplog.clear()
+  experiment.run(dataclasses_replace(config, train_steps=30))
+  # All 30 steps, not one more evaluation and a stop at the same target.
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith("ckpt-30")
+  assert "without stopping at that target again" in caplog.text
+  assert "not reached" not in caplog.text
+  with open(model_dir / "target_reached.json") as f:
+    assert json.load(f) == first  # the first time to target, kept
+  with open(model_dir / "model_info.json") as f:
+    changes = json.load(f)["config_changes"]
+  assert changes == [{"step": 5, "train_steps": {"was": 20, "now": 30},
+                      "lr_schedule": {"was": "onecycle over 20 steps",
+                                      "now": "onecycle over 30 steps"}}]
+  assert "schedule now spans 30 steps" in caplog.text

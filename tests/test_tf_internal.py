@@ -30,6 +30,29 @@ def test_optimizer_slots_and_weight_decay():
   assert not _tf_internal.uses_weight_decay(optimizer, bias)
 
 
+def test_optimizer_children_and_a_value_saved_as_a_variable(tmp_path):
+  kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
+  optimizer = keras.optimizers.Adam()
+  optimizer.build([kernel])
+  children = _tf_internal.trackable_children(optimizer)
+  assert {"_variables", "_trainable_variables", "_iterations",
+          "_momentums", "_velocities"} <= set(children)
+  assert list(children["_momentums"])[0] is _tf_internal.adam_slots(
+      optimizer, 0)[0]
+  # Saved under a variable's key: a variable restores it, and back.
+  restored = []
+  saved = _tf_internal.SavedAsVariable(
+      save=lambda: tf.constant([1.0, 2.0]), restore=restored.append)
+  path = tf.train.Checkpoint(v=saved).write(str(tmp_path / "a"))
+  variable = tf.Variable([0.0, 0.0])
+  tf.train.Checkpoint(v=variable).read(path).assert_consumed()
+  assert variable.numpy().tolist() == [1.0, 2.0]
+  path = tf.train.Checkpoint(v=tf.Variable([3.0, 4.0])).write(
+      str(tmp_path / "b"))
+  tf.train.Checkpoint(v=saved).read(path).assert_consumed()
+  assert restored[0].numpy().tolist() == [3.0, 4.0]
+
+
 def test_parameter_server_strategy_counts_its_workers():
   # Set when it connects, which needs a live cluster: checked in source.
   source = inspect.getsource(
@@ -199,3 +222,14 @@ def test_preemption_handler_has_its_peer_watcher_stop():
   source = inspect.getsource(
       tf.distribute.experimental.PreemptionCheckpointHandler)
   assert "def _stop_cluster_wise_termination_watcher_thread" in source
+
+
+def test_checkpoint_object_graph_names_each_value(tmp_path):
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+  graph = _tf_internal.checkpoint_object_graph(tf.train.load_checkpoint(
+      prefix))
+  keys = {a.checkpoint_key for node in graph.nodes for a in node.attributes
+          if a.name == "VARIABLE_VALUE"}
+  assert keys == {name for name, _ in tf.train.list_variables(prefix)
+                  if name.endswith("VARIABLE_VALUE")}

@@ -176,11 +176,9 @@ def test_checkpoint_of_another_model_is_an_error(straight_run, tmp_path):
   assert files(straight_run) == before
 
 
-def test_corrupt_state_file_is_an_error(tmp_path):
+def test_missing_state_file_is_an_error(tmp_path):
+  # A garbled one is rebuilt from the files (test_checkpoint_state_garbled).
   train(tmp_path, "--train_steps=4")
-  (tmp_path / "checkpoint").write_text("garbage {{{ not a proto")
-  proc = train(tmp_path, "--train_steps=8", check=False)
-  assert_one_line_error(proc, "state file", "corrupt")
   (tmp_path / "checkpoint").unlink()
   proc = train(tmp_path, "--train_steps=8", check=False)
   assert_one_line_error(proc, "state file is missing")

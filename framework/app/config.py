@@ -10,6 +10,7 @@ flags exist before TensorFlow loads.
 
 import dataclasses
 import os
+import re
 
 from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
                                    RESTORE_POLICIES, TTA_MODES,
@@ -18,9 +19,21 @@ from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
 from framework.data.config import (AUGMENTATIONS, INPUT_MODES,
                                    DatasetOptions)
 from framework.distribute.choices import STRATEGIES
+from framework.app import eval_set_specs
+from framework.core.stop_condition import StopCondition, parse_metric
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
-from framework.settings import POSITIVE, check_settings, setting
+from framework.settings import POSITIVE, all_but, check_settings, setting
+
+# The built-in models (models/); `read_by` tables speak of these, and a
+# model of one's own (package.module:function) counts as reading any option.
+BUILTIN_MODELS = ("cifar_cnn", "mlp", "unet", "gpt")
+
+
+# Where `shard_optimizer_state` applies: the data-parallel strategies whose
+# update the trainer owns (one replica: nothing to shard, a note).
+SHARDING_STRATEGIES = ("default", "one_device", "mirrored",
+                       "multi_worker_mirrored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,24 +44,31 @@ class ModelOptions:
   gets its options from `--model_options=key=value,...` (typed from its
   signature, see `models.registry.parse_options`).
   """
-  hidden_units: tuple[int, ...] = setting((64, 64),
-                                          "mlp: hidden layer sizes.")
-  dropout: bool = setting(True, "cifar_cnn: keep the Dropout layers.")
+  hidden_units: tuple[int, ...] = setting(
+      (64, 64), "mlp: hidden layer sizes.", read_by={"model": ("mlp",)})
+  dropout: bool = setting(True, "cifar_cnn: keep the Dropout layers.",
+                          read_by={"model": ("cifar_cnn",)})
   sync_batch_norm: bool = setting(
       False, "BatchNorm statistics over all replicas (Keras "
-      "synchronized=True).")
+      "synchronized=True).", read_by={"model": ("cifar_cnn", "unet")})
   depth: int = setting(4, "unet: down-sampling levels.", flag="unet_depth",
-                       minimum=POSITIVE)
+                       minimum=POSITIVE, read_by={"model": ("unet",)})
   width: int = setting(32, "unet: filters of the first level.",
-                       flag="unet_width", minimum=POSITIVE)
-  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE)
+                       flag="unet_width", minimum=POSITIVE,
+                       read_by={"model": ("unet",)})
+  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE,
+                            read_by={"model": ("gpt",)})
   num_heads: int = setting(4, "gpt: attention heads per block (must divide "
-                           "--model_width).", minimum=POSITIVE)
-  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE)
+                           "--model_width).", minimum=POSITIVE,
+                           read_by={"model": ("gpt",)})
+  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE,
+                             read_by={"model": ("gpt",)})
   vocab_size: int = setting(0, "gpt: vocabulary; 0: the dataset's (256 byte "
-                            "tokens for --dataset=text).")
+                            "tokens for --dataset=text).",
+                            read_by={"model": ("gpt",)})
   tie_embeddings: bool = setting(True, "gpt: the output head is the token "
-                                 "embedding table (tied), else its own.")
+                                 "embedding table (tied), else its own.",
+                                 read_by={"model": ("gpt",)})
 
   def __post_init__(self):
     check_settings(self)
@@ -80,13 +100,14 @@ class ExperimentConfig:
   data_dir: str | None = setting(
       None, "CIFAR-10 python directory (default: Keras's cache, "
       "~/.keras/datasets/cifar-10-batches-py) or the Oxford-IIIT Pet "
-      "directory.")
+      "directory.", read_by={"dataset": all_but("synthetic", "shapes")})
   model_dir: str = setting("/tmp/distloop", "Checkpoints, TensorBoard "
                            "(train/, eval/) and the final weights.")
   strategy: str = setting("default", "tf.distribute strategy.",
                           choices=STRATEGIES, key=True)
   tpu: str | None = setting(None, "TPU name or grpc://host:port for "
-                            "--strategy=tpu.")
+                            "--strategy=tpu.",
+                            read_by={"strategy": ("tpu",)})
   global_batch_size: int = setting(128, "Examples per step, all replicas "
                                    "together.", minimum=POSITIVE, key=True)
   train_steps: int | None = setting(
@@ -105,7 +126,8 @@ class ExperimentConfig:
       "skip the step.", choices=NAN_POLICIES)
   max_skipped_steps: int = setting(
       10, "--nan_policy=skip: stop with an error (saving nothing) after this "
-      "many skipped steps in a row.", minimum=POSITIVE)
+      "many skipped steps in a row.", minimum=POSITIVE,
+      read_by={"nan_policy": ("skip",)})
   # train_steps filled in by `experiment.build_model_and_optimizer`.
   loop: LoopConfig | None = None
   seed: int = setting(0, "Seed for weights, data order and augmentation.")
@@ -168,6 +190,37 @@ class ExperimentConfig:
       "logits of each image and its horizontal mirror.", choices=TTA_MODES)
   # The gradient all-reduce's packing, implementation and wire dtype.
   all_reduce: AllReduceConfig = AllReduceConfig()
+  jit_compile: bool = setting(
+      False, "Compile the replica step with XLA: the whole step on one "
+      "replica, each replica's forward and backward pass under several "
+      "(the all-reduce and update outside); a warning and no XLA under "
+      "parameter_server or model parallelism.")
+  init_checkpoint: str | None = setting(
+      None, "Warm start the model's weights (not the optimizer, step or data "
+      "position) from a run folder (its newest checkpoint; <run>/best for "
+      "its best), a folder or prefix of a TF checkpoint, or a Keras "
+      ".weights.h5 file; only when --model_dir has no checkpoint of its own "
+      "(a relaunch resumes).")
+  init_skip_mismatch: bool = setting(
+      False, "--init_checkpoint: keep the fresh values of variables the "
+      "source lacks or has in another shape (a new head), logged by name; "
+      "otherwise those are an error.")
+  init_exclude: str | None = setting(
+      None, "--init_checkpoint: a regular expression; model variables whose "
+      "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
+      "values.")
+  shard_optimizer_state: bool = setting(
+      False, "Each replica keeps and updates 1/N of the optimizer's slots "
+      "and the weights are all-gathered after the update (ZeRO-1; mirrored "
+      "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
+      "the whole slots, so a run resumes with it on or off and on another "
+      "replica count.")
+  eval_sets: tuple[str, ...] = setting(
+      (), "More eval sets, evaluated at every evaluation into "
+      "model_dir/eval_<NAME>: NAME:DATASET[:DATA_DIR[:SPLIT]] (SPLIT test or "
+      "train), several separated by commas, e.g. "
+      "test:cifar10:data/cifar10-test; --stop_when, --stop_at_accuracy and "
+      "--best_metric can name them as eval_<NAME>/<metric>.")
 
   def __post_init__(self):
     if not self.model_dir:
@@ -175,13 +228,22 @@ class ExperimentConfig:
                         "path")
     # Resolved once, here: what the run records (model_info.json, the
     # checkpoint state) then means the same folder from any other folder.
-    for name in ("model_dir", "data_dir"):
+    for name in ("model_dir", "data_dir", "init_checkpoint"):
       object.__setattr__(self, name, absolute_path(getattr(self, name)))
     check_settings(self)
     if (self.train_steps is None) == (self.epochs is None):
-      raise ConfigError("set exactly one of train_steps and epochs (got "
-                        f"train_steps={self.train_steps}, "
-                        f"epochs={self.epochs})")
+      both = self.train_steps is not None
+      raise ConfigError(
+          "set exactly one of train_steps and epochs (got "
+          f"train_steps={self.train_steps}, epochs={self.epochs})" + (
+              "; 0 unsets either, e.g. --train_steps=N --epochs=0 over a "
+              "flag file's --epochs" if both else ""))
+    if self.init_exclude:
+      try:
+        re.compile(self.init_exclude)
+      except re.error as e:
+        raise ConfigError(f"init_exclude={self.init_exclude!r} is not a "
+                          f"regular expression ({e})") from None
     if self.label_smoothing:
       from framework.core import losses  # pylint: disable=g-import-not-at-top
       losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
@@ -191,11 +253,38 @@ class ExperimentConfig:
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", ModelOptions.num_heads),
         self.model_options.get("vocab_size", 0))
+    if self.shard_optimizer_state and (
+        self.strategy not in SHARDING_STRATEGIES or
+        self.model_parallel.mode != "none"):
+      where = (f"strategy={self.strategy}"
+               if self.strategy not in SHARDING_STRATEGIES
+               else f"model_parallel={self.model_parallel.mode}")
+      raise ConfigError(
+          f"shard_optimizer_state=True needs the trainer's data-parallel "
+          f"update ({', '.join(SHARDING_STRATEGIES)} without model "
+          f"parallelism), not {where}")
+    self._check_eval_splits()
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(
           f"ema_decay and eval_tta are not supported with model_parallel="
           f"{self.model_parallel.mode}")
+
+  def _check_eval_splits(self):
+    """`best_metric` and `stop_when` name eval sets this run has."""
+    loop = self.loop or LoopConfig(train_steps=1)
+    splits = {"eval"} | {f"eval_{spec.name}" for spec in
+                         eval_set_specs.parse_all(self.eval_sets)}
+    named = {"best_metric": loop.best_metric and parse_metric(
+        loop.best_metric)[0], "stop_when": loop.stop_when and
+             StopCondition.parse(loop.stop_when).split}
+    for name, split in named.items():
+      if split and split != "train" and split not in splits:
+        raise ConfigError(
+            f"{name}={getattr(loop, name)!r} names the eval set "
+            f"{split[len('eval_'):]!r}, which this run does not have (its "
+            f"eval splits: {', '.join(sorted(splits))}; add one with "
+            "eval_sets)")
 
 
 def absolute_path(path):

@@ -25,9 +25,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework.core import losses
-from framework.app import export
-from framework.core import checkpointing
+from framework.core import losses, precision
+from framework.app import custom_inputs, export
+from framework.core import checkpoint_state, checkpointing
 from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -146,6 +146,8 @@ class Evaluator:
     export.check_model_code(self.info, config.trust_model_code)
     self.strategy = strategy or strategies.make_strategy(config.strategy,
                                                          tpu=config.tpu)
+    # Never the config's dataset in place of a run's own custom data.
+    custom_inputs.check_own_data(self.info, config.dataset, config.data_dir)
     name = config.dataset or self.info.get("dataset")
     data_dir = config.data_dir
     if data_dir is None and name == self.info.get("dataset"):
@@ -164,10 +166,21 @@ class Evaluator:
                    else ConfusionTrainer)
     if language_model.is_language_model(self.dataset):
       trainer_cls = language_model.LanguageModelTrainer
-    with self.strategy.scope():
-      model = export.build_inference_model(
-          self.info, trust_model_code=config.trust_model_code)
-      optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
+    # The run's own compute precision, so that its numbers come out again.
+    self.precision = self.info.get("mixed_precision") or "float32"
+    if self.precision not in ("float32", "auto"):
+      logging.info("evaluating in %s, the precision the run evaluated in "
+                   "(model_info.json mixed_precision)", self.precision)
+    policy = keras.mixed_precision.global_policy()
+    try:
+      if self.precision != "auto":
+        precision.set_precision(self.precision)
+      with self.strategy.scope():
+        model = export.build_inference_model(
+            self.info, trust_model_code=config.trust_model_code)
+        optimizer = keras.optimizers.SGD()  # the Trainer needs one; unused
+    finally:
+      keras.mixed_precision.set_global_policy(policy)
     replicas = self.strategy.num_replicas_in_sync
     batch = -(-self.global_batch_size // replicas) * replicas
     extra = {}
@@ -289,7 +302,7 @@ def watch(config, strategy=None):
   evaluator = Evaluator(config, strategy=strategy, info=info)
   last = None
   while True:
-    path = tf.train.latest_checkpoint(config.model_dir)
+    path = checkpoint_state.latest(config.model_dir)
     if path is not None and path != last and checkpointing.damage(path):
       # Rotated away while we looked, or damaged: wait for the next one.
       logging.warning("Skipping checkpoint %s: %s", path,

@@ -18,10 +18,13 @@ import tensorflow as tf
 
 import models
 from models import registry
+from framework.app import eval_set_specs
 from framework.app import export
 from framework.app import check_run
+from framework.app import custom_inputs
 from framework.app import factory
-from framework.core import precision, ps_training
+from framework.core import optimizers, precision, progress, ps_training
+from framework.core import warm_start
 from framework.data import augment, datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -66,22 +69,26 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         start_step=start_step, augment=augment_fn,
         input_mode=config.input_mode)
 
-  def default_eval_input():
-    return inputs.distribute_test(strategy, dataset, config.global_batch_size)
-
   train_input = train_input or default_train_input
-  eval_input = eval_input or default_eval_input
+  eval_inputs = None
   if ps_training.is_parameter_server(strategy):
     # The coordinator schedules the steps on the workers; the Controller
     # around it is the same (framework/core/ps_training.py).
     trainer, train_input, eval_input = ps_training.coordinate(
         trainer, dataset, config.global_batch_size, seed=config.seed,
         augment=augment_fn)
+    eval_set_specs.check_parameter_server(config)
+  else:
+    # The run's own set (eval/) and --eval_sets (eval_<name>/).
+    eval_inputs = eval_set_specs.eval_inputs(config, strategy, dataset,
+                                             eval_input)
+    eval_input = None
   checkpoint_items = dict(loss_scale.checkpoint_items() if loss_scale
                           else {})
   if getattr(trainer, "ema", None) is not None:
     checkpoint_items.update(trainer.ema.checkpoint_items())
   kwargs = dict(train_input=train_input, eval_input=eval_input,
+                eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
                 checkpoint_items=checkpoint_items or None)
   if per_pixel:
@@ -131,6 +138,9 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     make_trainer: `(model, optimizer, strategy, *, global_batch_size,
       clip_norm, nan_policy, ...) -> trainer` (default: `trainer_cls`).
   """
+  # Before the first log line: absl's first one, before any flag parsing,
+  # installs a root handler, which would read as logging configured.
+  progress.show_progress_by_default()
   if build_model is not None:
     path = registry.import_path_of(build_model)
     if path is None:
@@ -174,21 +184,36 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
                 start_time=start_time)
 
 
-def _config_changes(model_dir, controller):
+def _config_changes(model_dir, controller, config):
   """{"config_changes": [...]} for model_info.json: the earlier entries,
   plus this resume's if `allow_config_change` let the configuration change
-  (which is then logged); {} if there never was one."""
+  or a longer (shorter) run re-stretched a decaying learning-rate schedule
+  (each is then logged); {} if there never was one."""
   previous = export.read_model_info_quietly(model_dir) or {}
   history = list(previous.get("config_changes") or [])
-  changes = controller.checkpoints.config_changes
-  if changes:
-    step = controller.step
-    history.append({"step": step, **{
-        key: {"was": old, "now": new} for key, old, new in changes}})
+  step = controller.step
+  entry = {key: {"was": old, "now": new}
+           for key, old, new in controller.checkpoints.config_changes}
+  if entry:
     logging.warning(
         "%s now describes the changed configuration (%s) and records the "
         "change at step %d under config_changes", export.MODEL_INFO_FILE,
-        ", ".join(key for key, _, _ in changes), step)
+        ", ".join(entry), step)
+  was, now = previous.get("train_steps"), controller.config.train_steps
+  schedule = config.optimizer.schedule
+  if (step and was and was != now and step < now
+      and schedule in optimizers.DECAYING_SCHEDULES
+      and not config.optimizer.total_steps):
+    entry["train_steps"] = {"was": was, "now": now}
+    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
+                            "now": f"{schedule} over {now} steps"}
+    logging.warning(
+        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
+        "%d steps, so from step %d on the rate differs from the first "
+        "launch's (recorded in %s under config_changes)", was, now,
+        schedule, now, step, export.MODEL_INFO_FILE)
+  if entry:
+    history.append({"step": step, **entry})
   return {"config_changes": history} if history else {}
 
 
@@ -220,11 +245,16 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
         f"global_batch_size={config.global_batch_size} is not divisible by "
         f"the {replicas} replicas of strategy={config.strategy}; use a "
         f"multiple of {replicas}")
+  logging.info("loading dataset=%s%s", config.dataset,
+               f" from {config.data_dir}" if config.data_dir else "")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
                config.strategy, replicas, dataset.name,
                dataset.num_train_examples, dataset.num_test_examples)
+  # Custom inputs: the model is built for the features they give.
+  dataset = custom_inputs.fit_dataset(dataset, config.dataset, train_input,
+                                      eval_input)
   if train_input is None:
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
@@ -242,12 +272,25 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
       config, strategy, dataset, trainer_cls, build_model=build_model,
       train_input=train_input, eval_input=eval_input,
       make_trainer=make_trainer)
+  if train_input is None:  # best.json's epoch
+    controller.steps_per_epoch = inputs.steps_per_epoch(
+        dataset.num_train_examples, config.global_batch_size)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
   controller.restore()
+  # Only when the run has no checkpoint of its own; before anything is written.
+  init = warm_start.warm_start(
+      controller, config.init_checkpoint,
+      skip_mismatch=config.init_skip_mismatch, exclude=config.init_exclude)
   chief = strategies.is_chief(strategy)
   info = dict(export.model_info(config, dataset),
-              train_steps=controller.config.train_steps)
-  info.update(_config_changes(config.model_dir, controller))
+              train_steps=controller.config.train_steps,
+              **custom_inputs.record(train_input, eval_input))
+  # A relaunch keeps the record of the warm start its first launch did.
+  init = init or (export.read_model_info_quietly(config.model_dir)
+                  or {}).get("init_checkpoint")
+  if init:
+    info["init_checkpoint"] = init
+  info.update(_config_changes(config.model_dir, controller, config))
   if chief:
     lock.record()
     # Written first, so a side-car evaluator can rebuild the model.

@@ -23,6 +23,7 @@ import models
 from models import registry
 from framework.core import atomic
 from framework.errors import CheckpointError, ConfigError
+from framework.data import preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 
@@ -52,6 +53,12 @@ def model_info(config, dataset):
           "ema_decay": getattr(config, "ema_decay", None),
           "eval_tta": getattr(config, "eval_tta", "none"),
           "label_smoothing": getattr(config, "label_smoothing", 0.0),
+          # The compute precision it evaluated in (`auto` resolved), which
+          # evaluate.py uses too: bfloat16 and float32 differ in the 4th
+          # digit.
+          "mixed_precision": getattr(config, "mixed_precision", "float32"),
+          # Which side scales images (framework.data.preprocessing).
+          "input_preprocessing": preprocessing.CONTRACT,
           # Token sequences, not images: predict.py generates, the export
           # takes int32 tokens.
           **({"task": LANGUAGE_MODEL} if is_text(dataset) else {})}

@@ -84,13 +84,23 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
   precision.set_precision(compute_precision or config.mixed_precision)
   try:
     with strategy.scope():
-      if build_model is None:
-        model = models.build_model(config.model, dataset.input_shape,
-                                   dataset.num_classes, **config.model_options)
-      else:
-        model = registry.call_builder(build_model, dataset.input_shape,
-                                      dataset.num_classes,
-                                      config.model_options, name=config.model)
+      try:
+        if build_model is None:
+          model = models.build_model(config.model, dataset.input_shape,
+                                     dataset.num_classes,
+                                     **config.model_options)
+        else:
+          model = registry.call_builder(build_model, dataset.input_shape,
+                                        dataset.num_classes,
+                                        config.model_options,
+                                        name=config.model)
+      except ValueError as e:
+        # Keras's long input-compatibility error: one line, before any work.
+        raise ConfigError(
+            f"model={config.model} cannot be built for the inputs of "
+            f"dataset={config.dataset}, of shape "
+            f"{tuple(dataset.input_shape)} ("
+            f"{str(e).strip().splitlines()[0][:300]})") from None
       registry.check_outputs(config.model, model, dataset.num_classes,
                              config.dataset)
       # A model registered without its task is known once built.
@@ -120,8 +130,17 @@ def trainer_options(config, strategy):
     options["eval_tta"] = config.eval_tta
   if not config.all_reduce.is_default:
     options["all_reduce"] = config.all_reduce
+  if config.shard_optimizer_state:
+    options["shard_optimizer_state"] = True
   if precision.needs_loss_scale(config.mixed_precision):
     options["loss_scale"] = precision.LossScale(strategy)
+  if config.jit_compile:
+    if config.model_parallel.mode != "none":
+      logging.warning("jit_compile: not supported with model_parallel=%s (a "
+                      "stage's ops run on several devices, an XLA function on "
+                      "one); training without XLA", config.model_parallel.mode)
+    else:
+      options["jit_compile"] = True
   return options
 
 

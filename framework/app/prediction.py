@@ -15,6 +15,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from framework.app import custom_inputs
+from framework.core import best_checkpoint
 from framework.data import datasets
 from framework.errors import CheckpointError, ConfigError, DataError
 from framework.app.experiment import WEIGHTS_FILE
@@ -45,7 +47,8 @@ def resolve_model(model_dir=None, weights=None, model=None):
   """(model info, weights path) for a run's `model_dir` or a `weights` file.
 
   The architecture comes from model_info.json in `model_dir` (or beside
-  `weights`); `model` overrides its name (and, being named by the user, is
+  `weights`; `weights="best"`: the run's best checkpoint, see
+  `framework.core.best_checkpoint`); `model` overrides its name (and, being named by the user, is
   trusted code: see `export.build_inference_model`), and without any
   model_info.json describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
   """
@@ -54,6 +57,11 @@ def resolve_model(model_dir=None, weights=None, model=None):
                       "weights (a .weights.h5 file)")
   if model_dir and not os.path.isdir(model_dir):
     raise CheckpointError(f"model_dir={model_dir!r} does not exist")
+  if weights == "best":  # the weights evaluation used at the best step
+    if not model_dir:
+      raise ConfigError("weights=best needs model_dir (the run whose best "
+                        "checkpoint to use)")
+    weights = best_checkpoint.resolve(model_dir, "weights")
   if weights is None:
     weights = os.path.join(model_dir, WEIGHTS_FILE)
     if not os.path.isfile(weights):
@@ -127,7 +135,8 @@ def cifar10_test_image(index, data_dir=None):
 
 
 def test_example(info, index, data_dir=None):
-  """(uint8 image [H, W, C], label, source text) of test example `index` of
+  """(features as stored: a uint8 image [H, W, C] or float features, label,
+  source text) of test example `index` of
   the run's own dataset (`info`: its model_info.json), as numbered by the
   dataset: CIFAR-10's and arrays' order, a TFRecord's or image folder's
   example index (its order before sharding).
@@ -135,6 +144,10 @@ def test_example(info, index, data_dir=None):
   `data_dir` replaces the run's (e.g. after moving the data); CIFAR-10
   without either reads Keras's cache.
   """
+  custom_inputs.check_own_data(
+      info, None, data_dir, what="take test example --index",
+      how="classify a file with --image, or give the run's dataset folder "
+      "with --data_dir")
   name = info.get("dataset") or "cifar10"
   if data_dir is None:
     data_dir = info.get("data_dir")
@@ -154,7 +167,9 @@ def test_example(info, index, data_dir=None):
   if np.ndim(label):
     raise ConfigError(f"dataset={name} has per-pixel labels; predict "
                       "classifies whole images")
-  return np.asarray(image, np.uint8), int(label), f"{name} test #{index}"
+  # As stored: uint8 images, or float features (never cast to uint8).
+  image = np.asarray(image)
+  return image, int(label), f"{name} test #{index}"
 
 
 def _file_test_example(split, index):
@@ -179,6 +194,9 @@ def _file_test_example(split, index):
 def load_image(path, input_shape):
   """A PNG/JPEG file as uint8 [H, W, C], resized to `input_shape`."""
   from PIL import Image, UnidentifiedImageError  # pylint: disable=g-import-not-at-top
+  if len(input_shape) != 3 or input_shape[-1] not in (1, 3):
+    raise ConfigError(f"the model takes inputs of shape {tuple(input_shape)}"
+                      ", not images: classify a test example with --index")
   if not os.path.exists(path):
     raise DataError(f"image={path!r} does not exist")
   height, width, channels = input_shape
@@ -195,7 +213,8 @@ def load_image(path, input_shape):
 
 
 def predict(model, image):
-  """Class probabilities (float64, sum 1) for one uint8 image [H, W, C]."""
+  """Class probabilities (float64, sum 1) for one example: a uint8 image
+  [H, W, C] (scaled to [0, 1] as in training) or float features."""
   logits = model(to_float(tf.constant(image[None])), training=False)
   return np.asarray(tf.nn.softmax(logits)[0], np.float64)
 

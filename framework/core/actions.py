@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from absl import logging
 
+from framework.core import eval_sets
 from framework.core import protocols
 from framework.core.stop_condition import StopCondition
 from framework.errors import NonFiniteLossError
@@ -45,6 +46,8 @@ class StopWhen:
 
   def __call__(self, step: int, outputs: Mapping[str, float]) -> None:
     c = self.controller
+    if self.condition.split != "train":
+      outputs = eval_sets.results_of(c, self.condition.split, outputs)
     if (c.time_to_target is not None or not c.measure_target
         or not self.condition.met(outputs)):
       return

@@ -23,7 +23,7 @@ from google.protobuf import text_format
 import keras
 import tensorflow as tf
 
-from framework.core import atomic
+from framework.core import atomic, checkpoint_state
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ModelDirError, check_choice,
@@ -87,11 +87,17 @@ def damage(prefix):
 def _listed_checkpoints(directory):
   """The checkpoints the state file lists, oldest first (None: no state).
 
+  An unreadable state file (garbled, empty) is named in a warning and the
+  checkpoints are those found from their own files.
+
   `get_checkpoint_state` joins relative entries onto the directory it is
   given, so an absolute directory makes every entry absolute, whatever form
   the state file stores.
   """
   directory = _absolute(directory)
+  found = checkpoint_state.recovered(directory)
+  if found is not None:  # a garbled state file: the files themselves
+    return found
   try:
     state = tf.train.get_checkpoint_state(directory)
   except Exception as e:  # pylint: disable=broad-except  (a parse error)
@@ -247,6 +253,9 @@ class CheckpointManager:
   def _check_state_file(self):
     if not self.is_chief:
       return
+    # Garbled: rewritten from the ckpt-* files before TensorFlow reads it
+    # (it would log a ParseError and see no checkpoint at all).
+    checkpoint_state.rebuild(self.directory)
     has_data = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
     try:
       state = tf.train.get_checkpoint_state(self.directory)

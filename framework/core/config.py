@@ -7,7 +7,7 @@ them (`controller`, `optimizers`, `trainer`, ...) import them from here.
 
 import dataclasses
 
-from framework.core.stop_condition import StopCondition
+from framework.core.stop_condition import StopCondition, parse_metric
 from framework.errors import ConfigError
 from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
 
@@ -29,6 +29,8 @@ TTA_MODES = ("none", "flip")
 # The gradient all-reduce (`communication`).
 ALL_REDUCE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
 ALL_REDUCE_DTYPES = ("float32", "bfloat16")
+# Which way `best_metric` improves (`best_checkpoint`).
+BEST_MODES = ("auto", "max", "min")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,9 @@ class LoopConfig:
 
   Attributes:
     train_steps: total global steps.
-    steps_per_loop: most steps run inside one `tf.function` call.
+    steps_per_loop: most steps run inside one `tf.function` call; or a
+      function of the global step returning that number (Orbit's), e.g.
+      `lambda step: 10 if step < 100 else 1000`.
     checkpoint_every, eval_every, summary_every, log_every: intervals in
       steps; a checkpoint and an evaluation also happen at the end.
     keep_checkpoints: how many checkpoints to keep.
@@ -60,6 +64,21 @@ class LoopConfig:
     eval_start_step: periodic evaluations (`eval_every`) only from this
       step on: a time-to-accuracy run skips evaluations that cannot reach
       its target yet. The final evaluation always happens.
+    best_metric: `SPLIT/METRIC` of an eval set (`eval/accuracy`,
+      `eval_test/loss`): after each evaluation that improves it the chief
+      writes `model_dir/best/` (`framework.core.best_checkpoint`). None: off.
+    best_mode: `max`, `min` or `auto` (max for accuracy-like names: acc,
+      auc, iou, precision, recall, f1; else min).
+    best_min_delta: an improvement must exceed this (>= 0).
+    early_stopping_patience: stop after this many evaluations in a row
+      without an improvement of `best_metric` (Keras `EarlyStopping`); the
+      run is then finished (a relaunch trains nothing). None: off.
+    early_stopping_start_step: evaluations before this step do not count
+      towards the patience.
+    restore_best_on_stop: a run stopped early ends with the best weights
+      (its final evaluation, weights file and export are the best ones).
+    eval_steps: evaluate the first N global batches of each eval set only
+      (Keras `validation_steps`; `framework.core.eval_sets`). None: all.
   """
   # Filled in from the run's --train_steps or --epochs.
   train_steps: int = setting(flag=False, minimum=POSITIVE)
@@ -94,9 +113,42 @@ class LoopConfig:
       "<= > >=, e.g. eval/loss<0.1; the run ends as at its last step and "
       "writes SPLIT/time_to_target_seconds. --stop_at_accuracy=X is "
       "eval/accuracy>=X.")
+  best_metric: str | None = setting(
+      None, "Keep the best checkpoint by this eval scalar, SPLIT/METRIC "
+      "(eval/accuracy, eval/loss, eval_<set>/<metric>): after each "
+      "evaluation that improves it, model_dir/best/ holds its checkpoint, "
+      "the weights evaluation used and best.json; never rotated away.")
+  best_mode: str = setting(
+      "auto", "Whether --best_metric improves up (max) or down (min); auto: "
+      "max for accuracy-like names (acc, auc, iou, precision, recall, f1), "
+      "else min.", choices=BEST_MODES)
+  best_min_delta: float = setting(
+      0.0, "An improvement of --best_metric must exceed this (>= 0).")
+  early_stopping_patience: int | None = setting(
+      None, "Stop after this many evaluations in a row without an "
+      "improvement of --best_metric by more than --best_min_delta; the run "
+      "is then finished (a relaunch trains nothing). 0 unsets it.",
+      zero_unsets=True, minimum=POSITIVE)
+  early_stopping_start_step: int = setting(
+      0, "Evaluations before this step do not count towards "
+      "--early_stopping_patience.", minimum=NON_NEGATIVE)
+  eval_steps: int | None = setting(
+      None, "Evaluate the first N global batches of each eval set only "
+      "(Keras validation_steps); the log and the summary eval_steps say so. "
+      "0 unsets it.", zero_unsets=True, minimum=POSITIVE)
+  restore_best_on_stop: bool = setting(
+      False, "A run stopped by --early_stopping_patience ends with the best "
+      "weights: its final evaluation, weights file and export are the best "
+      "checkpoint's.")
 
   def __post_init__(self):
     from framework.perf import profiling  # pylint: disable=g-import-not-at-top
+    if callable(self.steps_per_loop):
+      # Orbit's form, a function of the global step: the Controller checks
+      # what it returns; every other field is checked here.
+      checked = dataclasses.replace(self, steps_per_loop=1)
+      object.__setattr__(self, "profile_steps", checked.profile_steps)
+      return
     if self.stop_at_accuracy is not None and not (
         0 < self.stop_at_accuracy <= 1):
       raise ConfigError(f"stop_at_accuracy={self.stop_at_accuracy} must be "
@@ -111,6 +163,26 @@ class LoopConfig:
     object.__setattr__(self, "profile_steps",
                        profiling.check_profile_steps(self.profile_steps))
     check_settings(self)
+    self._check_best()
+
+  def _check_best(self):
+    if self.best_metric is not None:
+      parse_metric(self.best_metric)
+    if not (isinstance(self.best_min_delta, (int, float))
+            and 0 <= self.best_min_delta < float("inf")):
+      raise ConfigError(f"best_min_delta={self.best_min_delta!r} must be a "
+                        "finite number >= 0")
+    needs = {"early_stopping_patience": self.early_stopping_patience,
+             "early_stopping_start_step": self.early_stopping_start_step,
+             "restore_best_on_stop": self.restore_best_on_stop}
+    if self.best_metric is None:
+      for name, value in needs.items():
+        if value:
+          raise ConfigError(f"{name}={value} needs best_metric (the eval "
+                            "scalar it watches, e.g. eval/accuracy)")
+    if self.restore_best_on_stop and self.early_stopping_patience is None:
+      raise ConfigError("restore_best_on_stop=True needs "
+                        "early_stopping_patience (what stops the run)")
 
   def stop_condition(self) -> "StopCondition | None":
     """`stop_when` (or `stop_at_accuracy`) parsed; None when neither."""
@@ -145,8 +217,10 @@ class OptimizerConfig:
   name: str = setting("adam", "Optimizer.", flag="optimizer",
                       choices=OPTIMIZERS, key=True)
   learning_rate: float = setting(1e-3, "Peak learning rate.", key=True)
-  momentum: float = setting(0.9, "Momentum for --optimizer=momentum.")
-  weight_decay: float = setting(1e-4, "Decoupled weight decay (adamw).")
+  momentum: float = setting(0.9, "Momentum for --optimizer=momentum.",
+                            read_by={"optimizer": ("momentum",)})
+  weight_decay: float = setting(1e-4, "Decoupled weight decay (adamw).",
+                                read_by={"optimizer": ("adamw",)})
   schedule: str = setting(
       "constant", "Learning-rate schedule after warm-up. linear: straight "
       "down to --lr_min_ratio x peak at the last step; onecycle: linear "
@@ -157,12 +231,15 @@ class OptimizerConfig:
   total_steps: int = setting(0, flag=False)
   step_boundaries: tuple[int, ...] = setting(
       (), "Steps where --lr_schedule=step multiplies the rate by "
-      "--lr_step_decay.", flag="lr_step_boundaries")
+      "--lr_step_decay.", flag="lr_step_boundaries",
+      read_by={"lr_schedule": ("step",)})
   step_decay: float = setting(0.1, "Factor at each step boundary.",
-                              flag="lr_step_decay")
+                              flag="lr_step_decay",
+                              read_by={"lr_schedule": ("step",)})
   min_lr_ratio: float = setting(
       0.0, "cosine, linear, onecycle: final learning rate as a fraction of "
-      "the peak.", flag="lr_min_ratio")
+      "the peak.", flag="lr_min_ratio",
+      read_by={"lr_schedule": DECAYING_SCHEDULES})
   nesterov: bool = setting(False, "Nesterov momentum for "
                            "--optimizer=momentum.")
   lr_scaling: str = setting(
@@ -171,7 +248,8 @@ class OptimizerConfig:
       choices=LR_SCALINGS)
   base_batch_size: int = setting(
       256, "The global batch --learning_rate is given for (with "
-      "--lr_scaling).", flag="lr_base_batch_size", minimum=POSITIVE)
+      "--lr_scaling).", flag="lr_base_batch_size", minimum=POSITIVE,
+      read_by={"lr_scaling": ("linear", "sqrt")})
 
   def __post_init__(self):
     check_settings(self)

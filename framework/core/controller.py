@@ -31,18 +31,20 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.data import integrity
+from framework.data import integrity, preprocessing
 from framework.distribute import strategies
 from framework.perf import profiling
 from framework.core import run_state
 from framework.core import actions as actions_lib
+from framework.core import best_checkpoint
+from framework.core import eval_sets as eval_sets_lib
 from framework.core import metric_sinks as metric_sinks_lib
 from framework.core import progress
 from framework.core import protocols
 from framework.core.checkpointing import CheckpointManager
 from framework.core.config import LoopConfig  # pylint: disable=unused-import
 from framework.data.inputs import MaskedBatch, pad_batches
-from framework.errors import (CheckpointError, ConfigError, DataError,
+from framework.errors import (ConfigError, DataError,
                               NonFiniteLossError)
 from framework.core.summaries import SummaryWriter, markdown_table
 
@@ -141,7 +143,9 @@ class Controller:
     re-batches it to `global_batch_size`, pads the last batch with masked
     rows, see `framework.data.inputs.pad_batches`, and distributes it, so
     that every replica gets a full batch) or an already distributed dataset
-    (used as is: pad it yourself).
+    (used as is: pad it yourself). `eval_inputs={"test": fn, ...}` adds
+    more named sets, each evaluated at every evaluation into
+    `model_dir/eval_<name>` (`framework.core.eval_sets`).
 
   Actions (`framework.core.actions`): `fn(step, outputs)`. Train actions
   run after each loop's summaries and log line, before its checkpoint and
@@ -166,6 +170,8 @@ class Controller:
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
     train_input: `start_step -> dataset` of global batches (see above).
     eval_input: `() -> dataset` over the whole eval set, or None.
+    eval_inputs: {name: `() -> dataset`}: more eval sets (`eval_<name>/`;
+      the name `eval` is `eval_input`'s).
     hparams: a dict (e.g. the run's flags) written as a text summary and
       to TensorBoard's HParams dashboard (`model_dir` is the session).
     checkpoint_items: extra trackables to checkpoint besides model,
@@ -200,6 +206,7 @@ class Controller:
   def __init__(self, trainer: protocols.LoopTrainer, config: LoopConfig,
                model_dir: str, *, train_input: Callable[[int], Any],
                eval_input: Optional[Callable[[], Any]] = None,
+               eval_inputs: Optional[dict] = None,
                hparams: Optional[dict] = None,
                checkpoint_items: Optional[dict] = None,
                train_actions: Sequence[actions_lib.Action] = (),
@@ -217,10 +224,12 @@ class Controller:
           "Controller needs framework.core.protocols.LoopTrainer")
     if evaluator is None and isinstance(trainer, protocols.LoopEvaluator):
       evaluator = trainer
-    if eval_input is not None and not isinstance(
+    # {split: input}: eval/ first, then eval_<name>/ for each named set.
+    self.eval_sets = eval_sets_lib.collect(eval_input, eval_inputs)
+    if self.eval_sets and not isinstance(
         evaluator, protocols.LoopEvaluator):
       raise ConfigError(
-          f"eval_input is set but trainer={type(trainer).__name__} has no "
+          f"an eval input is set but trainer={type(trainer).__name__} has no "
           "evaluate(distributed_dataset) and no evaluator= was given")
     self.trainer = trainer
     self.evaluator = evaluator
@@ -232,6 +241,7 @@ class Controller:
     self.model_dir = model_dir
     self.train_input = train_input
     self.eval_input = eval_input
+    self._said_scaled = False
     self.hparams = hparams or {}
     chief = strategies.is_chief(trainer.strategy)
     # Dropout's random state too, so that a resumed run draws the same masks.
@@ -241,7 +251,8 @@ class Controller:
     if rng_states:
       items["rng_states"] = rng_states
     self.checkpoint = tf.train.Checkpoint(
-        model=trainer.model, optimizer=trainer.optimizer,
+        model=trainer.model,
+        optimizer=protocols.checkpointed_optimizer(trainer),
         global_step=trainer.global_step, **items)
     self.checkpoints = CheckpointManager(
         self.checkpoint, model_dir, trainer.strategy,
@@ -259,10 +270,12 @@ class Controller:
     self.loss_finite = True
     self._last_loop = None
     self.last_eval = None
+    self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = []
     self._last_eval_step = None
     self.stop_reason = None
     self.start_time = None
+    self.steps_per_epoch = None  # if known: best.json's epoch
     self.time_to_target = None
     self.measure_target = True
     # The chief traces; other workers run the same ops.
@@ -279,8 +292,10 @@ class Controller:
           self, condition, description=(
               f"accuracy {config.stop_at_accuracy:.4f}"
               if config.stop_when is None else None))
-      (self.eval_actions if condition.split == "eval"
-       else self.train_actions).append(stop)
+      (self.train_actions if condition.split == "train"
+       else self.eval_actions).append(stop)
+    # best/ and early stopping (`best_metric`), after the stop condition.
+    self.best = best_checkpoint.from_config(self, config)
     # Deprecated: run after the train actions, each as `fn(step)`.
     self.on_loop_end = list(on_loop_end)
 
@@ -309,13 +324,22 @@ class Controller:
 
   def _steps_to_next_event(self, step):
     c = self.config
-    candidates = [c.steps_per_loop, c.train_steps - step]
+    candidates = [self._steps_per_loop(step), c.train_steps - step]
     for every in (c.checkpoint_every, c.eval_every, c.summary_every,
                   c.log_every):
       if every:
         candidates.append(every - step % every)
     candidates += [b - step for b in self.profiler.boundaries() if b > step]
     return min(candidates)
+
+  def _steps_per_loop(self, step):
+    """`steps_per_loop`, or what it returns for `step` if it is callable."""
+    every = self.config.steps_per_loop
+    steps = every(step) if callable(every) else every
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ConfigError(f"steps_per_loop({step}) returned {steps!r}; it must "
+                        "return an integer >= 1")
+    return steps
 
   def _due(self, every, step):
     return bool(every) and step % every == 0
@@ -342,39 +366,26 @@ class Controller:
     return text
 
   def evaluate(self) -> Optional[dict]:
-    """Evaluates on the whole eval set, writes `eval/` summaries (with
+    """Evaluates every eval set, writes `eval/` (`eval_<name>/`) summaries (with
     `elapsed_seconds`, the wall time since `start_time`, once `run()` set
     it) and runs the eval actions.
 
     A Controller that has not restored yet (a fresh one) restores the
-    latest checkpoint first; with none, it is a CheckpointError (the
-    initial weights would be written as a step-0 point of the run).
+    latest checkpoint first if there is one; without one it evaluates the
+    weights the model holds, at the current `global_step` (Orbit's
+    semantics: a baseline before training, a model built in Python).
     """
-    if self.eval_input is None:
+    if not self.eval_sets:
       return None
     if not self._restored:
       self.restore()
-      if self.restored_from is None:
-        raise CheckpointError(
-            f"model_dir={self.model_dir!r} has no checkpoint to evaluate: "
-            "train first (run()), or evaluate the trainer directly "
-            "(trainer.evaluate)")
     self.trainer.sync_replica_state()
-    data = self.eval_input()
-    if isinstance(data, tf.data.Dataset):
-      data = self._distribute(self._pad_eval(data))
     step = self.step
-    with self.writer("eval").as_default(step), tf.summary.record_if(True):
-      results = dict(self.evaluator.evaluate(data))
-    scalars = {k: v for k, v in results.items() if k != "examples"}
-    if self.start_time is not None:
-      # The wall-clock position of each evaluation on the run's time axis
-      # (the origin of time_to_target): accuracy against seconds.
-      scalars["elapsed_seconds"] = time.time() - self.start_time
-    self.writer("eval").scalars(step, scalars)
-    logging.info("eval  step %d: %s", step, ", ".join(
-        f"{k}={v:.4f}" if k != "examples" else f"{k}={int(v)}"
-        for k, v in sorted(results.items())))
+    self.eval_results = {
+        split: eval_sets_lib.evaluate_one(self, split, fn, step)
+        for split, fn in self.eval_sets.items()}
+    # The actions get the primary set's (eval/, else the first).
+    results = next(iter(self.eval_results.values()))
     self.last_eval, self._last_eval_step = results, step
     for action in self.eval_actions:
       action(step, results)
@@ -420,7 +431,23 @@ class Controller:
       for fn in self.on_train_end:
         fn(step)
       return self.last_eval
-    if record is not None and self._chief:
+    if self.best is not None and self.best.finished(step):
+      for fn in self.on_train_end:
+        fn(step)
+      return self.last_eval
+    if run_state.continues_past_target(record, step, c.stop_at_accuracy):
+      # More steps for a run that met its target: train them, keep the
+      # first time to target (the record stays as it is).
+      self.measure_target = False
+      logging.info(
+          "accuracy %.4f reached stop_at_accuracy=%.4f at step %d "
+          "(time_to_target_seconds=%.1f, kept in %s); training on to step "
+          "%d without stopping at that target again (a higher "
+          "stop_at_accuracy is a new target)", record["accuracy"],
+          c.stop_at_accuracy, int(record["step"]),
+          float(record.get("time_to_target_seconds", float("nan"))),
+          run_state.TARGET_FILE, c.train_steps)
+    elif record is not None and self._chief:
       run_state.forget_target(self.model_dir)  # it trains on from here
     if step >= c.train_steps:
       logging.info("Already at step %d of %d; nothing to train", step,
@@ -454,7 +481,8 @@ class Controller:
       results = self.evaluate()
     self._record_target(step)
     condition = c.stop_condition()
-    if condition is not None and self.time_to_target is None:
+    if (condition is not None and self.time_to_target is None
+        and self.measure_target):
       logging.info("target %s not reached in %d steps",
                    f"accuracy {c.stop_at_accuracy:.4f}"
                    if c.stop_when is None else condition, step)
@@ -493,7 +521,15 @@ class Controller:
 
   def _distribute(self, data):
     """The trainer's `distribute_dataset` if it has one (a parameter-server
-    coordinator evaluates plain datasets itself), else the strategy's."""
+    coordinator evaluates plain datasets itself), else the strategy's;
+    uint8 features scaled first (`framework.data.preprocessing`)."""
+    if preprocessing.has_uint8_features(data.element_spec):
+      if not self._said_scaled:
+        logging.info("the input gives uint8 features: scaled to float32 in "
+                     "[0, 1] before the model (the preprocessing contract, "
+                     "as for the built-in datasets)")
+        self._said_scaled = True
+      data = preprocessing.scale_dataset(data)
     if isinstance(self.trainer, protocols.DatasetDistributing):
       return self.trainer.distribute_dataset(data)
     return self.trainer.strategy.experimental_distribute_dataset(data)
@@ -554,12 +590,25 @@ class Controller:
     c = self.config
     last_saved = start_step = step
     start_time = time.time()
+    first = True
     while step < c.train_steps:
       num_steps = self._steps_to_next_event(step)
       self.profiler.maybe_start(step)
+      if first:
+        # Nothing else prints while the step function is traced.
+        logging.info(
+            "training steps %d..%d (the ETA counts to step %d%s); the first "
+            "loop (%d steps) includes tracing the train step", step + 1,
+            c.train_steps, c.train_steps,
+            "" if c.stop_condition() is None else
+            ", train_steps: the stop condition may end the run earlier",
+            num_steps)
       loop_start = time.time()
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
+      if first:
+        logging.info("first loop done in %.1f s (tracing included)", elapsed)
+        first = False
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
       watched = protocols.watched_metrics(metrics)
@@ -572,13 +621,13 @@ class Controller:
         rate = (step - start_step) / max(time.time() - start_time, 1e-9)
         eta = (c.train_steps - step) / max(rate, 1e-9)
         logging.info(
-            "train step %d/%d: %s%s ETA %s%s", step, c.train_steps,
+            "train step %d/%d: %s%s ETA %s %s%s", step, c.train_steps,
             " ".join(f"{k}={v:.4f}" for k, v in
                      sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
             (f" examples/s={outputs['examples_per_second']:.1f}"
              if "examples_per_second" in outputs else
              f" steps/s={outputs['steps_per_second']:.2f}"),
-            _format_seconds(eta),
+            _format_seconds(eta), f"to step {c.train_steps}",
             f" skipped_steps={int(outputs['skipped_steps'])}"
             if "skipped_steps" in outputs else "")
       for action in self.train_actions:

@@ -96,7 +96,53 @@ class GradientPipeline:
                   tf.distribute.experimental.ParameterServerStrategy):
       # One replica per worker, and merge_call is not available there.
       return self._update(self.strategy, grads, variables, finite)
+    sharding = getattr(self, "optimizer_sharding", None)
+    # Not while the self-check has swapped in its own optimizer.
+    if sharding is not None and sharding.optimizer is self.optimizer:
+      return self._apply_sharded(context, sharding, grads, variables, finite)
     return context.merge_call(self._update, args=(grads, variables, finite))
+
+  def _apply_sharded(self, context, sharding, grads, variables, finite):
+    """`apply_gradients` with the optimizer state sharded over replicas
+    (`framework.core.optimizer_sharding`): each replica updates its shard
+    of every variable, then the shards are all-gathered into the weights."""
+    if [id(v) for v in variables] != [id(v) for v in sharding.variables]:
+      raise ValueError("shard_optimizer_state: apply_gradients updates the "
+                       "model's trainable variables only")
+    replica = context.replica_id_in_sync_group
+    grad_shards = sharding.local_shards(grads, replica)
+    weight_shards = sharding.local_shards(variables, replica)
+    context.merge_call(self._update_shards, args=(
+        sharding, grad_shards, weight_shards, finite))
+    weights = sharding.gather_weights(context)
+    # The weights, the step count, the EMA and the skip counters as in an
+    # unsharded update, with `assign` as the update.
+    return context.merge_call(self._update, args=(
+        weights, variables, finite), kwargs={"assign": True})
+
+  def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
+                     finite):
+    """Cross-replica: each copy of each shard variable is set to its
+    replica's slice of the weights and updated with its gradient slice."""
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+
+      def update_one(shard, grad, weight):
+        with tf.control_dependencies([shard.assign(weight)]):
+          return self.update_variable(grad, shard, tf.cast(lr, shard.dtype))
+
+      for grad, weight, shard in zip(grad_shards, weight_shards,
+                                     sharding.shards):
+        strategy.extended.update(shard.value, update_one,
+                                 args=(grad, weight), group=False)
+      return tf.constant(True)
+
+    if self.nan_policy != "skip" and self.loss_scale is None:
+      return update_all()
+    finite = strategy.experimental_local_results(finite)[0]
+    return tf.cond(finite, update_all, lambda: tf.constant(False))
 
   def update_variable(self, grad, var, learning_rate):
     """One variable's optimizer step with its reduced gradient.
@@ -118,14 +164,17 @@ class GradientPipeline:
                    or optimizer.update_step)
     return update_step(grad, var, learning_rate)
 
-  def _update(self, strategy, grads, variables, finite):
-    """Cross-replica: one optimizer update with the reduced gradients."""
+  def _update(self, strategy, grads, variables, finite, assign=False):
+    """Cross-replica: one optimizer update with the reduced gradients
+    (`assign`: `grads` are the new weights, gathered from the shards)."""
     optimizer = self.optimizer
 
     def update_all():
       lr = optimizer.learning_rate
 
       def update_one(var, grad):
+        if assign:
+          return var.assign(grad)
         return self.update_variable(grad, var, tf.cast(lr, var.dtype))
 
       for grad, var in zip(grads, variables):

@@ -41,6 +41,7 @@ against its own protocol, and has the default written here when absent
     WeightAveraged: ema, averaged_weights()        # no EMA: one weights
                                                    # file, no swap
     ConfusionReporting: last_confusion             # evaluate.py: no matrix
+    OptimizerCheckpointing: checkpointed_optimizer # `optimizer` itself
 
     # What the distribution self-check reads (framework/check):
     Steppable:      model, optimizer (swapped for a probe and back),
@@ -189,6 +190,13 @@ class ConfusionReporting(Protocol):
 
 
 @runtime_checkable
+class OptimizerCheckpointing(Protocol):
+  """What checkpoints hold under `optimizer` when that is not `optimizer`
+  itself (sharded optimizer state, saved whole under the same keys)."""
+  checkpointed_optimizer: Any
+
+
+@runtime_checkable
 class Steppable(Protocol):
   """What the distribution self-check runs: one `train_step` under the
   trainer's strategy, from its model's and optimizer's state (the check
@@ -222,8 +230,8 @@ class GradientSettings(Protocol):
 
 OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
             DatasetDistributing, MetricAliases, Exportable, LossScaled,
-            WeightAveraged, ConfusionReporting, DistributedStep,
-            GradientSettings)
+            WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
+            DistributedStep, GradientSettings)
 ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
 
 
@@ -259,6 +267,14 @@ def averaged_weights(trainer: Any) -> Any:
   if ema_of(trainer) is None:
     return contextlib.nullcontext()
   return trainer.averaged_weights()
+
+
+def checkpointed_optimizer(trainer: Any) -> Any:
+  """What a checkpoint holds as `optimizer` (`trainer.optimizer` unless the
+  trainer is `OptimizerCheckpointing`)."""
+  if isinstance(trainer, OptimizerCheckpointing):
+    return trainer.checkpointed_optimizer
+  return trainer.optimizer
 
 
 def loss_scale_of(trainer: Any) -> Any:

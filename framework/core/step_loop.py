@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from framework.core import summaries
+from framework.core import summaries, xla
 from framework.errors import ConfigError
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -28,6 +28,9 @@ SUM = tf.distribute.ReduceOp.SUM
 
 class StepLoop:
   """`train(iterator, num_steps)` over the trainer's `train_step`."""
+
+  # The replica step compiled with XLA (framework/core/xla.py), if any.
+  _replica_step = None
 
   def _reduce(self, per_replica):
     return {k: self.strategy.reduce(SUM, v, axis=None)
@@ -37,7 +40,8 @@ class StepLoop:
     """`train_step` on every replica's part of `dist_batch`: the per-replica
     outputs, before their SUM (what the loop and the distribution check
     both run)."""
-    return self.strategy.run(self.train_step, args=(dist_batch,))
+    step = self._replica_step or self.train_step  # XLA-compiled or not
+    return self.strategy.run(step, args=(dist_batch,))
 
   def _one_step(self, iterator):
     self._applied_in_trace = False
@@ -89,5 +93,13 @@ class StepLoop:
     self._train_loop.get_concrete_function(iterator, num_steps)
     if self._trace_error:
       raise ConfigError(self._trace_error)
-    return self._train_loop(iterator, num_steps)
+    if not getattr(self, "jit_compile", None):
+      return self._train_loop(iterator, num_steps)
+    try:  # XLA compiles at the first call
+      return self._train_loop(iterator, num_steps)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+      line = xla.compile_error(e)
+      if line is None:
+        raise
+      raise ConfigError(line) from None
 

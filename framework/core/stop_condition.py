@@ -11,8 +11,23 @@ from framework.errors import ConfigError
 
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt,
         ">=": operator.ge}
+# An eval set's split: eval (the run's own) or eval_<name> (`eval_sets`).
+_SPLIT = r"(train|eval(?:_[A-Za-z0-9][A-Za-z0-9_-]*)?)"
 _CONDITION = re.compile(
-    r"^\s*(train|eval)/(\S+?)\s*(<=|>=|<|>)\s*([-+0-9.eEinfINFnaN]+)\s*$")
+    r"^\s*" + _SPLIT + r"/(\S+?)\s*(<=|>=|<|>)\s*([-+0-9.eEinfINFnaN]+)\s*$")
+_METRIC = re.compile(r"^" + _SPLIT.replace("train|", "") + r"/([^\s/]+)$")
+
+
+def parse_metric(text: str, name: str = "best_metric") -> tuple[str, str]:
+  """`eval/accuracy` or `eval_<set>/<metric>` as (split, metric);
+  ConfigError naming `name` if it is neither."""
+  match = _METRIC.match(text) if isinstance(text, str) else None
+  if match is None:
+    raise ConfigError(
+        f"{name}={text!r} must be SPLIT/METRIC with SPLIT eval (the run's "
+        "own eval set) or eval_<name> (an eval set), e.g. eval/accuracy, "
+        "eval/loss, eval_test/accuracy")
+  return match.group(1), match.group(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +35,8 @@ class StopCondition:
   """`split/metric OP value`, e.g. `eval/loss<0.1`, `train/mae<=0.05`.
 
   Attributes:
-    split: "train" (checked after every loop) or "eval" (after every
-      evaluation).
+    split: "train" (checked after every loop), "eval" or "eval_<name>"
+      (an eval set: after every evaluation).
     metric: a name the trainer returns (`accuracy` falls back to
       `pixel_accuracy` for segmentation).
     op: one of <, <=, >, >=.
@@ -44,8 +59,8 @@ class StopCondition:
         pass
     if value is None or not math.isfinite(value):
       raise ConfigError(
-          f"{name}={text!r} must be SPLIT/METRIC OP VALUE with SPLIT train "
-          "or eval, OP one of < <= > >= and a finite VALUE (e.g. "
+          f"{name}={text!r} must be SPLIT/METRIC OP VALUE with SPLIT train, "
+          "eval or eval_<set>, OP one of < <= > >= and a finite VALUE (e.g. "
           "eval/loss<0.1, eval/accuracy>=0.9)")
     return cls(match.group(1), match.group(2), match.group(3), value)
 

@@ -39,8 +39,10 @@ from typing import Any, Callable, Mapping
 
 import keras
 import tensorflow as tf
+from absl import logging
 
-from framework.core import tta
+from framework.core import optimizer_sharding
+from framework.core import tta, xla
 from framework.core.config import NAN_POLICIES
 from framework.core.ema import WeightAverage
 from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
@@ -113,6 +115,13 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       `none` or `flip` (mean logits of each image and its mirror).
     all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
       implementation, wire dtype of the gradient all-reduce); None: defaults.
+    jit_compile: compile the replica step with XLA where TensorFlow can
+      (`framework.core.xla`: the whole step on one replica, each replica's
+      forward and backward pass under several; a warning where it cannot).
+    shard_optimizer_state: each replica keeps and updates 1/N of the
+      optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1);
+      mirrored and multi-worker mirrored strategies, SGD/Adam/AdamW. With
+      one replica it changes nothing.
   """
 
   def __init__(self, model: keras.Model,
@@ -124,7 +133,9 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                grad_accum_steps: int = 1, loss_scale: Any = None,
                fused_updates: bool = True, max_skipped_steps: int = 10,
                ema_decay: float | None = None, ema_warmup: bool = False,
-               eval_tta: str = "none", all_reduce: Any = None) -> None:
+               eval_tta: str = "none", all_reduce: Any = None,
+               jit_compile: bool = False,
+               shard_optimizer_state: bool = False) -> None:
     check_positive("global_batch_size", global_batch_size)
     check_positive("max_skipped_steps", max_skipped_steps)
     check_positive("grad_accum_steps", grad_accum_steps)
@@ -158,9 +169,17 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     if ema_decay is not None:
       self.ema = WeightAverage(model.trainable_variables, strategy, ema_decay,
                                warmup=ema_warmup)
+    # Set when the optimizer state is sharded over the replicas.
+    self.optimizer_sharding = None
+    if shard_optimizer_state and replicas == 1:
+      logging.info("shard_optimizer_state: one replica, nothing to shard")
     with strategy.scope():
       # Slots exist before tracing, so checkpoints restore into them eagerly.
-      optimizer.build(model.trainable_variables)
+      if shard_optimizer_state and replicas > 1:
+        self.optimizer_sharding = optimizer_sharding.ShardedOptimizerState(
+            optimizer, strategy, model.trainable_variables)
+      else:
+        optimizer.build(model.trainable_variables)
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -181,6 +200,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
     self._trace_error = None
+    # What XLA compiles (framework/core/xla.py): the replica step or its
+    # forward and backward; `distributed_train_step` runs `_replica_step`.
+    self.jit_compile = xla.jit_mode(jit_compile, strategy)
+    self._replica_step = self.train_step
+    if self.jit_compile == xla.STEP:
+      self._replica_step = xla.compiled_step(self)
+    elif self.jit_compile == xla.GRADIENTS:
+      self.compute_gradients = xla.compiled(self.compute_gradients)
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
@@ -191,6 +218,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
   @property
   def num_replicas(self) -> int:
     return self.strategy.num_replicas_in_sync
+
+  @property
+  def checkpointed_optimizer(self) -> Any:
+    """What checkpoints hold as `optimizer`: the optimizer, or with sharded
+    state a view of it that saves each slot whole (the same keys)."""
+    if self.optimizer_sharding is None:
+      return self.optimizer
+    return self.optimizer_sharding.checkpointed_optimizer
 
   def _check_step_features(self):
     """A `train_step` override would drop accumulation or loss scaling."""

@@ -16,6 +16,11 @@ AUGMENTATIONS = ("none", "flip", "crop_flip")
 SHUFFLES = ("shards", "global")
 # The loader registered for `tfds:NAME[:VERSION]`.
 TFDS_PREFIX = "tfds:"
+# The datasets `datasets.load_dataset` registers (fnmatch patterns; the
+# `read_by` tables of the settings speak of these).
+DATASET_NAMES = ("cifar10", "synthetic", "shapes", "oxford_pet", "text",
+                 "tfrecord", "image_folder", "numpy", TFDS_PREFIX + "*")
+_TFDS = TFDS_PREFIX + "*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,19 +32,22 @@ class DatasetOptions:
   """
   image_size: int = setting(
       128, "shapes, oxford_pet: side of the square images (tfds: of images "
-      "without a fixed size).", minimum=POSITIVE)
+      "without a fixed size).", minimum=POSITIVE,
+      read_by={"dataset": ("shapes", "oxford_pet", _TFDS)})
   label_key: str = setting(
       "label", "tfds: the feature used as label: a ClassLabel, or an image "
-      "mask (e.g. segmentation_mask).")
-  image_key: str = setting("image", "tfds: the image feature.")
+      "mask (e.g. segmentation_mask).", read_by={"dataset": (_TFDS,)})
+  image_key: str = setting("image", "tfds: the image feature.",
+                           read_by={"dataset": (_TFDS,)})
   file_shuffle: str = setting(
       "shards", "Streamed datasets: 'shards' shuffles groups of 4 shards "
       "(memory: a few shards); 'global' orders each epoch as the in-memory "
       "arrays are (on one worker the very same batches; memory: the "
-      "encoded training split).", choices=SHUFFLES)
+      "encoded training split).", choices=SHUFFLES,
+      read_by={"dataset": ("tfrecord", "image_folder", _TFDS)})
   sequence_length: int = setting(
       128, "text: tokens (bytes) per example; targets are the next bytes.",
-      minimum=POSITIVE)
+      minimum=POSITIVE, read_by={"dataset": ("text",)})
 
   def __post_init__(self):
     check_settings(self)

@@ -12,6 +12,11 @@ from framework.settings import POSITIVE, check_settings, setting
 # ModelParallelConfig before TensorFlow loads): the trainers and devices are
 # imported where they are used.
 
+# What only a split model reads (`setting(read_by=...)`).
+_SPLIT = {"model_parallel": ("pipeline", "tensor")}
+_PIPELINE = {"model_parallel": ("pipeline",)}
+_TENSOR = {"model_parallel": ("tensor",)}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelParallelConfig:
@@ -51,28 +56,29 @@ class ModelParallelConfig:
       "devices; tensor: split one hidden Dense layer's units across "
       "--num_shards devices.", flag="model_parallel", choices=MODES)
   num_stages: int = setting(2, "Pipeline stages (devices).",
-                            minimum=POSITIVE)
+                            minimum=POSITIVE, read_by=_PIPELINE)
   num_microbatches: int = setting(
       1, "Micro-batches per global batch (GPipe schedule); must divide "
-      "--global_batch_size.", minimum=POSITIVE)
+      "--global_batch_size.", minimum=POSITIVE, read_by=_SPLIT)
   stage_boundaries: tuple[int | str, ...] = setting(
       (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
       "names (a name starts a stage); default: balanced by "
-      "--stage_balance.")
+      "--stage_balance.", read_by=_PIPELINE)
   num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
-                            "are split across.", minimum=POSITIVE)
+                            "are split across.", minimum=POSITIVE,
+                            read_by=_TENSOR)
   split_layer: int | None = setting(
       None, "Tensor parallel: index of the Dense layer to split (default: "
-      "the last Dense followed by a Dense).")
+      "the last Dense followed by a Dense).", read_by=_TENSOR)
   devices: str = setting(
       "local", "local: this process's GPUs or --cpu_devices; cluster: "
       "stage/shard i on TF_CONFIG's worker i, the chief runs the loop "
       "(scripts/launch.py --workers=N adds the chief).",
-      flag="model_parallel_devices", choices=PLACEMENTS)
+      flag="model_parallel_devices", choices=PLACEMENTS, read_by=_SPLIT)
   recompute: bool = setting(
       False, "Model parallel: keep only each stage's inputs per micro-batch "
       "and recompute its forward pass in the backward pass (less "
-      "activation memory, one more forward pass per step).")
+      "activation memory, one more forward pass per step).", read_by=_SPLIT)
   serial_stages: bool = setting(
       False, "Model parallel: each stage device runs its ops one at a time, "
       "in program order, as a GPU stream does (logical CPU devices "
@@ -82,11 +88,11 @@ class ModelParallelConfig:
       True, "Model parallel, with --serial_stages: each stage computes the "
       "input gradient it sends back before its weight gradients (B before "
       "W, as zero-bubble pipelines do: a smaller bubble); false: the "
-      "backward pass in creation order.")
+      "backward pass in creation order.", read_by=_SPLIT)
   stage_balance: str = setting(
       "flops", "Pipeline cut points without --stage_boundaries: equal "
       "forward+backward conv/matmul FLOPs per stage, or equal parameter "
-      "counts.", choices=BALANCES)
+      "counts.", choices=BALANCES, read_by=_PIPELINE)
   mesh: str = setting(
       "", "One device mesh for the split, e.g. data:2,model:2 (data x "
       "tensor), data:2,pipeline:2 or model:4; axes data, model, pipeline; "

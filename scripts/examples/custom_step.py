@@ -13,22 +13,18 @@ GLOBAL batch, one explicit all-reduce, clip the reduced gradient, apply once.
 """
 
 import functools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-
-from scripts import cli  # pylint: disable=g-import-not-at-top
-cli.quiet_startup()  # Before TensorFlow is imported.
+# The installed package only (`pip install -e .`): a copy of this file runs
+# from any folder.
+from distloop_cli import cli
+cli.quiet_startup()  # Before TensorFlow is imported: train.py's quiet logs.
 cli.import_tensorflow_quietly()  # This module imports it right away.
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import flags  # pylint: disable=g-import-not-at-top
 import tensorflow as tf
 
 import framework
-from scripts import train
+from distloop_cli import train
 
 # --label_smoothing is train.py's flag (its evaluation loss smooths alike).
 flags.DEFINE_float("gradient_penalty", 0.01, "Weight of the squared norm of "
@@ -77,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run_app(main)

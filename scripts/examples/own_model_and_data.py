@@ -11,15 +11,12 @@ halfway (as if preempted) and a fresh Controller resumes it from the
 checkpoint; running the script again resumes (and finds nothing to do).
 """
 
-import os
-import sys
+# The installed package only (`pip install -e .`): a copy of this file runs
+# from any folder, with train.py's quiet logs and one-line errors.
+from distloop_cli import cli
+cli.quiet_startup()  # Before TensorFlow is imported.
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
+from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging
 
 import framework  # pylint: disable=g-import-not-at-top
@@ -132,4 +129,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run_app(main)

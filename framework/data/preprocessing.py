@@ -1,0 +1,71 @@
+"""The one preprocessing contract between data and models.
+
+    uint8 features (images) reach the model as float32 in [0, 1]
+    (divided by 255); every other dtype (float features, int tokens)
+    reaches it unchanged. Models never rescale their inputs.
+
+The input pipeline applies it, so a model sees the same values in training,
+in `evaluate.py`, in `predict.py` and in an exported SavedModel:
+
+- the built-in datasets scale in their tf.data pipelines
+  (`inputs.to_float`);
+- a custom `train_input` / `eval_input` that gives a plain `tf.data.Dataset`
+  is scaled by the Controller before it is distributed (`scale_batch`), so
+  uint8 arrays of your own are treated exactly like CIFAR-10's;
+- an already distributed dataset is yours: give it float32 in [0, 1]
+  for images.
+
+`model_info.json` records the contract (`CONTRACT`) so that a reader knows
+which side scales.
+"""
+
+import tensorflow as tf
+
+from framework.data.inputs import MaskedBatch
+
+# Recorded in model_info.json as "input_preprocessing".
+CONTRACT = "uint8/255"
+
+
+def scale_features(features):
+  """uint8 -> float32 in [0, 1]; anything else as it is (nested too)."""
+
+  def scale(value):
+    if isinstance(value, tf.Tensor) and value.dtype == tf.uint8:
+      return tf.cast(value, tf.float32) / 255.0
+    return value
+
+  return tf.nest.map_structure(scale, features)
+
+
+def scale_batch(batch):
+  """`scale_features` on a batch's features: the first element of a
+  `(features, labels)` tuple (labels, e.g. uint8 masks, are left alone),
+  inside a `MaskedBatch` too; a batch of features alone is scaled whole."""
+  if isinstance(batch, MaskedBatch):
+    return MaskedBatch(scale_batch(batch.batch), batch.mask)
+  if isinstance(batch, tuple) and len(batch) >= 2:
+    return (scale_features(batch[0]),) + tuple(batch[1:])
+  return scale_features(batch)
+
+
+def has_uint8_features(element_spec):
+  """Whether `scale_batch` would scale anything in batches of this spec."""
+  if isinstance(element_spec, MaskedBatch):
+    element_spec = element_spec.batch
+  if isinstance(element_spec, tuple) and len(element_spec) >= 2:
+    element_spec = element_spec[0]
+  return any(getattr(spec, "dtype", None) == tf.uint8
+             for spec in tf.nest.flatten(element_spec))
+
+
+def scale_dataset(dataset):
+  """A plain `tf.data.Dataset` with the contract applied (unchanged if it
+  has no uint8 features)."""
+  if not has_uint8_features(dataset.element_spec):
+    return dataset
+  # tf.data passes a plain tuple's items as arguments (a namedtuple such
+  # as MaskedBatch whole).
+  if type(dataset.element_spec) is tuple:  # pylint: disable=unidiomatic-typecheck
+    return dataset.map(lambda *batch: scale_batch(tuple(batch)))
+  return dataset.map(scale_batch)
