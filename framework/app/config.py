@@ -250,6 +250,9 @@ class ExperimentConfig:
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
       raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
                         "unset)")
+    self.model_parallel.check_model(
+        self.model, self.model_options.get("num_heads", ModelOptions.num_heads),
+        self.model_options.get("vocab_size", 0))
     if self.shard_optimizer_state and (
         self.strategy not in SHARDING_STRATEGIES or
         self.model_parallel.mode != "none"):

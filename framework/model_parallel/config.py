@@ -5,6 +5,7 @@ import functools
 
 from framework.errors import ConfigError
 from framework.model_parallel.choices import BALANCES, MODES, PLACEMENTS  # pylint: disable=unused-import
+from framework.model_parallel.mesh import check_device_count, parse_mesh
 from framework.settings import POSITIVE, check_settings, setting
 
 # This module imports no TensorFlow at load time (the flags are made from
@@ -42,6 +43,10 @@ class ModelParallelConfig:
       gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:
       `flops` (per-layer forward + backward FLOPs) or `params`.
+    mesh: `data:R,model:S` (data x tensor), `data:R,pipeline:S` or one
+      split axis (`mesh.parse_mesh`): sets `mode`, `num_shards` or
+      `num_stages` and `data_axis`; empty: the flags above.
+    data_axis: copies of the split (from `mesh`; set, not given).
     replica_devices: data x pipeline (x tensor): R tuples of `num_stages`
       (`num_shards`) devices, one copy of the split on each (set by
       `with_strategy`; empty: one copy).
@@ -88,10 +93,18 @@ class ModelParallelConfig:
       "flops", "Pipeline cut points without --stage_boundaries: equal "
       "forward+backward conv/matmul FLOPs per stage, or equal parameter "
       "counts.", choices=BALANCES, read_by=_PIPELINE)
+  mesh: str = setting(
+      "", "One device mesh for the split, e.g. data:2,model:2 (data x "
+      "tensor), data:2,pipeline:2 or model:4; axes data, model, pipeline; "
+      "their product must be the device count. --model_parallel with "
+      "--num_shards/--num_stages is the one-axis mesh.")
   replica_devices: tuple = setting((), flag=False)  # set by with_strategy
+  data_axis: int = setting(1, flag=False)  # set from `mesh`
 
   def __post_init__(self):
     check_settings(self)
+    if self.mesh:
+      self._apply_mesh()
     if self.serial_stages and self.mode == "none":
       raise ConfigError("serial_stages orders the ops of each stage of a "
                         "split model; set --model_parallel=pipeline or "
@@ -104,6 +117,35 @@ class ModelParallelConfig:
       raise ConfigError("model_parallel_devices=cluster places the pieces of "
                         "a split model; set --model_parallel=pipeline or "
                         "tensor")
+
+  def _apply_mesh(self):
+    """Sets mode, num_shards/num_stages and data_axis from `mesh`."""
+    sizes = parse_mesh(self.mesh)
+    mode = "tensor" if sizes.get("model", 1) > 1 else "pipeline"
+    if self.mode not in ("none", mode):
+      raise ConfigError(f"mesh={self.mesh} is a {mode} split; it disagrees "
+                        f"with --model_parallel={self.mode} (drop one)")
+    if self.devices == "cluster":
+      raise ConfigError(f"mesh={self.mesh} with model_parallel_devices="
+                        "cluster is not supported yet; use local devices")
+    object.__setattr__(self, "mode", mode)
+    object.__setattr__(self, "data_axis", sizes.get("data", 1))
+    if mode == "tensor":
+      object.__setattr__(self, "num_shards", sizes["model"])
+    else:
+      object.__setattr__(self, "num_stages", sizes["pipeline"])
+
+  def check_model(self, model, num_heads, vocab_size=0):
+    """Raises ConfigError when a tensor split cannot cut `model` (the
+    shards must divide a gpt's heads and vocabulary); before any build."""
+    if self.mode != "tensor" or model != "gpt":
+      return
+    where = f"mesh={self.mesh}: the model axis" if self.mesh else "num_shards"
+    for name, size in (("num_heads", num_heads), ("vocab_size", vocab_size)):
+      if size and size % self.num_shards:
+        raise ConfigError(
+            f"{where}={self.num_shards} does not divide gpt {name}={size}; "
+            f"use a divisor of {size}")
 
   @property
   def device_count(self):
@@ -126,6 +168,8 @@ class ModelParallelConfig:
       ConfigError: the device count is not a multiple of num_stages, or
         a strategy other than mirrored, or cluster placement.
     """
+    if self.mesh and self.devices == "local":
+      return self._mesh_strategy(strategy, name)
     if self.mode == "none" or strategy.num_replicas_in_sync == 1:
       return self, strategy
     if self.devices == "cluster":
@@ -136,6 +180,28 @@ class ModelParallelConfig:
     count, argument = self.device_count
     strategy, groups = split_strategy(strategy, count, name=name,
                                       argument=argument)
+    return dataclasses.replace(
+        self, replica_devices=tuple(tuple(g) for g in groups)), strategy
+
+  def _mesh_strategy(self, strategy, name):
+    """(config, one-replica strategy) of a `mesh` run: its data axis cut
+    from this process's devices (no data-parallel strategy needed)."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from framework.model_parallel.replicas import replica_groups  # pylint: disable=g-import-not-at-top
+    from framework.model_parallel.devices import model_parallel_devices  # pylint: disable=g-import-not-at-top
+    if strategy.num_replicas_in_sync != 1:
+      raise ConfigError(
+          f"mesh={self.mesh} makes its own data axis; use strategy=default "
+          f"(not {name})")
+    sizes = parse_mesh(self.mesh)
+    check_device_count(self.mesh, sizes,
+                       len(tf.config.list_logical_devices("GPU")),
+                       len(tf.config.list_logical_devices("CPU")))
+    if self.data_axis == 1:
+      return self, strategy
+    count, argument = self.device_count
+    groups = replica_groups(model_parallel_devices(count * self.data_axis),
+                            count, strategy=name, name=argument)
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 

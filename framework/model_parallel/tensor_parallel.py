@@ -22,7 +22,8 @@ from framework.model_parallel.parallel_layers import split_for
 from framework.model_parallel.pipeline import model_layers
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import ParallelStage, Stage
-from framework.model_parallel.transformer_split import (sharded_correct,
+from framework.model_parallel.transformer_split import (all_reduce_by_shard,
+                                                        sharded_correct,
                                                         split_setup)
 
 
@@ -302,6 +303,25 @@ class TensorParallelTrainer(StagedTrainer):
                                       *placed.after])]
     super().__init__(placed, optimizer, strategy, stages=stages,
                      num_microbatches=num_microbatches, **kwargs)
+
+  def _copies_gradients(self, features, labels):
+    """Data x tensor: as for a pipeline, but each shard's gradients are
+    all-reduced across the copies' devices of that shard."""
+    if self.split_layer is not None:
+      return super()._copies_gradients(features, labels)
+    all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
+    per_copy, losses, accuracies = [], [], []
+    for stages, x, y in zip(all_stages, tf.split(features, len(all_stages)),
+                            tf.split(labels, len(all_stages))):
+      grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
+      per_copy.append(grads[0])  # one stage: the whole split model
+      losses.append(loss)
+      accuracies.append(accuracy)
+    summed = all_reduce_by_shard(
+        per_copy, [stages[0].trainable_variables for stages in all_stages],
+        [stages[0].layers[0].devices for stages in all_stages])
+    with tf.device(self.stages[-1].device):
+      return summed, tf.add_n(losses), tf.add_n(accuracies)
 
   def correct(self, labels, logits):
     """As `Trainer.correct`; over logit shards for a transformer split."""

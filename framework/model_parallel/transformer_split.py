@@ -10,7 +10,11 @@ copies' devices that hold it (the data axis only: copy r's shard d meets
 the other copies' shard d), and every copy applies the same update.
 """
 
+import tensorflow as tf
+
 from framework.errors import ConfigError
+from framework.model_parallel.devices import variable_device
+from framework.model_parallel.replicas import all_reduce_copies
 from framework.model_parallel.parallel_layers import (
     sharded_sparse_categorical_loss, vocab_parallel_statistics)
 from framework.model_parallel.stages import Stage
@@ -57,3 +61,30 @@ def split_setup(split, model, optimizer, strategy, *, devices,
 def sharded_correct(labels, logits):
   """1.0 where the arg-max over all logit shards equals the label."""
   return vocab_parallel_statistics(logits, labels)[1]
+
+
+def all_reduce_by_shard(per_copy, variables, groups):
+  """Each copy's gradients summed over the copies, shard by shard.
+
+  Args:
+    per_copy: R lists of gradients, list r of copy r's `variables[r]`.
+    variables: R lists of variables (same structure, copy r's on groups[r]).
+    groups: R lists of the copies' D devices.
+  Returns:
+    R lists of summed gradients: the gradients of the variables on copy
+    r's device d are all-reduced with the other copies' device d only (one
+    collective group per model-axis position: the data axis).
+  """
+  summed = [list(grads) for grads in per_copy]
+  position = {device: d for d, device in enumerate(groups[0])}
+  by_shard = {}
+  for i, variable in enumerate(variables[0]):
+    by_shard.setdefault(position[variable_device(variable)], []).append(i)
+  for d, indices in sorted(by_shard.items()):
+    reduced = all_reduce_copies(
+        [[grads[i] for i in indices] for grads in per_copy],
+        [group[d] for group in groups])
+    for r, grads in enumerate(reduced):
+      for i, grad in zip(indices, grads):
+        summed[r][i] = grad
+  return summed

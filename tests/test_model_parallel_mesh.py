@@ -1,0 +1,104 @@
+"""`--mesh=data:2,model:2`: one mesh for the splits; wrong meshes are one
+line before anything is built; a mesh run's checkpoint evaluates the same
+on one device."""
+
+import os
+import re
+
+import pytest
+
+from framework.errors import ConfigError
+from framework.model_parallel import ModelParallelConfig
+from framework.model_parallel.mesh import check_device_count, parse_mesh
+from tests import helpers
+
+GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=8",
+       "--sequence_length=16", "--model_width=32", "--num_heads=4",
+       "--num_layers=2"]
+
+
+def test_a_mesh_sets_the_split_and_its_data_axis():
+  tensor = ModelParallelConfig(mesh="data:2,model:2")
+  assert (tensor.mode, tensor.num_shards, tensor.data_axis) == ("tensor", 2,
+                                                                2)
+  pipeline = ModelParallelConfig(mesh="pipeline:3")
+  assert (pipeline.mode, pipeline.num_stages, pipeline.data_axis) == (
+      "pipeline", 3, 1)
+  # The shorthand and the mesh agree, or it is an error.
+  assert ModelParallelConfig(mode="tensor", mesh="model:4").num_shards == 4
+  with pytest.raises(ConfigError, match="disagrees with --model_parallel"):
+    ModelParallelConfig(mode="pipeline", mesh="data:2,model:2")
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("data:2,shards:2", "unknown axis 'shards'; the axes are data, model, "
+     "pipeline"),
+    ("data:2,model:0", "the size of 'model' must be a positive integer"),
+    ("data:x,model:2", "the size of 'data' must be a positive integer"),
+    ("model:2,model:2", "names the axis 'model' twice"),
+    ("data2", "must be axis:size"),
+    ("data:4", "splits no model"),
+    ("data:2,model:2,pipeline:2", "tensor x pipeline"),
+])
+def test_a_bad_mesh_is_one_line(mesh, message):
+  with pytest.raises(ConfigError, match=re.escape(message)) as error:
+    parse_mesh(mesh)
+  assert "\n" not in str(error.value)
+
+
+def test_the_axes_must_multiply_to_the_devices():
+  check_device_count("data:2,model:2", {"data": 2, "model": 2}, 0, 4)
+  check_device_count("data:2,model:2", {"data": 2, "model": 2}, 4, 1)
+  for gpus, cpus in ((0, 2), (0, 8), (2, 8)):
+    with pytest.raises(ConfigError, match="has 4 devices"):
+      check_device_count("data:2,model:2", {"data": 2, "model": 2}, gpus,
+                         cpus)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, fragments", [
+    (["--mesh=data:2,model:2", "--cpu_devices=2"],
+     ["has 4 devices", "this process has 2"]),
+    (["--mesh=data:2,model:3", "--cpu_devices=6"],
+     ["the model axis=3 does not divide gpt num_heads=4"]),
+    (["--mesh=data:2,rows:2", "--cpu_devices=4"], ["unknown axis 'rows'"]),
+])
+def test_train_py_on_a_wrong_mesh_is_one_line_and_writes_nothing(
+    tmp_path, flags, fragments):
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  before = helpers.snapshot(str(model_dir))
+  proc = helpers.run_script("train.py", *GPT, f"--model_dir={model_dir}",
+                            "--train_steps=2", *flags, check=False)
+  helpers.assert_one_line_error(proc, "train.py", *fragments,
+                                unchanged=before)
+
+
+def _train_eval_loss(proc):
+  found = re.findall(r"final eval: \{'loss': ([0-9.]+)", proc.stderr)
+  assert found, proc.stderr[-3000:]
+  return float(found[-1])
+
+
+def _evaluate_loss(proc):
+  found = re.findall(r"^\s*loss\s+([0-9.]+)\s*$",
+                     proc.stdout + "\n" + proc.stderr, re.M)
+  assert found, (proc.stdout + proc.stderr)[-3000:]
+  return float(found[-1])
+
+
+@pytest.mark.slow
+def test_a_data_by_tensor_checkpoint_evaluates_the_same_on_one_device(
+    tmp_path):
+  model_dir = str(tmp_path / "mesh")
+  train = helpers.run_script("train.py", *GPT, f"--model_dir={model_dir}",
+                             "--train_steps=4", "--steps_per_loop=2",
+                             "--mesh=data:2,model:2", "--cpu_devices=4",
+                             timeout=900)
+  assert "data x tensor: 2 copies of a 2-way tensor split" in train.stderr
+  assert os.path.exists(os.path.join(model_dir, "ckpt-4.index"))
+  # From another folder, no mesh, one device: the unsplit GPT restores the
+  # split checkpoint.
+  evaluate = helpers.run_script("evaluate.py", f"--model_dir={model_dir}",
+                                cwd=str(tmp_path), timeout=900)
+  assert abs(_evaluate_loss(evaluate) - _train_eval_loss(train)) < 1e-5
