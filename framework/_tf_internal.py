@@ -95,10 +95,16 @@ def collective_all_reduce(devices, collective_keys):
       collective_keys=collective_keys)
 
 
-def collective_keys():
+def collective_keys(group_key_start=1_000_000):
   """A fresh CollectiveKeys (group and instance keys of collectives).
-  Missing publicly: as for `collective_all_reduce`."""
-  return _distribute_module("cross_device_utils").CollectiveKeys()
+  Missing publicly: as for `collective_all_reduce`.
+
+  Its group keys start far above the ones a MirroredStrategy's own
+  all-reduce numbers from 1: the runtime remembers each (group, instance)
+  pair's shape, so a shared key fails the later collective.
+  """
+  return _distribute_module("cross_device_utils").CollectiveKeys(
+      group_key_start=group_key_start)
 
 
 def per_replica(values):

@@ -63,7 +63,8 @@ def test_python_api_example_runs_as_it_is(tmp_path):
       "python_api.md", "controller = framework.Controller("))
   proc = run(tmp_path, "mine.py")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "train step 40/40" in proc.stderr
+  # Its stop_when may end it before step 40.
+  assert re.search(r"train step \d+/40: loss=", proc.stderr)
   assert re.search(r"'accuracy': [\d.]+", proc.stdout)
 
 

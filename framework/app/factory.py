@@ -94,6 +94,8 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
                                         dataset.num_classes,
                                         config.model_options,
                                         name=config.model)
+      except ConfigError:
+        raise  # the builder's own check, already one line
       except ValueError as e:
         # Keras's long input-compatibility error: one line, before any work.
         raise ConfigError(
