@@ -11,6 +11,7 @@ import pickle
 
 import numpy as np
 
+from framework.data import splits
 from framework.errors import ConfigError, DataError, check_positive
 
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + (
@@ -21,7 +22,7 @@ KERAS_CACHE = os.path.join("~", ".keras", "datasets", "cifar-10-batches-py")
 
 
 @dataclasses.dataclass(frozen=True)
-class ArrayDataset:
+class ArrayDataset(splits.ArraySplits):
   """Train and test splits held in memory.
 
   Images are uint8 [N, H, W, C] (or float32 features); labels int32 [N, ...].
@@ -32,31 +33,6 @@ class ArrayDataset:
   test_x: np.ndarray
   test_y: np.ndarray
   class_names: tuple
-
-  @property
-  def input_shape(self):
-    return tuple(self.train_x.shape[1:])
-
-  @property
-  def num_classes(self):
-    return len(self.class_names)
-
-  # The interface a file-backed dataset (framework.data.file_input) shares.
-
-  @property
-  def label_shape(self):
-    return tuple(self.train_y.shape[1:])
-
-  @property
-  def num_train_examples(self):
-    return len(self.train_x)
-
-  @property
-  def num_test_examples(self):
-    return len(self.test_x)
-
-  def test_samples(self, n):
-    return self.test_x[:n], self.test_y[:n]
 
 
 def _first_line(error):

@@ -58,7 +58,8 @@ def _index_batches(num_examples, global_batch_size, seed, start_step):
   return epochs.flat_map(epoch_batches).skip(offset)
 
 
-def _options():
+def element_sharded_options():
+  """Deterministic tf.data options sharding in-memory rows by element."""
   options = tf.data.Options()
   options.deterministic = True
   # In-memory arrays have no files to shard: shard by element.
@@ -102,7 +103,7 @@ def train_dataset(dataset, global_batch_size, *, seed=0, start_step=0,
                       start_step)
   ds = ds.map(_gather_fn(dataset, seed, augment),
               num_parallel_calls=tf.data.AUTOTUNE)
-  return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
 
 def per_replica_train_fn(dataset, global_batch_size, *, seed=0, start_step=0,
@@ -125,7 +126,7 @@ def per_replica_train_fn(dataset, global_batch_size, *, seed=0, start_step=0,
     ds = ds.map(my_rows).unbatch()
     ds = ds.map(_gather_fn(dataset, seed, augment),
                 num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
   return dataset_fn
 
@@ -193,7 +194,7 @@ def eval_dataset(images, labels, global_batch_size, *, pad=True):
   ds = ds.batch(global_batch_size).map(lambda x, y: (to_float(x), y))
   if pad:
     ds = pad_batches(ds, global_batch_size)
-  return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
 
 def distribute_train(strategy, dataset, global_batch_size, *, seed=0,

@@ -24,7 +24,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from framework.data import inputs
+from framework.data import inputs, splits
 from framework.errors import DataError, check_positive
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -119,7 +119,7 @@ def _load(load, path, key, **kwargs):
                     ) from None
 
 
-class NumpyDataset:
+class NumpyDataset(splits.ArraySplits):
   """Memory-mapped train and test arrays, streamed by index.
 
   Has the attributes of an `ArrayDataset` (`train_x` ... are the mapped
@@ -162,26 +162,6 @@ class NumpyDataset:
       top = max(int(np.max(self.train_y)), int(np.max(self.test_y)))
       class_names = [f"class_{i}" for i in range(max(top + 1, 2))]
     self.class_names = tuple(class_names)
-
-  @property
-  def input_shape(self):
-    return tuple(self.train_x.shape[1:])
-
-  @property
-  def label_shape(self):
-    return tuple(self.train_y.shape[1:])
-
-  @property
-  def num_classes(self):
-    return len(self.class_names)
-
-  @property
-  def num_train_examples(self):
-    return len(self.train_x)
-
-  @property
-  def num_test_examples(self):
-    return len(self.test_x)
 
   def test_samples(self, n):
     return np.asarray(self.test_x[:n]), np.asarray(self.test_y[:n])
@@ -241,7 +221,7 @@ class NumpyDataset:
       ds = ds.map(my_rows).unbatch()
       ds = ds.map(self._gather(seed, augment),
                   num_parallel_calls=tf.data.AUTOTUNE)
-      return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+      return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
 
     return dataset_fn
 
@@ -253,7 +233,7 @@ class NumpyDataset:
         self.num_train_examples, global_batch_size, seed, start_step)
     ds = ds.map(self._gather(seed, augment),
                 num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
 
   def distribute_train(self, strategy, global_batch_size, *, seed=0,
                        start_step=0, augment=None, input_mode="global"):
@@ -275,7 +255,7 @@ class NumpyDataset:
     ds = ds.map(lambda x, y: (inputs.to_float(x), y))
     if pad:
       ds = inputs.pad_batches(ds, global_batch_size)
-    return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
+    return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
 
   def distribute_eval(self, strategy, global_batch_size):
     return strategy.experimental_distribute_dataset(
@@ -286,14 +266,6 @@ def _unknown_rows(batch):
   # The last batch is partial: a batch dimension of None, as `.batch()`.
   return tuple(tf.ensure_shape(t, [None] + t.shape[1:].as_list())
                for t in batch)
-
-
-def _options():
-  options = tf.data.Options()
-  options.deterministic = True
-  options.experimental_distribute.auto_shard_policy = (
-      tf.data.experimental.AutoShardPolicy.DATA)
-  return options
 
 
 def load_numpy(data_dir=None, **_):
