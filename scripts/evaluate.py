@@ -46,9 +46,11 @@ flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint until the "
                   "run's last step.")
 flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many "
                      "logical devices.")
-# Which choices read a flag (every other flag is read by every run): a set
-# flag they do not read is one warning line (the settings declare theirs).
-READ_BY = config_flags.read_by_table(cls=EvalConfig)
+# Which choices read a flag (every other flag is read by every run; the
+# settings declare theirs): a set flag they do not read is one warning line,
+# which names the --watch settings first.
+READ_BY = dict(sorted(config_flags.read_by_table(cls=EvalConfig).items(),
+                      key=lambda item: "watch" not in item[1]))
 
 
 def run():

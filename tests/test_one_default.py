@@ -11,8 +11,12 @@ written again. Config dataclasses that share a setting declare it once
 import ast
 import dataclasses
 import inspect
+import os
+import subprocess
+import sys
 import textwrap
 
+from absl import flags
 import pytest
 
 from framework import settings
@@ -23,6 +27,9 @@ from framework.distribute.launch_config import LaunchConfig
 from framework.model_parallel.config import ModelParallelConfig
 from framework.model_parallel.split_config import SplitConfig
 from models.options import ModelOptions
+from scripts import config_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _callables():
@@ -131,7 +138,10 @@ def test_configs_declare_a_shared_setting_once(outer, inner):
   for field in dataclasses.fields(inner):
     copy = outer_fields[field.name]
     assert copy.default is field.default, field.name
-    assert copy.metadata == field.metadata, field.name
+    # The same declaration (settings.same_as), not one written again.
+    assert copy.metadata.get("setting") is field.metadata.get("setting"), (
+        f"{outer.__name__}.{field.name} declares {inner.__name__}."
+        f"{field.name} again; use settings.same_as")
 
 
 def test_the_check_sees_a_literal():
@@ -141,3 +151,99 @@ def test_the_check_sees_a_literal():
   expressions = _default_expressions(written_twice)
   assert _written_again(expressions["clip_norm"], "clip_norm")
   assert _written_again(expressions["nan_policy"], "nan_policy") is None
+
+
+# The apps and the config each makes its flags from.
+APPS = {"train": "ExperimentConfig", "evaluate": "EvalConfig",
+        "predict": "PredictConfig", "launch": "LaunchConfig"}
+
+
+def _app_config(name):
+  # pylint: disable=g-import-not-at-top
+  from framework.app.eval_config import EvalConfig
+  from framework.app.predict_config import PredictConfig
+  # pylint: enable=g-import-not-at-top
+  return {"ExperimentConfig": ExperimentConfig, "EvalConfig": EvalConfig,
+          "PredictConfig": PredictConfig,
+          "LaunchConfig": LaunchConfig}[APPS[name]]
+
+
+def _app_tree(app):
+  path = os.path.join(ROOT, "scripts", f"{app}.py")
+  with open(path, encoding="utf-8") as f:
+    return ast.parse(f.read())
+
+
+def _calls(tree, attribute):
+  return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+          and isinstance(n.func, ast.Attribute) and n.func.attr == attribute]
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_an_apps_setting_flags_are_made_from_its_config(app):
+  tree = _app_tree(app)
+  made = _calls(tree, "define_flags")
+  assert len(made) == 1, f"{app}.py: one config_flags.define_flags call"
+  named = {k.arg: ast.unparse(k.value) for k in made[0].keywords}
+  assert named.get("cls", "ExperimentConfig") == APPS[app], named
+  setting_flags = {f.name for f in config_flags.walk(_app_config(app))}
+  hand_written = [
+      c.args[0].value for c in ast.walk(tree) if isinstance(c, ast.Call)
+      and isinstance(c.func, ast.Attribute)
+      and c.func.attr.startswith("DEFINE_") and c.args
+      and isinstance(c.args[0], ast.Constant)]
+  twice = sorted(set(hand_written) & setting_flags)
+  assert not twice, (f"{app}.py writes the flags of settings again: {twice}; "
+                     f"they are {APPS[app]} fields")
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_each_generated_flag_has_its_fields_default(app):
+  cls = _app_config(app)
+  values = flags.FlagValues()
+  config_flags.define_flags(values, cls=cls)
+  for flag in config_flags.walk(cls):
+    if flag.kind is dict:
+      continue
+    default = flag.field.default
+    if default is dataclasses.MISSING:
+      assert values[flag.name].default is None
+      continue
+    if flag.kind is tuple:
+      default = [str(v) for v in default]
+    assert values[flag.name].default == default, flag.name
+
+
+def test_evaluate_takes_the_strategies_of_the_one_list():
+  # pylint: disable=g-import-not-at-top
+  from framework.app.eval_config import EvalConfig
+  from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
+  # pylint: enable=g-import-not-at-top
+  values = flags.FlagValues()
+  config_flags.define_flags(values, cls=EvalConfig)
+  assert values["strategy"].parser.enum_values == list(EVAL_STRATEGIES)
+  assert set(STRATEGIES) - set(EVAL_STRATEGIES) == {"parameter_server"}
+
+
+def test_model_options_moved_beside_the_models_with_a_warning():
+  from framework.app import config  # pylint: disable=g-import-not-at-top
+  with pytest.warns(DeprecationWarning, match="models.options.ModelOptions"):
+    moved = config.ModelOptions
+  assert moved is ModelOptions
+
+
+@pytest.mark.slow
+def test_the_settings_load_no_tensorflow():
+  # A fresh interpreter (a forked run has TensorFlow imported already): the
+  # flags are made from these before TensorFlow loads (--onednn).
+  code = ("import sys, models, models.options, scripts.config_flags, "
+          "framework.app.eval_config, framework.app.predict_config, "
+          "framework.distribute.launch_config\n"
+          "assert 'tensorflow' not in sys.modules, 'tensorflow loaded'\n"
+          "print(models.model_names())\n"
+          "assert 'tensorflow' in sys.modules\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "['cifar_cnn', 'gpt', 'mlp', 'unet']" in proc.stdout
