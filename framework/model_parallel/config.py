@@ -108,7 +108,7 @@ class ModelParallelConfig:
     else:
       object.__setattr__(self, "num_stages", sizes["pipeline"])
 
-  def check_model(self, model, num_heads, vocab_size=0):
+  def check_model(self, model, num_heads, vocab_size):
     """Raises ConfigError when a tensor split cannot cut `model` (the
     shards must divide a gpt's heads and vocabulary); before any build."""
     if self.mode != "tensor" or model != "gpt":
