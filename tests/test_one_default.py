@@ -67,11 +67,17 @@ def _callables():
 
 def _app_callables():
   # pylint: disable=g-import-not-at-top
-  from framework.app import generation
+  from framework.app import export, generation, prediction
+  from framework.app.eval_config import EvalConfig
   from framework.app.predict_config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return [("generate", generation.generate, PredictConfig, {}),
-          ("generate_text", generation.generate_text, PredictConfig, {})]
+          ("generate_text", generation.generate_text, PredictConfig, {}),
+          ("build_inference_model", export.build_inference_model, EvalConfig,
+           {}),
+          ("check_model_code", export.check_model_code, EvalConfig, {}),
+          ("export_saved_model", export.export_saved_model, EvalConfig, {}),
+          ("load_model", prediction.load_model, EvalConfig, {})]
 
 
 def _default_expressions(function):
@@ -131,11 +137,22 @@ def test_every_listed_callable_has_a_setting_keyword():
   assert named == {c[0] for c in _callables()}
 
 
-@pytest.mark.parametrize("outer, inner", [
-    (ExperimentConfig, TrainerConfig), (ModelParallelConfig, SplitConfig)])
-def test_configs_declare_a_shared_setting_once(outer, inner):
+def _shared():
+  # pylint: disable=g-import-not-at-top
+  from framework.app.eval_config import EvalConfig
+  from framework.app.predict_config import PredictConfig
+  # pylint: enable=g-import-not-at-top
+  return [(ExperimentConfig, TrainerConfig, None),
+          (ModelParallelConfig, SplitConfig, None),
+          (PredictConfig, EvalConfig, ("trust_model_code",))]
+
+
+@pytest.mark.parametrize("outer, inner, names", _shared())
+def test_configs_declare_a_shared_setting_once(outer, inner, names):
   outer_fields = {f.name: f for f in dataclasses.fields(outer)}
   for field in dataclasses.fields(inner):
+    if names is not None and field.name not in names:
+      continue
     copy = outer_fields[field.name]
     assert copy.default is field.default, field.name
     # The same declaration (settings.same_as), not one written again.

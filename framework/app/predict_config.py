@@ -8,8 +8,9 @@ TensorFlow loads.
 
 import dataclasses
 
+from framework.app.eval_config import EvalConfig
 from framework.errors import ConfigError
-from framework.settings import check_settings, setting
+from framework.settings import check_settings, same_as, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +37,7 @@ class PredictConfig:
       None, "Model name or package.module:function; overrides "
       "model_info.json (naming a module trusts its code), or names a "
       "CIFAR-10 model when there is none.")
-  trust_model_code: bool = setting(
-      False, "Import the module:function that model_info.json names (runs "
-      "that module's code; off by default, as Keras's safe_mode).")
+  trust_model_code: bool = same_as(EvalConfig, "trust_model_code")
   index: int | None = setting(
       None, "Index into the run's own test split (its dataset from "
       "model_info.json: cifar10, synthetic, tfrecord, image_folder, "
