@@ -31,14 +31,11 @@ import os
 import signal
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
 try:  # No TensorFlow in them.

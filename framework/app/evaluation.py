@@ -95,11 +95,12 @@ class Evaluator:
           f"was trained on {tuple(self.info['input_shape'])}")
     self.global_batch_size = (config.global_batch_size
                               or self.info.get("global_batch_size") or 128)
-    per_pixel = segmentation.is_segmentation(self.dataset)
-    trainer_cls = (segmentation.SegmentationTrainer if per_pixel
-                   else ConfusionTrainer)
-    if language_model.is_language_model(self.dataset):
-      trainer_cls = language_model.LanguageModelTrainer
+    task = language_model.task_name(self.dataset)
+    per_pixel = task == "segmentation"
+    trainer_cls = {
+        "segmentation": segmentation.SegmentationTrainer,
+        language_model.TASK: language_model.LanguageModelTrainer,
+    }.get(task, ConfusionTrainer)
     # The run's own compute precision, so that its numbers come out again.
     self.precision = self.info.get("mixed_precision") or "float32"
     if self.precision not in ("float32", "auto"):

@@ -29,12 +29,14 @@ def total_steps(config, num_train_examples):
                                                 config.global_batch_size)
 
 
-def default_trainer_cls(dataset):
+def default_trainer_cls(dataset=None, *, task=None):
   """SegmentationTrainer for per-pixel labels, LanguageModelTrainer for
-  token sequences, else the plain Trainer."""
-  if language_model.is_language_model(dataset):
+  token sequences, else the plain Trainer (`task`: the dataset's, as
+  `language_model.task_name` or a `RunPlan` gives it)."""
+  task = task or language_model.task_name(dataset)
+  if task == language_model.TASK:
     return language_model.LanguageModelTrainer
-  if segmentation.is_segmentation(dataset):
+  if task == "segmentation":
     return segmentation.SegmentationTrainer
   return Trainer
 
@@ -58,12 +60,13 @@ def optimizer_config(config, steps):
 
 
 def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
-                              compute_precision=None):
+                              compute_precision=None, task=None):
   """(model, optimizer, LoopConfig with the run's length) under `strategy`.
 
   `build_model(input_shape, num_classes, **options)` builds the model
   (default: the builder `config.model` names). `compute_precision` replaces
   `config.mixed_precision` for the model's dtype policy (None: the run's).
+  `task`: the dataset's (None: from `dataset`).
   """
   steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
@@ -102,7 +105,8 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
       registry.check_outputs(config.model, model, dataset.num_classes,
                              config.dataset)
       # A model registered without its task is known once built.
-      models.check_task(config.model, language_model.task_name(dataset),
+      models.check_task(config.model,
+                        task or language_model.task_name(dataset),
                         config.dataset, model)
       optimizer = optimizers.make_optimizer(optimizer_cfg)
   finally:
@@ -133,7 +137,7 @@ def trainer_options(config, strategy):
 
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
                   build_model=None, make_trainer=None, model_parallel=True,
-                  compute_precision=None):
+                  compute_precision=None, plan=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
   Args:
@@ -145,11 +149,14 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       (False: the unsplit trainer, the self-check's reference).
     compute_precision: the model's dtype policy instead of the run's (the
       float16 loss scale still follows `config.mixed_precision`).
+    plan: the run's `RunPlan`, whose dataset task is read instead of
+      deciding it again.
   """
-  trainer_cls = trainer_cls or default_trainer_cls(dataset)
+  task = plan.task if plan is not None else None
+  trainer_cls = trainer_cls or default_trainer_cls(dataset, task=task)
   model, optimizer, loop = build_model_and_optimizer(
       config, strategy, dataset, build_model,
-      compute_precision=compute_precision)
+      compute_precision=compute_precision, task=task)
   if make_trainer is None:
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                     if model_parallel else trainer_cls)
