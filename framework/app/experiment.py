@@ -6,7 +6,6 @@ train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
 data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -23,7 +22,7 @@ from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
 from framework.app import run_plan
-from framework.core import optimizers, progress, ps_training
+from framework.core import optimizers, progress, protocols, ps_training
 from framework.core import warm_start
 from framework.data import augment, inputs
 from framework.tasks import segmentation
@@ -61,7 +60,8 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
       config, strategy, dataset, trainer_cls, build_model=build_model,
       make_trainer=make_trainer, plan=plan)
   model = trainer.model  # before a parameter-server coordinator wraps it
-  loss_scale = getattr(trainer, "loss_scale", None)
+  # The loss scale's and the EMA's state, where the trainer declares them.
+  checkpoint_items = protocols.checkpoint_items(trainer)
   augment_fn = augment.get_augmentation(config.augment)
 
   def default_train_input(start_step):
@@ -84,10 +84,6 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     eval_inputs = eval_set_specs.eval_inputs(config, strategy, dataset,
                                              eval_input)
     eval_input = None
-  checkpoint_items = dict(loss_scale.checkpoint_items() if loss_scale
-                          else {})
-  if getattr(trainer, "ema", None) is not None:
-    checkpoint_items.update(trainer.ema.checkpoint_items())
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
@@ -265,12 +261,14 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
   # when the last loop's loss was not finite.
   results = controller.run()
   if chief:
-    model = trainer.export_model()
-    averaged = getattr(trainer, "averaged_weights", None)
-    if getattr(trainer, "ema", None) is not None:
+    if not isinstance(trainer, protocols.Exportable):
+      logging.info("trainer=%s has no export_model(): the weights file and "
+                   "the export hold its model", type(trainer).__name__)
+    model = protocols.export_model(trainer)
+    if protocols.ema_of(trainer) is not None:
       export.save_weights(model, os.path.join(config.model_dir,
                                               RAW_WEIGHTS_FILE))
-    with averaged() if averaged else contextlib.nullcontext():
+    with protocols.averaged_weights(trainer):
       export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
       if config.export_saved_model:
         # This run's own config named the model: its code is trusted.

@@ -14,16 +14,12 @@ import keras
 import models
 from models import registry
 from framework.core import losses, optimizers, precision
+from framework.core.config import TrainerConfig
 from framework.core.controller import LoopConfig
 from framework.core.trainer import Trainer
 from framework.data import inputs
 from framework.errors import ConfigError
 from framework.tasks import language_model, segmentation
-
-# Trainer defaults that are only passed when a config changes them, so that
-# Trainer subclasses with their own constructor keep working.
-_MAX_SKIPPED_STEPS = 10
-
 
 def total_steps(config, num_train_examples):
   """The run's length in steps (`train_steps`, or `epochs` in steps)."""
@@ -119,34 +115,23 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
 
 
 def trainer_options(config, strategy):
-  """The Trainer keyword arguments of a run of `config` under `strategy`
-  (a float16 run gets a new `LossScale` for that strategy)."""
+  """The Trainer keyword arguments of a run of `config` under `strategy`:
+  every step setting (`TrainerConfig`'s fields), whatever its value (a
+  float16 run also gets a new `LossScale` for that strategy)."""
+  step = TrainerConfig.of(config)
+  if step.jit_compile and config.model_parallel.mode != "none":
+    logging.warning("jit_compile: not supported with model_parallel=%s (a "
+                    "stage's ops run on several devices, an XLA function on "
+                    "one); training without XLA", config.model_parallel.mode)
+    step = dataclasses.replace(step, jit_compile=False)
   options = dict(global_batch_size=config.global_batch_size,
-                 clip_norm=config.clip_norm, nan_policy=config.nan_policy)
-  if config.grad_accum_steps != 1:
-    options["grad_accum_steps"] = config.grad_accum_steps
-  if config.max_skipped_steps != _MAX_SKIPPED_STEPS:
-    options["max_skipped_steps"] = config.max_skipped_steps
+                 **{f.name: getattr(step, f.name)
+                    for f in dataclasses.fields(step)})
   if config.label_smoothing:
     options["loss_fn"] = losses.smoothed_sparse_categorical_loss(
         config.label_smoothing)
-  if config.ema_decay is not None:
-    options.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
-  if config.eval_tta != "none":
-    options["eval_tta"] = config.eval_tta
-  if not config.all_reduce.is_default:
-    options["all_reduce"] = config.all_reduce
-  if config.shard_optimizer_state:
-    options["shard_optimizer_state"] = True
   if precision.needs_loss_scale(config.mixed_precision):
     options["loss_scale"] = precision.LossScale(strategy)
-  if config.jit_compile:
-    if config.model_parallel.mode != "none":
-      logging.warning("jit_compile: not supported with model_parallel=%s (a "
-                      "stage's ops run on several devices, an XLA function on "
-                      "one); training without XLA", config.model_parallel.mode)
-    else:
-      options["jit_compile"] = True
   return options
 
 

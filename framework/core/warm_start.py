@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core import checkpointing
+from framework.core import protocols
 from framework.errors import CheckpointError, ConfigError
 
 WEIGHTS_FILE_SUFFIX = ".weights.h5"
@@ -299,7 +300,7 @@ def warm_start(controller, path, *, skip_mismatch=False, exclude=None):
   trainer = controller.trainer
   record = restore_weights(trainer.model, path, skip_mismatch=skip_mismatch,
                            exclude=exclude)
-  ema = getattr(trainer, "ema", None)
+  ema = protocols.ema_of(trainer)
   if ema is not None:
     for average, variable in zip(ema.averages, ema.variables):
       ema.strategy.extended.update(

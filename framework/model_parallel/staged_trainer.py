@@ -32,6 +32,8 @@ from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
                                              memory_by_device, memory_metrics)
 from framework.model_parallel.replicas import all_reduce_copies
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.model_parallel.streams import DeviceStreams
 from framework.core.trainer import Trainer
 
@@ -85,8 +87,11 @@ class StagedTrainer(Trainer):
   """
 
   def __init__(self, model, optimizer, strategy, *, stages,
-               num_microbatches=1, recompute=False, serial_stages=False,
-               input_grads_first=True, copies=(), **kwargs):
+               num_microbatches=default(SplitConfig, "num_microbatches"),
+               recompute=default(SplitConfig, "recompute"),
+               serial_stages=default(SplitConfig, "serial_stages"),
+               input_grads_first=default(SplitConfig, "input_grads_first"),
+               copies=(), **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
