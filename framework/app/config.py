@@ -252,7 +252,8 @@ class ExperimentConfig:
                         "unset)")
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", ModelOptions.num_heads),
-        self.model_options.get("vocab_size", 0))
+        self.model_options.get("vocab_size", 0),
+        self.model_options.get("num_layers", ModelOptions.num_layers))
     if self.shard_optimizer_state and (
         self.strategy not in SHARDING_STRATEGIES or
         self.model_parallel.mode != "none"):
