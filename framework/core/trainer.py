@@ -35,6 +35,7 @@ masked evaluation sums), `step_loop.py` (`steps_per_loop` steps in one
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Mapping
 
 import keras
@@ -43,16 +44,19 @@ from absl import logging
 
 from framework.core import optimizer_sharding
 from framework.core import tta, xla
-from framework.core.config import NAN_POLICIES
+from framework.core.config import TrainerConfig
 from framework.core.ema import WeightAverage
 from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
                                       real_rows)
 from framework.core.gradients import GradientPipeline
 from framework.core.replica_sync import replica_sync_fn
 from framework.core.step_loop import StepLoop
-from framework.errors import ConfigError, check_choice, check_positive
+from framework.errors import ConfigError, check_positive
+from framework.settings import default
 
 SUM = tf.distribute.ReduceOp.SUM
+# The step settings' keyword defaults: `TrainerConfig`'s, declared once.
+_default = functools.partial(default, TrainerConfig)
 # What only the default `train_step` does, by the argument that turns it on.
 STEP_FEATURES = {"grad_accum_steps": "gradient accumulation",
                  "loss_scale": "float16 loss scaling"}
@@ -114,7 +118,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     eval_tta: test-time augmentation in evaluation (`framework.core.tta`):
       `none` or `flip` (mean logits of each image and its mirror).
     all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
-      implementation, wire dtype of the gradient all-reduce); None: defaults.
+      implementation, wire dtype of the gradient all-reduce); None: its
+      defaults.
     jit_compile: compile the replica step with XLA where TensorFlow can
       (`framework.core.xla`: the whole step on one replica, each replica's
       forward and backward pass under several; a warning where it cannot).
@@ -129,16 +134,23 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                strategy: tf.distribute.Strategy, *, global_batch_size: int,
                loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = (
                    sparse_categorical_loss),
-               clip_norm: float | None = None, nan_policy: str = "stop",
-               grad_accum_steps: int = 1, loss_scale: Any = None,
-               fused_updates: bool = True, max_skipped_steps: int = 10,
-               ema_decay: float | None = None, ema_warmup: bool = False,
-               eval_tta: str = "none", all_reduce: Any = None,
-               jit_compile: bool = False,
-               shard_optimizer_state: bool = False) -> None:
+               clip_norm: float | None = _default("clip_norm"),
+               nan_policy: str = _default("nan_policy"),
+               grad_accum_steps: int = _default("grad_accum_steps"),
+               loss_scale: Any = None, fused_updates: bool = True,
+               max_skipped_steps: int = _default("max_skipped_steps"),
+               ema_decay: float | None = _default("ema_decay"),
+               ema_warmup: bool = _default("ema_warmup"),
+               eval_tta: str = _default("eval_tta"),
+               all_reduce: Any = _default("all_reduce"),
+               jit_compile: bool = _default("jit_compile"),
+               shard_optimizer_state: bool = _default(
+                   "shard_optimizer_state")) -> None:
     check_positive("global_batch_size", global_batch_size)
-    check_positive("max_skipped_steps", max_skipped_steps)
-    check_positive("grad_accum_steps", grad_accum_steps)
+    TrainerConfig(  # checks the step settings, one ConfigError naming one
+        clip_norm=clip_norm, nan_policy=nan_policy,
+        max_skipped_steps=max_skipped_steps, grad_accum_steps=grad_accum_steps,
+        ema_decay=ema_decay, eval_tta=eval_tta)
     replicas = strategy.num_replicas_in_sync
     if global_batch_size % replicas:
       raise ConfigError(
@@ -149,9 +161,6 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
           f"grad_accum_steps={grad_accum_steps} does not divide the per-replica "
           f"batch {global_batch_size // replicas} (global_batch_size="
           f"{global_batch_size} / {replicas} replicas)")
-    if clip_norm is not None and not clip_norm > 0:
-      raise ConfigError(f"clip_norm={clip_norm} must be > 0 (or unset)")
-    check_choice("nan_policy", nan_policy, NAN_POLICIES)
     self.model = model
     self.optimizer = optimizer
     self.strategy = strategy

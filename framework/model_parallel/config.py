@@ -6,16 +6,12 @@ import functools
 from framework.errors import ConfigError
 from framework.model_parallel.choices import BALANCES, MODES, PLACEMENTS  # pylint: disable=unused-import
 from framework.model_parallel.mesh import check_device_count, parse_mesh
-from framework.settings import POSITIVE, check_settings, setting
+from framework.model_parallel.split_config import SPLIT_READ_BY, SplitConfig
+from framework.settings import check_settings, same_as, setting
 
 # This module imports no TensorFlow at load time (the flags are made from
 # ModelParallelConfig before TensorFlow loads): the trainers and devices are
 # imported where they are used.
-
-# What only a split model reads (`setting(read_by=...)`).
-_SPLIT = {"model_parallel": ("pipeline", "tensor")}
-_PIPELINE = {"model_parallel": ("pipeline",)}
-_TENSOR = {"model_parallel": ("tensor",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,44 +54,21 @@ class ModelParallelConfig:
       "none", "pipeline: cut the layers into --num_stages stages on as many "
       "devices; tensor: split one hidden Dense layer's units across "
       "--num_shards devices.", flag="model_parallel", choices=MODES)
-  num_stages: int = setting(2, "Pipeline stages (devices).",
-                            minimum=POSITIVE, read_by=_PIPELINE)
-  num_microbatches: int = setting(
-      1, "Micro-batches per global batch (GPipe schedule); must divide "
-      "--global_batch_size.", minimum=POSITIVE, read_by=_SPLIT)
-  stage_boundaries: tuple[int | str, ...] = setting(
-      (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
-      "names (a name starts a stage); default: balanced by "
-      "--stage_balance.", read_by=_PIPELINE)
-  num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
-                            "are split across.", minimum=POSITIVE,
-                            read_by=_TENSOR)
-  split_layer: int | None = setting(
-      None, "Tensor parallel: index of the Dense layer to split (default: "
-      "the last Dense followed by a Dense).", read_by=_TENSOR)
+  num_stages: int = same_as(SplitConfig, "num_stages")
+  num_microbatches: int = same_as(SplitConfig, "num_microbatches")
+  stage_boundaries: tuple[int | str, ...] = same_as(SplitConfig,
+                                                    "stage_boundaries")
+  num_shards: int = same_as(SplitConfig, "num_shards")
+  split_layer: int | None = same_as(SplitConfig, "split_layer")
   devices: str = setting(
       "local", "local: this process's GPUs or --cpu_devices; cluster: "
       "stage/shard i on TF_CONFIG's worker i, the chief runs the loop "
       "(scripts/launch.py --workers=N adds the chief).",
-      flag="model_parallel_devices", choices=PLACEMENTS, read_by=_SPLIT)
-  recompute: bool = setting(
-      False, "Model parallel: keep only each stage's inputs per micro-batch "
-      "and recompute its forward pass in the backward pass (less "
-      "activation memory, one more forward pass per step).", read_by=_SPLIT)
-  serial_stages: bool = setting(
-      False, "Model parallel: each stage device runs its ops one at a time, "
-      "in program order, as a GPU stream does (logical CPU devices "
-      "otherwise run several of a stage's ops at once on the shared "
-      "cores).")
-  input_grads_first: bool = setting(
-      True, "Model parallel, with --serial_stages: each stage computes the "
-      "input gradient it sends back before its weight gradients (B before "
-      "W, as zero-bubble pipelines do: a smaller bubble); false: the "
-      "backward pass in creation order.", read_by=_SPLIT)
-  stage_balance: str = setting(
-      "flops", "Pipeline cut points without --stage_boundaries: equal "
-      "forward+backward conv/matmul FLOPs per stage, or equal parameter "
-      "counts.", choices=BALANCES, read_by=_PIPELINE)
+      flag="model_parallel_devices", choices=PLACEMENTS, read_by=SPLIT_READ_BY)
+  recompute: bool = same_as(SplitConfig, "recompute")
+  serial_stages: bool = same_as(SplitConfig, "serial_stages")
+  input_grads_first: bool = same_as(SplitConfig, "input_grads_first")
+  stage_balance: str = same_as(SplitConfig, "stage_balance")
   mesh: str = setting(
       "", "One device mesh for the split, e.g. data:2,model:2 (data x "
       "tensor), data:2,pipeline:2 or model:4; axes data, model, pipeline; "
@@ -140,7 +113,7 @@ class ModelParallelConfig:
     else:
       object.__setattr__(self, "num_stages", sizes["pipeline"])
 
-  def check_model(self, model, num_heads, vocab_size=0, num_layers=0):
+  def check_model(self, model, num_heads, vocab_size, num_layers=0):
     """Raises ConfigError when a tensor split cannot cut `model` (the
     shards must divide a gpt's heads and vocabulary, a tensor x pipeline
     mesh needs a model with a whole split and a block per stage); before

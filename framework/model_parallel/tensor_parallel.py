@@ -19,6 +19,8 @@ import tensorflow as tf
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.parallel_layers import split_for
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.model_parallel.pipeline import model_layers
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import ParallelStage, Stage
@@ -261,9 +263,11 @@ class TensorParallelTrainer(StagedTrainer):
     **kwargs: `Trainer` arguments.
   """
 
-  def __init__(self, model, optimizer, strategy, *, num_shards=2,
-               split_layer=None, num_microbatches=1, devices=None,
-               replica_devices=None, num_stages=1, **kwargs):
+  def __init__(self, model, optimizer, strategy, *,
+               num_shards=default(SplitConfig, "num_shards"),
+               split_layer=default(SplitConfig, "split_layer"),
+               num_microbatches=default(SplitConfig, "num_microbatches"),
+               devices=None, replica_devices=None, num_stages=1, **kwargs):
     check_positive("num_stages", num_stages)
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
