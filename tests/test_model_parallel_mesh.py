@@ -36,9 +36,9 @@ def test_a_mesh_with_model_and_pipeline_axes_is_a_staged_tensor_split():
           both.device_count) == ("tensor", 2, 2, 1, (4, "num_shards"))
   three = ModelParallelConfig(mesh="data:2,model:2,pipeline:2")
   assert (three.num_shards, three.tensor_stages, three.data_axis) == (2, 2, 2)
-  assert three.trainer_factory().keywords["num_stages"] == 2
+  assert three.trainer_factory().keywords["tensor_stages"] == 2
   # Without a pipeline axis the tensor split has one stage, as before.
-  assert "num_stages" not in ModelParallelConfig(
+  assert "tensor_stages" not in ModelParallelConfig(
       mesh="data:2,model:2").trainer_factory().keywords
 
 

@@ -46,7 +46,7 @@ def compare(steps, num_shards, replica_devices=None, tied=True,
       tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9), STRATEGY,
       global_batch_size=BATCH, num_shards=num_shards,
       devices=[f"/CPU:{i}" for i in range(num_shards * num_stages)],
-      replica_devices=replica_devices, num_stages=num_stages)
+      replica_devices=replica_devices, tensor_stages=num_stages)
   forward = relative(np.concatenate(
       [t.numpy() for t in split.model(x[:BATCH])], -1),
                      reference.model(x[:BATCH]).numpy())

@@ -76,7 +76,7 @@ class ModelParallelConfig:
       "--num_shards/--num_stages is the one-axis mesh.")
   replica_devices: tuple = setting((), flag=False)  # set by with_strategy
   data_axis: int = setting(1, flag=False)  # set from `mesh`
-  tensor_stages: int = setting(1, flag=False)  # set from `mesh`
+  tensor_stages: int = same_as(SplitConfig, "tensor_stages")  # from `mesh`
 
   def __post_init__(self):
     check_settings(self)
@@ -244,7 +244,7 @@ class ModelParallelConfig:
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
         input_grads_first=self.input_grads_first, devices=devices,
-        **({"num_stages": self.tensor_stages} if self.tensor_stages > 1
+        **({"tensor_stages": self.tensor_stages} if self.tensor_stages > 1
            else {}),
         **({"replica_devices": [list(g) for g in self.replica_devices]}
            if self.replica_devices else {}))

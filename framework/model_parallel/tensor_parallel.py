@@ -257,8 +257,8 @@ class TensorParallelTrainer(StagedTrainer):
     num_microbatches: optional micro-batching (as in the pipeline).
     devices: D device names; default `/GPU:0..` or `/CPU:0..`.
     replica_devices: data x tensor (transformer splits only): R lists of D
-      (D * num_stages) devices, one copy of the split on each.
-    num_stages: tensor x pipeline (transformer splits only): the blocks cut
+      (D * tensor_stages) devices, one copy of the split on each.
+    tensor_stages: tensor x pipeline (transformer splits only): the blocks cut
       into this many stages, each split across its own D devices.
     **kwargs: `Trainer` arguments.
   """
@@ -267,8 +267,10 @@ class TensorParallelTrainer(StagedTrainer):
                num_shards=default(SplitConfig, "num_shards"),
                split_layer=default(SplitConfig, "split_layer"),
                num_microbatches=default(SplitConfig, "num_microbatches"),
-               devices=None, replica_devices=None, num_stages=1, **kwargs):
-    check_positive("num_stages", num_stages)
+               devices=None, replica_devices=None,
+               tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
+    check_positive("tensor_stages", tensor_stages)
+    num_stages = tensor_stages
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
       count = num_shards * num_stages
@@ -287,7 +289,7 @@ class TensorParallelTrainer(StagedTrainer):
       return
     if num_stages > 1:
       raise ConfigError(
-          f"tensor x pipeline (num_stages={num_stages}) needs a model with a "
+          f"tensor x pipeline (tensor_stages={num_stages}) needs a model with a "
           f"whole-model split (model=gpt); {model.name} splits one Dense "
           "pair only")
     if replica_devices:
