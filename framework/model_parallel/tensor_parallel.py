@@ -264,6 +264,8 @@ class TensorParallelTrainer(StagedTrainer):
                replica_devices=None, **kwargs):
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
+      if replica_devices and not devices:
+        devices = replica_devices[0]  # copy 0's, local or on a cluster task
       devices = list(devices or model_parallel_devices(
           num_shards * len(replica_devices or [()]), name="num_shards"))
       devices = devices[:num_shards]
