@@ -62,6 +62,33 @@ def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disab
                            metadata={"setting": metadata})
 
 
+def default(cls, name):
+  """The default of setting `name` of config dataclass `cls`: what a
+  keyword argument standing for that setting defaults to, so that each
+  setting has one default (`def f(*, clip_norm=default(TrainerConfig,
+  "clip_norm"))`; tests/test_one_default.py checks the keywords).
+
+  Raises:
+    ValueError: `cls` has no such field, or it has no default.
+  """
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  if name not in fields:
+    raise ValueError(f"{cls.__name__} has no setting {name!r}")
+  if fields[name].default is dataclasses.MISSING:
+    raise ValueError(f"{cls.__name__}.{name} has no single default value")
+  return fields[name].default
+
+
+def same_as(cls, name):
+  """A field for another config dataclass declaring the setting `name` of
+  `cls` again: the same default object, help, flag and checks (e.g.
+  `ExperimentConfig.clip_norm` is `TrainerConfig.clip_norm`)."""
+  field = {f.name: f for f in dataclasses.fields(cls)}[name]
+  return dataclasses.field(default=field.default,
+                           default_factory=field.default_factory,
+                           metadata=field.metadata)
+
+
 def info(field):
   """The `setting` metadata of a dataclass field (None for a plain field)."""
   return field.metadata.get("setting")

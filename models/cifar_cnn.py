@@ -2,12 +2,15 @@
 
 import keras
 
+from framework.settings import default
+from models.options import ModelOptions
 from models.registry import register
 
 
 @register("cifar_cnn", task="classification")
-def build(input_shape=(32, 32, 3), num_classes=10, *, dropout=True,
-          sync_batch_norm=False):
+def build(input_shape=(32, 32, 3), num_classes=10, *,
+          dropout=default(ModelOptions, "dropout"),
+          sync_batch_norm=default(ModelOptions, "sync_batch_norm")):
   """The seed network; outputs logits.
 
   Args:

@@ -24,6 +24,8 @@ from keras import ops
 
 from framework.errors import ConfigError
 from framework.model_parallel import parallel_layers, parallel_ops
+from framework.settings import default
+from models.options import ModelOptions
 from models.registry import register
 
 
@@ -257,8 +259,12 @@ def _check(name, value, minimum=1):
 
 
 @register("gpt", task="language_model")
-def build(input_shape, num_classes, *, num_layers=2, num_heads=4,
-          model_width=128, vocab_size=0, tie_embeddings=True, mlp_ratio=4):
+def build(input_shape, num_classes, *,
+          num_layers=default(ModelOptions, "num_layers"),
+          num_heads=default(ModelOptions, "num_heads"),
+          model_width=default(ModelOptions, "model_width"),
+          vocab_size=default(ModelOptions, "vocab_size"),
+          tie_embeddings=default(ModelOptions, "tie_embeddings"), mlp_ratio=4):
   """A GPT decoder over token sequences; outputs next-token logits.
 
   Args:

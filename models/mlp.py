@@ -3,11 +3,14 @@
 import keras
 
 from framework.errors import ConfigError
+from framework.settings import default
+from models.options import ModelOptions
 from models.registry import register
 
 
 @register("mlp", task="classification")
-def build(input_shape, num_classes, *, hidden_units=(64, 64)):
+def build(input_shape, num_classes, *,
+          hidden_units=default(ModelOptions, "hidden_units")):
   """Flatten, then Dense-ReLU per entry of `hidden_units`, then logits."""
   for units in hidden_units:
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:

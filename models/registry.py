@@ -24,6 +24,19 @@ from framework.errors import ConfigError
 _BUILDERS = {}
 _TASKS = {}  # name -> "classification" or "segmentation", where declared
 TASKS = ("classification", "segmentation", "language_model")
+# The modules of this package that register the built-in builders (and the
+# gpt split), imported at the first look-up: `import models` stays free of
+# TensorFlow.
+BUILTIN_MODULES = ("cifar_cnn", "gpt", "gpt_parallel", "mlp", "unet")
+_loaded = []
+
+
+def load_builtin():
+  """Imports the built-in builders' modules once (they register here)."""
+  if not _loaded:
+    _loaded.append(True)
+    for module in BUILTIN_MODULES:
+      importlib.import_module(f"models.{module}")
 
 
 def register(name, task=None):
@@ -51,6 +64,7 @@ def register(name, task=None):
 
 
 def model_names():
+  load_builtin()
   return sorted(_BUILDERS)
 
 
@@ -102,6 +116,7 @@ def get_builder(name, search_dir=None):
   """
   if not isinstance(name, str) or not name:
     raise ConfigError(_valid(name))
+  load_builtin()
   if not is_import_path(name):
     if name not in _BUILDERS:
       raise ConfigError(f"model={name!r} is unknown; known models: "
@@ -317,6 +332,7 @@ def check_task(name, per_pixel, dataset, model=None):
     model: the built model, if any: its output rank decides for a model
       registered without a task.
   """
+  load_builtin()
   if isinstance(per_pixel, str):
     want = per_pixel
   else:

@@ -8,6 +8,8 @@ Built from scratch: no pretrained weights are downloaded.
 import keras
 
 from framework.errors import ConfigError
+from framework.settings import default
+from models.options import ModelOptions
 from models.registry import register
 
 
@@ -22,8 +24,10 @@ def _conv_block(x, filters, sync_batch_norm):
 
 
 @register("unet", task="segmentation")
-def build(input_shape=(128, 128, 3), num_classes=3, *, depth=4, width=32,
-          sync_batch_norm=False):
+def build(input_shape=(128, 128, 3), num_classes=3, *,
+          depth=default(ModelOptions, "depth"),
+          width=default(ModelOptions, "width"),
+          sync_batch_norm=default(ModelOptions, "sync_batch_norm")):
   """A U-Net returning per-pixel logits [batch, height, width, num_classes].
 
   Args:

@@ -352,7 +352,7 @@ def warn_unread_flags(*, extra=None, table=None):
   try:
     from . import config_flags  # pylint: disable=g-import-not-at-top
   except ImportError:
-    from scripts import config_flags  # pylint: disable=g-import-not-at-top
+    from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
   text = config_flags.unread_warning(sys.argv, flags.FLAGS, extra=extra,
                                      table=table)
   if text:

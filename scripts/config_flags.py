@@ -1,4 +1,4 @@
-"""The flags of scripts/train.py, made from the config dataclasses.
+"""The apps' flags, made from the config dataclasses.
 
 Every field declared with `framework.settings.setting` in `ExperimentConfig`
 and the configs it nests (`OptimizerConfig`, `LoopConfig`,
@@ -7,7 +7,9 @@ is one absl flag: its name (the field's, or the `flag=` it declares), type,
 default, help and enum choices come from the field. `config_from_flags`
 builds the `ExperimentConfig` from the parsed flags; the dataclasses check
 the values (one `ConfigError` naming the flag). Nothing here repeats a
-default, a help text or a check.
+default, a help text or a check. `evaluate.py` (`EvalConfig`), `predict.py`
+(`PredictConfig`) and `launch.py` (`LaunchConfig`) make theirs the same way
+(`define_flags(cls=...)`, `build_config`).
 """
 
 import dataclasses
@@ -80,11 +82,16 @@ def walk(cls=ExperimentConfig, path=()):
       yield Flag(name, here, field, hint)
 
 
-def define_flags(flag_values=flags.FLAGS):
-  """Defines one flag per setting; returns their names."""
+def define_flags(flag_values=flags.FLAGS, cls=ExperimentConfig):
+  """Defines one flag per setting of `cls` (and the configs it nests);
+  returns their names. A setting without a default is a required flag."""
   names = []
-  for flag in walk():
+  for flag in walk(cls):
     meta, default = flag.meta, flag.field.default
+    required = default is dataclasses.MISSING and (
+        flag.field.default_factory is dataclasses.MISSING)
+    if required:
+      default = None
     args = dict(flag_values=flag_values)
     if flag.kind is dict:
       flags.DEFINE_string(flag.name, "", meta["help"], **args)
@@ -105,8 +112,20 @@ def define_flags(flag_values=flags.FLAGS):
     else:
       raise TypeError(f"setting {'.'.join(flag.path)}: no flag type for "
                       f"{flag.kind!r}")
+    if required:
+      flags.mark_flag_as_required(flag.name, flag_values=flag_values)
     names.append(flag.name)
   return names
+
+
+def build_config(cls, flag_values=flags.FLAGS, **replaced):
+  """The `cls` (a config without option dicts, e.g. `EvalConfig`) that the
+  parsed flags `define_flags(cls=cls)` made describe; `replaced` fields
+  take the values the app decided (e.g. a resolved checkpoint)."""
+  values = {flag.path: _value(flag, flag_values[flag.name].value)
+            for flag in walk(cls)}
+  values.update({(name,): value for name, value in replaced.items()})
+  return _build(cls, (), values)
 
 
 def _item(flag, text):
@@ -195,10 +214,11 @@ def key_flags():
 KNOWN_CHOICES = {"model": BUILTIN_MODELS, "dataset": DATASET_NAMES}
 
 
-def read_by_table(extra=None):
-  """{flag: read_by} of every setting that only some choices read (its
-  `setting(read_by=...)`), and `extra`: the app's own flags' entries."""
-  table = {f.name: f.meta["read_by"] for f in walk() if f.meta["read_by"]}
+def read_by_table(extra=None, cls=ExperimentConfig):
+  """{flag: read_by} of every setting of `cls` that only some choices read
+  (its `setting(read_by=...)`), and `extra`: the app's own flags' entries."""
+  table = {f.name: f.meta["read_by"] for f in walk(cls)
+           if f.meta["read_by"]}
   table.update(extra or {})
   return table
 

@@ -15,59 +15,39 @@ it exits 1 with one line (nothing evaluated).
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
+try:  # No TensorFlow in them: the flags come first.
+  from . import config_flags  # pylint: disable=g-import-not-at-top
+except ImportError:
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
+from framework.app.eval_config import EvalConfig  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model_dir", None, "The training run's directory.")
-flags.DEFINE_string("checkpoint", None, "A checkpoint path (.../ckpt-N); "
-                    "default: the latest in --model_dir.")
+# The settings of an evaluation: one flag per field of EvalConfig
+# (framework/app/eval_config.py; see scripts/config_flags.py).
+EVAL_FLAGS = config_flags.define_flags(cls=EvalConfig)
+# Not settings of the evaluation: how this app picks its checkpoints and
+# devices.
 flags.DEFINE_enum("weights", "latest", ["latest", "best"], "best: the best "
                   "checkpoint (<model_dir>/best/, kept by train.py "
                   "--best_metric); latest: --checkpoint or the newest.")
 flags.DEFINE_bool("watch", False, "Evaluate each new checkpoint until the "
                   "run's last step.")
-flags.DEFINE_float("poll_seconds", 5.0, "--watch: seconds between looks for "
-                   "a new checkpoint.")
-flags.DEFINE_float("timeout_seconds", 3600.0, "--watch: stop after this long "
-                   "without a new checkpoint (exit 1 if none came at all).")
-flags.DEFINE_enum("strategy", "default", ["default", "one_device", "mirrored",
-                                          "multi_worker_mirrored",
-                                          "central_storage", "tpu"],
-                  "tf.distribute strategy for evaluation.")
 flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many "
                      "logical devices.")
-flags.DEFINE_string("tpu", None, "TPU for --strategy=tpu.")
-flags.DEFINE_string("dataset", None, "Default: the run's dataset.")
-flags.DEFINE_string("data_dir", None, "Default: the run's data_dir.")
-flags.DEFINE_integer("global_batch_size", None, "Default: the run's.")
-flags.DEFINE_string("eval_dir", None, "TensorBoard directory (default: "
-                    "<model_dir>/eval_<eval_name>); never the run's own "
-                    "<model_dir>/eval.")
-flags.DEFINE_string("eval_name", "standalone", "Names the default "
-                    "--eval_dir: <model_dir>/eval_<eval_name>.")
-flags.DEFINE_string("model", None, "The model (registered name or "
-                    "package.module:function) instead of model_info.json's; "
-                    "naming a module trusts its code.")
-flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
-                  "that model_info.json names (runs that module's code; off "
-                  "by default, as Keras's safe_mode).")
-flags.mark_flag_as_required("model_dir")
-# Which choices read a flag (every other flag is read by every run): a set
-# flag they do not read is one warning line.
-READ_BY = {"poll_seconds": {"watch": ("true",)},
-           "timeout_seconds": {"watch": ("true",)},
-           "tpu": {"strategy": ("tpu",)}}
+# Which choices read a flag (every other flag is read by every run; the
+# settings declare theirs): a set flag they do not read is one warning line,
+# which names the --watch settings first.
+READ_BY = dict(sorted(config_flags.read_by_table(cls=EvalConfig).items(),
+                      key=lambda item: "watch" not in item[1]))
 
 
 def run():
@@ -88,14 +68,7 @@ def run():
           "combined with --watch or --checkpoint")
     from framework.core import best_checkpoint  # pylint: disable=g-import-not-at-top
     checkpoint = best_checkpoint.resolve(FLAGS.model_dir)
-  config = evaluation.EvalConfig(
-      model_dir=FLAGS.model_dir, checkpoint=checkpoint,
-      strategy=FLAGS.strategy, tpu=FLAGS.tpu, dataset=FLAGS.dataset,
-      data_dir=FLAGS.data_dir, global_batch_size=FLAGS.global_batch_size,
-      eval_dir=FLAGS.eval_dir, eval_name=FLAGS.eval_name,
-      poll_seconds=FLAGS.poll_seconds,
-      timeout_seconds=FLAGS.timeout_seconds, model=FLAGS.model,
-      trust_model_code=FLAGS.trust_model_code)
+  config = config_flags.build_config(EvalConfig, checkpoint=checkpoint)
   if FLAGS.watch:
     results = evaluation.watch(config)
   else:

@@ -31,83 +31,67 @@ import os
 import signal
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+try:  # No TensorFlow in them.
+  from . import config_flags  # pylint: disable=g-import-not-at-top
+except ImportError:
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
+from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
 from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("workers", 2, "Number of worker tasks.", lower_bound=1)
-flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; with ps > 0 "
-                     "a chief (the coordinator) is added.", lower_bound=0)
-flags.DEFINE_bool("chief", None, "Add a chief task (default: only with "
-                  "--ps > 0 or a command with --model_parallel_devices="
-                  "cluster, whose chief runs the loop).")
-flags.DEFINE_string("host", "127.0.0.1", "Address every task listens on.")
-flags.DEFINE_float("grace_period", 10.0, "Seconds between SIGTERM and SIGKILL "
-                   "when stopping tasks.", lower_bound=0.0)
-flags.DEFINE_bool("netns", False, "Run each task in its own network "
-                  "namespace with its own address, joined by a bridge (a "
-                  "local multi-host rehearsal; needs root, ip and tc).")
-flags.DEFINE_string("netns_rate", "", "With --netns: each link's bandwidth, "
-                    "e.g. 10gbit or 500mbit (tc tbf); empty: unshaped.")
-flags.DEFINE_integer("netns_mtu", 1500, "With --netns: every link's MTU "
-                     "(9000: jumbo frames, as on many data-centre networks).",
-                     lower_bound=576, upper_bound=65535)
-flags.DEFINE_integer("max_restarts", 0, "After a task fails, stop the others "
-                     "and start the whole job again (it resumes from its "
-                     "last checkpoint), at most this many times; never after "
-                     "a task's configuration error (a bad flag or value).",
-                     lower_bound=0)
+# The job's settings: one flag per field of LaunchConfig
+# (framework/distribute/launch_config.py; see scripts/config_flags.py).
+LAUNCH_FLAGS = config_flags.define_flags(cls=LaunchConfig)
 
 
 def main(argv):
   command = argv[1:]
   with cli.one_line_errors():
+    config = config_flags.build_config(LaunchConfig)
     serving = launcher.model_parallel_on_cluster(command)
-    chief = FLAGS.chief if FLAGS.chief is not None else (serving or None)
+    chief = config.chief if config.chief is not None else (serving or None)
     network, prefix = None, None
-    if FLAGS.netns:
-      tasks = FLAGS.workers + FLAGS.ps + int(bool(
-          chief if chief is not None else FLAGS.ps > 0))
-      network = netns.HostNetwork(tasks, rate=FLAGS.netns_rate or None,
+    if config.netns:
+      tasks = config.workers + config.ps + int(bool(
+          chief if chief is not None else config.ps > 0))
+      network = netns.HostNetwork(tasks, rate=config.netns_rate or None,
                                   name=f"dl{os.getpid() % 100000}",
-                                  mtu=FLAGS.netns_mtu)
+                                  mtu=config.netns_mtu)
       hosts = {}
 
       def prefix(role, index):
         return network.prefix(hosts[(role, index)])
-    elif FLAGS.netns_rate:
-      raise ConfigError(f"netns_rate={FLAGS.netns_rate!r} needs --netns")
+    elif config.netns_rate:
+      raise ConfigError(f"netns_rate={config.netns_rate!r} needs --netns")
     elif FLAGS["netns_mtu"].present:
-      raise ConfigError(f"netns_mtu={FLAGS.netns_mtu} needs --netns")
+      raise ConfigError(f"netns_mtu={config.netns_mtu} needs --netns")
     attempts = []
 
     def new_cluster():
       attempts.append(None)
       if network is None:
-        return launcher.local_cluster(FLAGS.workers, FLAGS.ps, chief=chief,
-                                      host=FLAGS.host)
+        return launcher.local_cluster(config.workers, config.ps, chief=chief,
+                                      host=config.host)
       # A fresh port at each attempt: a killed task's may still be held.
       cluster = launcher.cluster_on_hosts(
-          network.addresses, FLAGS.workers, FLAGS.ps, chief=chief,
+          network.addresses, config.workers, config.ps, chief=chief,
           port=2222 + len(attempts))
       for i, task in enumerate(launcher.tasks_of(cluster)):
         hosts[task] = i
       return cluster
     job = launcher.Launcher(command, new_cluster(),
-                            grace_period=FLAGS.grace_period,
+                            grace_period=config.grace_period,
                             serving_workers=serving,
-                            max_restarts=FLAGS.max_restarts,
+                            max_restarts=config.max_restarts,
                             new_cluster=new_cluster, task_prefix=prefix)
 
   def on_signal(signum, frame):
@@ -121,17 +105,17 @@ def main(argv):
   signal.signal(signal.SIGINT, on_signal)
   with cli.one_line_errors(), (network or contextlib.nullcontext()):
     status = job.run()
-  if status and FLAGS.max_restarts and job.configuration_error:
+  if status and config.max_restarts and job.configuration_error:
     role, index = job.failed_task
     print(f"launch.py: error: {role}:{index} ended with a configuration "
           f"error (exit status {status}; its line is above); not restarted "
-          f"(--max_restarts={FLAGS.max_restarts} restarts only failures a "
+          f"(--max_restarts={config.max_restarts} restarts only failures a "
           "restart can mend)", file=sys.stderr)
-  elif status and FLAGS.max_restarts:
+  elif status and config.max_restarts:
     role, index = job.failed_task
     print(f"launch.py: error: {role}:{index} exited with status {status} "
           f"after {job.restarts} restart(s) (--max_restarts="
-          f"{FLAGS.max_restarts}); giving up", file=sys.stderr)
+          f"{config.max_restarts}); giving up", file=sys.stderr)
   sys.exit(status)
 
 

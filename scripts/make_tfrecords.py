@@ -25,15 +25,12 @@ import hashlib
 import os
 import shutil
 import signal
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 from absl import logging

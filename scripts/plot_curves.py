@@ -13,17 +13,15 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 try:
   from .curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
 except ImportError:
-  from scripts.curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
+  from distloop_cli.curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags

@@ -18,53 +18,25 @@ the same `--seed`).
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
+try:  # No TensorFlow in them: the flags come first.
+  from . import config_flags  # pylint: disable=g-import-not-at-top
+except ImportError:
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
+from framework.app.predict_config import PredictConfig  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model_dir", None, "A training run's directory "
-                    "(model_info.json, model.weights.h5).")
-flags.DEFINE_string("weights", None, "A .weights.h5 file (default: "
-                    "<model_dir>/model.weights.h5), or best: the best "
-                    "checkpoint's weights (<model_dir>/best/, kept by "
-                    "train.py --best_metric).")
-flags.DEFINE_string("model", None, "Model name or package.module:function; "
-                    "overrides model_info.json (naming a module trusts its "
-                    "code), or names a CIFAR-10 model when there is none.")
-flags.DEFINE_bool("trust_model_code", False, "Import the module:function "
-                  "that model_info.json names (runs that module's code; off "
-                  "by default, as Keras's safe_mode).")
-flags.DEFINE_integer("index", None, "Index into the run's own test split "
-                     "(its dataset from model_info.json: cifar10, "
-                     "synthetic, tfrecord, image_folder, tfds:NAME); prints "
-                     "the true label too.")
-flags.DEFINE_string("image", None, "A PNG or JPEG file, resized to the "
-                    "model's input.")
-flags.DEFINE_string("data_dir", None, "The dataset's directory for --index "
-                    "(default: the run's; CIFAR-10 without one: Keras's "
-                    "cache).")
-flags.DEFINE_string("output_json", None, "Also write the result here.")
-flags.DEFINE_string("prompt", None, "A language model's run: the text to "
-                    "continue (UTF-8 bytes are its tokens).")
-flags.DEFINE_integer("max_new_tokens", 200, "--prompt: tokens (bytes) to "
-                     "generate.")
-flags.DEFINE_float("temperature", 0.0, "--prompt: 0 = greedy (always the "
-                   "most likely token); > 0 samples from softmax(logits / "
-                   "temperature).")
-flags.DEFINE_integer("seed", 0, "--prompt with --temperature > 0: the "
-                     "sampling seed (the same seed, the same text).")
-flags.DEFINE_string("save_image", None, "Write the classified image (as "
-                    "fed to the model) to this PNG.")
+# The settings of a prediction: one flag per field of PredictConfig
+# (framework/app/predict_config.py; see scripts/config_flags.py).
+PREDICT_FLAGS = config_flags.define_flags(cls=PredictConfig)
 
 
 def run():
@@ -73,30 +45,31 @@ def run():
   # pylint: disable=g-import-not-at-top
   from framework.app import export, prediction
   prediction.use_cpu_only()
-  if FLAGS.prompt is not None:
-    return _generate(errors, export, prediction)
-  if (FLAGS.index is None) == (FLAGS.image is None):
+  config = config_flags.build_config(PredictConfig)
+  if config.prompt is not None:
+    return _generate(config, errors, export, prediction)
+  if (config.index is None) == (config.image is None):
     raise errors.ConfigError("set exactly one of --index (an image of the "
                              "run's test split) and --image (a PNG/JPEG "
                              "file)")
-  _check_outputs(errors)
-  info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
-                                           FLAGS.model)
+  _check_outputs(config, errors)
+  info, weights = prediction.resolve_model(config.model_dir, config.weights,
+                                           config.model)
   # Before any data is read or code imported.
-  export.check_model_code(info, FLAGS.trust_model_code)
+  export.check_model_code(info, config.trust_model_code)
   true_label = None
-  if FLAGS.image is not None:
-    image = prediction.load_image(FLAGS.image, info["input_shape"])
-    source = FLAGS.image
+  if config.image is not None:
+    image = prediction.load_image(config.image, info["input_shape"])
+    source = config.image
   else:
     image, true_label, source = prediction.test_example(
-        info, FLAGS.index, FLAGS.data_dir)
+        info, config.index, config.data_dir)
     if tuple(image.shape) != tuple(info["input_shape"]):
       raise errors.ConfigError(
           f"model={info['model']} takes {tuple(info['input_shape'])} inputs; "
           f"{source} is {image.shape}: use --image")
   model = prediction.load_model(info, weights,
-                                trust_model_code=FLAGS.trust_model_code)
+                                trust_model_code=config.trust_model_code)
   probabilities = prediction.predict(model, image)
   class_names = info["class_names"]
   if true_label is not None and true_label >= len(class_names):
@@ -106,66 +79,66 @@ def run():
   summary.update(model=info["model"], weights=weights)
   print("\n".join(lines))
   try:
-    if FLAGS.output_json:
-      prediction.write_json(FLAGS.output_json, summary)
-    if FLAGS.save_image:
+    if config.output_json:
+      prediction.write_json(config.output_json, summary)
+    if config.save_image:
       from PIL import Image  # pylint: disable=g-import-not-at-top
-      Image.fromarray(image.squeeze()).save(FLAGS.save_image)
+      Image.fromarray(image.squeeze()).save(config.save_image)
   except OSError as e:  # e.g. permission denied, disk full
     raise errors.ConfigError(f"cannot write {e.filename or 'an output'}: "
                              f"{e.strerror or e}") from None
 
 
-def _generate(errors, export, prediction):
+def _generate(config, errors, export, prediction):
   """Continues --prompt with a language model's run and prints the text."""
   from framework.app import generation  # pylint: disable=g-import-not-at-top
-  if FLAGS.index is not None or FLAGS.image is not None:
+  if config.index is not None or config.image is not None:
     raise errors.ConfigError("--prompt generates text; --index and --image "
                              "classify: set one of them")
-  if FLAGS.save_image:
+  if config.save_image:
     raise errors.ConfigError("--save_image is for --index or --image, not "
                              "--prompt")
-  _check_outputs(errors)
-  info, weights = prediction.resolve_model(FLAGS.model_dir, FLAGS.weights,
-                                           FLAGS.model)
-  export.check_model_code(info, FLAGS.trust_model_code)
+  _check_outputs(config, errors)
+  info, weights = prediction.resolve_model(config.model_dir, config.weights,
+                                           config.model)
+  export.check_model_code(info, config.trust_model_code)
   generation.check_language_model(info)
   model = prediction.load_model(info, weights,
-                                trust_model_code=FLAGS.trust_model_code)
+                                trust_model_code=config.trust_model_code)
   text = generation.generate_text(
-      model, FLAGS.prompt, FLAGS.max_new_tokens,
-      temperature=FLAGS.temperature, seed=FLAGS.seed)
+      model, config.prompt, config.max_new_tokens,
+      temperature=config.temperature, seed=config.seed)
   print(text)
-  if FLAGS.output_json:
-    summary = {"prompt": FLAGS.prompt, "text": text,
-               "max_new_tokens": FLAGS.max_new_tokens,
-               "temperature": FLAGS.temperature, "seed": FLAGS.seed,
+  if config.output_json:
+    summary = {"prompt": config.prompt, "text": text,
+               "max_new_tokens": config.max_new_tokens,
+               "temperature": config.temperature, "seed": config.seed,
                "model": info["model"], "weights": weights}
     try:
-      prediction.write_json(FLAGS.output_json, summary)
+      prediction.write_json(config.output_json, summary)
     except OSError as e:
       raise errors.ConfigError(f"cannot write {e.filename or 'an output'}: "
                                f"{e.strerror or e}") from None
 
 
-def _check_outputs(errors):
+def _check_outputs(config, errors):
   """Checks --output_json and --save_image before any work is done."""
   for name in ("output_json", "save_image"):
-    path = FLAGS[name].value
+    path = getattr(config, name)
     if path is None:
       continue
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
       raise errors.ConfigError(f"--{name}={path!r}: folder {folder!r} does "
                                "not exist")
-  if FLAGS.save_image:
+  if config.save_image:
     from PIL import Image  # pylint: disable=g-import-not-at-top
-    extension = os.path.splitext(FLAGS.save_image)[1].lower()
+    extension = os.path.splitext(config.save_image)[1].lower()
     known = Image.registered_extensions()
     if extension not in known or known[extension] not in Image.SAVE:
       writable = sorted(e for e, f in known.items() if f in Image.SAVE)
       raise errors.ConfigError(
-          f"--save_image={FLAGS.save_image!r}: unknown image extension "
+          f"--save_image={config.save_image!r}: unknown image extension "
           f"{extension or '(none)'!r}; use e.g. .png or .jpg (PIL writes "
           f"{len(writable)} kinds)")
 

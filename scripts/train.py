@@ -8,24 +8,22 @@ Flags are the only configuration; `--flagfile=scripts/configs/<run>.cfg`
 replays a recorded experiment.
 """
 
-import json
 import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
 except ImportError:  # python scripts/<app>.py
-  from scripts import cli  # pylint: disable=g-import-not-at-top
+  from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 from absl import flags
 from absl import logging
 try:  # No TensorFlow in it: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
-  from scripts import config_flags  # pylint: disable=g-import-not-at-top
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
+from framework.distribute import cluster_options  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 _FLAGS_BEFORE = set(FLAGS)
@@ -53,16 +51,21 @@ flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
                   "libtcmalloc-minimal4): ~1.1x one CPU process, ~1.4x each "
                   "multi-worker/mirrored CPU replica, whose steps glibc's "
                   "malloc serves with fresh mmaps. Logged.")
-# Multi-process jobs.
-flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm"],
+# Multi-process jobs (defaults: framework.distribute.cluster_options).
+_CLUSTER_OPTIONS = cluster_options.ClusterOptions()
+flags.DEFINE_enum("cluster_resolver", _CLUSTER_OPTIONS.resolver,
+                  list(cluster_options.CLUSTER_RESOLVERS),
                   "Where the cluster comes from: the TF_CONFIG environment "
                   "variable, or Slurm's (srun) variables through "
                   "SlurmClusterResolver.")
-flags.DEFINE_integer("slurm_ps_tasks", 0, "--cluster_resolver=slurm: number "
+flags.DEFINE_integer("slurm_ps_tasks", _CLUSTER_OPTIONS.slurm_ps_tasks,
+                     "--cluster_resolver=slurm: number "
                      "of ps tasks (task 0 is then the chief).")
-flags.DEFINE_integer("slurm_port_base", 8888, "--cluster_resolver=slurm: "
+flags.DEFINE_integer("slurm_port_base", _CLUSTER_OPTIONS.slurm_port_base,
+                     "--cluster_resolver=slurm: "
                      "first gRPC port on each node.")
-flags.DEFINE_float("startup_timeout", 120, "Seconds to wait for every task "
+flags.DEFINE_float("startup_timeout", _CLUSTER_OPTIONS.startup_timeout,
+                   "Seconds to wait for every task "
                    "of a multi-worker/parameter-server cluster to start "
                    "before exiting with the missing tasks named (0: wait "
                    "forever).")
@@ -90,18 +93,11 @@ def config_from_flags():
 
 
 def _run_config(config, trainer_cls):
-  """Runs `config` as this process's task; returns the final eval metrics.
-
-  Cluster strategies: `ps` tasks, and `worker` tasks under parameter_server,
-  only serve; the chief coordinates. A start-up watchdog turns a task that
-  never starts into an error, and SIGTERM saves a checkpoint and exits with
-  status 42 (see framework/core/preemption.py).
-  """
+  """Runs `config` as this process's task (`framework.app.task.run_task`:
+  Slurm, parameter-server servers, the start-up watchdog, SIGTERM);
+  returns the final eval metrics."""
   # pylint: disable=g-import-not-at-top
-  from framework.app import experiment
-  from framework.core import preemption
-  from framework.distribute import cluster
-  from framework.distribute.tf_config import require_tf_config
+  from framework.app import task
   from framework.perf import allocator
   # pylint: enable=g-import-not-at-top
   logging.info("oneDNN CPU kernels: %s (--onednn=%s)",
@@ -109,76 +105,18 @@ def _run_config(config, trainer_cls):
   logging.info("memory allocator: %s (--malloc=%s)",
                "tcmalloc" if allocator.tcmalloc_loaded() else "default",
                FLAGS.malloc)
-  tf_config = None
-  if FLAGS.cluster_resolver == "slurm":
-    os.environ["TF_CONFIG"] = json.dumps(cluster.tf_config_from_slurm(
-        ps_tasks=FLAGS.slurm_ps_tasks, port_base=FLAGS.slurm_port_base))
-  if config.strategy in ("multi_worker_mirrored", "parameter_server"):
-    tf_config = require_tf_config(
-        config.strategy, needs_ps=config.strategy == "parameter_server")
-  if config.model_parallel.devices == "cluster":
-    from framework.model_parallel import start_cluster  # pylint: disable=g-import-not-at-top
-    tf_config = start_cluster(config.model_parallel)
-    if tf_config is None:
-      return None  # a worker: it served the chief until stopped
-  if config.strategy == "parameter_server":
-    # Recommended for every task of a parameter-server job: a lost peer
-    # surfaces as an error instead of endless gRPC retries.
-    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    if tf_config["task"]["type"] in ("worker", "ps"):
-      cluster.run_server(tf_config)
-      return None
-  program = os.path.basename(sys.argv[0])
-  # SIGTERM before training: one line, exit 143, model_dir as it was.
-  preemption.guard_start(program)
-  watchdog = cluster.StartupWatchdog(tf_config, timeout=FLAGS.startup_timeout,
-                                     program=program)
-  with watchdog:
-    if config.strategy == "parameter_server":
-
-      def prepare_ps(controller):
-        # The coordinator copes with missing workers, but a missing ps
-        # blocks the first loop: the cluster is up once a loop ran.
-        controller.train_actions.append(
-            lambda step, outputs: watchdog.started())
-        # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
-        preemption.install(controller)
-
-      try:
-        return experiment.run(config, trainer_cls=trainer_cls,
-                              prepare_controller=prepare_ps)
-      except cluster.PEER_ERRORS as e:
-        # Worker failures are retried by the coordinator; what reaches here
-        # is fatal (typically a lost ps task, whose variables are gone).
-        raise cluster.peer_failure(e, tf_config) from None
-    controllers = []
-
-    def prepare(controller):
-      # The model's variables exist: under MultiWorkerMirroredStrategy
-      # their creation needed every peer, so the cluster is up.
-      watchdog.started()
-      preemption.install(controller)
-      controllers.append(controller)
-
-    try:
-      results = experiment.run(config, trainer_cls=trainer_cls,
-                               prepare_controller=prepare)
-    except cluster.PEER_ERRORS as e:
-      if tf_config is None:
-        raise
-      raise cluster.peer_failure(e, tf_config) from None
-    logging.info("final weights sha256=%s",
-                 weights_digest(controllers[0].trainer.model))
-    return results
+  options = cluster_options.ClusterOptions(
+      resolver=FLAGS.cluster_resolver, slurm_ps_tasks=FLAGS.slurm_ps_tasks,
+      slurm_port_base=FLAGS.slurm_port_base,
+      startup_timeout=FLAGS.startup_timeout)
+  return task.run_task(config, trainer_cls=trainer_cls, options=options,
+                       program=os.path.basename(sys.argv[0]))
 
 
 def weights_digest(model):
   """A digest of the model's weights (equal digests: identical weights)."""
-  import hashlib  # pylint: disable=g-import-not-at-top
-  digest = hashlib.sha256()
-  for weight in model.weights:
-    digest.update(weight.numpy().tobytes())
-  return digest.hexdigest()[:16]
+  from framework.app import task  # pylint: disable=g-import-not-at-top
+  return task.weights_digest(model)
 
 
 def run_main(trainer_cls=None):

@@ -7,16 +7,14 @@ A real full tmpfs where mounting is allowed, else RLIMIT_FSIZE (then the
 first save already fails). Run from another folder with relative paths.
 """
 
-import contextlib
 import glob
 import os
-import resource
-import signal
 import subprocess
 import sys
 
 import pytest
 
+import disk_faults
 from helpers import ROOT
 
 COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
@@ -24,37 +22,6 @@ COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
           "--checkpoint_every=10", "--export_saved_model=false",
           "--model_dir=run"]
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
-
-
-@contextlib.contextmanager
-def _mounted(path, options):
-  """A tmpfs at `path` (yields False if mounting is not permitted)."""
-  proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
-                         str(path)], capture_output=True, check=False)
-  try:
-    yield proc.returncode == 0
-  finally:
-    if proc.returncode == 0:
-      subprocess.run(["umount", str(path)], check=True)
-
-
-def _limit_file_size():
-  resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-
-
-def _fill(directory, leave_bytes):
-  """Fills the filesystem of `directory`, then frees `leave_bytes`."""
-  path = os.path.join(directory, "filler")
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-  for block in (65536, 4096):
-    try:
-      while True:
-        os.write(fd, b"x" * block)
-    except OSError:
-      pass
-  os.close(fd)
-  os.truncate(path, max(os.path.getsize(path) - leave_bytes, 0))
 
 
 def _train(cwd, *args, preexec_fn=None):
@@ -73,16 +40,17 @@ def _partial_files(model_dir):
 def test_a_save_on_a_full_disk_removes_its_partial_files(tmp_path):
   mount = tmp_path / "disk"
   mount.mkdir()
-  with _mounted(mount, "size=3m") as mounted:
+  with disk_faults.mounted(mount, "size=3m") as mounted:
     if mounted:
       first = _train(mount, "--train_steps=10")
       assert first.returncode == 0, first.stderr[-3000:]
-      _fill(mount, 64 * 1024)
+      disk_faults.fill(mount, 64 * 1024)
       proc = _train(mount, "--train_steps=30")
       reason, last = "No space left on device", "the last good checkpoint is "
       last += str(mount / "run" / "ckpt-10") + " (unchanged)"
     else:
-      proc = _train(mount, "--train_steps=30", preexec_fn=_limit_file_size)
+      proc = _train(mount, "--train_steps=30",
+                    preexec_fn=disk_faults.limit_file_size)
       reason, last = "File too large", "there is no earlier checkpoint"
     model_dir = mount / "run"
     assert proc.returncode == 1, proc.stderr[-3000:]

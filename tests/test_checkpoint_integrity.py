@@ -6,11 +6,9 @@ bit-flipped checkpoint files, a full tmpfs (or RLIMIT_FSIZE where mounting
 is not allowed), a read-only mount.
 """
 
-import contextlib
 import glob
 import hashlib
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -19,6 +17,7 @@ import time
 
 import pytest
 
+import disk_faults
 from helpers import ROOT, run_script
 
 COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
@@ -203,60 +202,26 @@ def test_file_or_read_only_model_dir_is_one_line(tmp_path):
   assert not_dir.read_text() == "x"
   read_only = tmp_path / "ro"
   read_only.mkdir()
-  with _mounted(read_only, "ro") as mounted:
+  with disk_faults.mounted(read_only, "ro") as mounted:
     if not mounted:
       pytest.skip("cannot mount a read-only tmpfs here")
     proc = train(read_only, "--train_steps=2", check=False)
     assert_one_line_error(proc, str(read_only), "read-only file system")
 
 
-@contextlib.contextmanager
-def _mounted(path, options):
-  """A tmpfs at `path` (yields False if mounting is not permitted)."""
-  proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
-                         str(path)], capture_output=True, check=False)
-  try:
-    yield proc.returncode == 0
-  finally:
-    if proc.returncode == 0:
-      subprocess.run(["umount", str(path)], check=True)
-
-
-def _limit_file_size():
-  resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-
-
-def _fill(directory, leave_bytes):
-  """Fills the filesystem of `directory`, then frees `leave_bytes`."""
-  path = os.path.join(directory, "filler")
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-  try:
-    while True:
-      os.write(fd, b"x" * 65536)
-  except OSError:
-    pass
-  try:
-    while True:
-      os.write(fd, b"x" * 4096)
-  except OSError:
-    pass
-  os.close(fd)
-  os.truncate(path, os.path.getsize(path) - leave_bytes)
-
-
 def test_disk_full_keeps_the_previous_weights(run_dir, tmp_path):
   mount = tmp_path / "disk"
   mount.mkdir()
-  with _mounted(mount, "size=3m") as mounted:
+  with disk_faults.mounted(mount, "size=3m") as mounted:
     if mounted:
       # A real full disk: room for the small files, not for the weights.
       model_dir = mount / "run"
       shutil.copytree(run_dir, model_dir)
-      _fill(mount, 32768)
+      disk_faults.fill(mount, 32768)
       kwargs, reason = {}, "No space left on device"
     else:
-      model_dir, kwargs = run_dir, {"preexec_fn": _limit_file_size}
+      model_dir = run_dir
+      kwargs = {"preexec_fn": disk_faults.limit_file_size}
       reason = "File too large"
     weights = model_dir / "model.weights.h5"
     before = snapshot(model_dir)[str(weights)]

@@ -12,15 +12,16 @@ import keras
 import tensorflow as tf
 
 from framework.app import factory
+from framework.app import run_plan
 from framework.check import distribution_check
 from framework.check.distribution_diagnosis import Finding
-from framework.core import precision
 from framework.data import inputs
 from framework.distribute import strategies
 
 
 def check_experiment(config, strategy, dataset, trainer_cls=None, *,
-                     build_model=None, make_trainer=None, print_fn=print):
+                     build_model=None, make_trainer=None, print_fn=print,
+                     plan=None):
   """The check for an `ExperimentConfig` run (what `--check_distribution` does).
 
   Builds a trainer under `strategy` and a reference on one device, exactly
@@ -32,6 +33,8 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
 
   Args:
     trainer_cls, build_model, make_trainer: as for `experiment.run`.
+    plan: the run's `RunPlan` (default: that of `config`, `strategy` and
+      `dataset`), whose precision and task the check reads.
 
   Raises:
     DistributionCheckError: the verdict is fail (the causes in the message).
@@ -39,7 +42,9 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
   batch = next(iter(inputs.train_dataset(dataset, config.global_batch_size,
                                          seed=config.seed)))
   one_device = strategies.make_strategy("one_device")
-  compute = precision.resolve_precision(config.mixed_precision)
+  plan = plan or run_plan.RunPlan.of(config, strategy, dataset)
+  config = plan.config
+  compute = plan.precision
   notes = []
   if compute != "float32":
     notes.append(Finding(
@@ -54,7 +59,7 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
           config, s, dataset, trainer_cls, build_model=build_model,
           make_trainer=make_trainer or reference_cls,
           model_parallel=model_parallel,
-          compute_precision="float32" if notes else None)
+          compute_precision="float32" if notes else None, plan=plan)
       return trainer
     return make
 
@@ -67,7 +72,7 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
     # same variables).
     devices = [one_device.extended.worker_devices[0]] * split.num_shards
     split_cls = split.trainer_factory(
-        trainer_cls or factory.default_trainer_cls(dataset))
+        trainer_cls or factory.default_trainer_cls(task=plan.task))
     reference = factory_for(tf.distribute.get_strategy(),
                             reference_cls=functools.partial(split_cls,
                                                             devices=devices))

@@ -1,11 +1,11 @@
-"""The run's settings: `ExperimentConfig` and the built-in models' options.
+"""The run's settings: `ExperimentConfig`.
 
 Each field is a setting written once (`framework.settings.setting`): its
 default, help text, choices and checks. `scripts/config_flags.py` makes the
 flags of `scripts/train.py` from these fields and the nested configs
-(`OptimizerConfig`, `LoopConfig`, `ModelParallelConfig`, `ModelOptions`,
-`DatasetOptions`); a new setting is one new field. No TensorFlow here: the
-flags exist before TensorFlow loads.
+(`OptimizerConfig`, `LoopConfig`, `ModelParallelConfig`, the built-in
+models' `models.options.ModelOptions`, `DatasetOptions`); a new setting is
+one new field. No TensorFlow here: the flags exist before TensorFlow loads.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import re
 from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
                                    RESTORE_POLICIES, TTA_MODES,
                                    AllReduceConfig, LoopConfig,
-                                   OptimizerConfig)
+                                   OptimizerConfig, TrainerConfig)
 from framework.data.config import (AUGMENTATIONS, INPUT_MODES,
                                    DatasetOptions)
 from framework.distribute.choices import STRATEGIES
@@ -23,7 +23,11 @@ from framework.app import eval_set_specs
 from framework.core.stop_condition import StopCondition, parse_metric
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
-from framework.settings import POSITIVE, all_but, check_settings, setting
+from framework.settings import (POSITIVE, all_but, check_settings, same_as,
+                                setting)
+# The built-in models' options live beside the models (no TensorFlow:
+# `models` loads its builders when first asked for one).
+from models import options as builtin_options
 
 # The built-in models (models/); `read_by` tables speak of these, and a
 # model of one's own (package.module:function) counts as reading any option.
@@ -34,44 +38,6 @@ BUILTIN_MODELS = ("cifar_cnn", "mlp", "unet", "gpt")
 # update the trainer owns (one replica: nothing to shard, a note).
 SHARDING_STRATEGIES = ("default", "one_device", "mirrored",
                        "multi_worker_mirrored")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-  """The options of the built-in models (`ExperimentConfig.model_options`).
-
-  A model's builder gets the ones its signature names; a model of one's own
-  gets its options from `--model_options=key=value,...` (typed from its
-  signature, see `models.registry.parse_options`).
-  """
-  hidden_units: tuple[int, ...] = setting(
-      (64, 64), "mlp: hidden layer sizes.", read_by={"model": ("mlp",)})
-  dropout: bool = setting(True, "cifar_cnn: keep the Dropout layers.",
-                          read_by={"model": ("cifar_cnn",)})
-  sync_batch_norm: bool = setting(
-      False, "BatchNorm statistics over all replicas (Keras "
-      "synchronized=True).", read_by={"model": ("cifar_cnn", "unet")})
-  depth: int = setting(4, "unet: down-sampling levels.", flag="unet_depth",
-                       minimum=POSITIVE, read_by={"model": ("unet",)})
-  width: int = setting(32, "unet: filters of the first level.",
-                       flag="unet_width", minimum=POSITIVE,
-                       read_by={"model": ("unet",)})
-  num_layers: int = setting(2, "gpt: transformer blocks.", minimum=POSITIVE,
-                            read_by={"model": ("gpt",)})
-  num_heads: int = setting(4, "gpt: attention heads per block (must divide "
-                           "--model_width).", minimum=POSITIVE,
-                           read_by={"model": ("gpt",)})
-  model_width: int = setting(128, "gpt: embedding width.", minimum=POSITIVE,
-                             read_by={"model": ("gpt",)})
-  vocab_size: int = setting(0, "gpt: vocabulary; 0: the dataset's (256 byte "
-                            "tokens for --dataset=text).",
-                            read_by={"model": ("gpt",)})
-  tie_embeddings: bool = setting(True, "gpt: the output head is the token "
-                                 "embedding table (tied), else its own.",
-                                 read_by={"model": ("gpt",)})
-
-  def __post_init__(self):
-    check_settings(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +85,9 @@ class ExperimentConfig:
       "flag file's --train_steps.", zero_unsets=True, minimum=POSITIVE,
       key=True)
   optimizer: OptimizerConfig = OptimizerConfig()
-  clip_norm: float | None = setting(None, "Clip the all-reduced gradient to "
-                                    "this global norm.")
-  nan_policy: str = setting(
-      "stop", "On a NaN/Inf loss: stop (keep the last good checkpoint) or "
-      "skip the step.", choices=NAN_POLICIES)
-  max_skipped_steps: int = setting(
-      10, "--nan_policy=skip: stop with an error (saving nothing) after this "
-      "many skipped steps in a row.", minimum=POSITIVE,
-      read_by={"nan_policy": ("skip",)})
+  clip_norm: float | None = same_as(TrainerConfig, "clip_norm")
+  nan_policy: str = same_as(TrainerConfig, "nan_policy")
+  max_skipped_steps: int = same_as(TrainerConfig, "max_skipped_steps")
   # train_steps filled in by `experiment.build_model_and_optimizer`.
   loop: LoopConfig | None = None
   seed: int = setting(0, "Seed for weights, data order and augmentation.")
@@ -136,10 +96,7 @@ class ExperimentConfig:
   input_mode: str = setting(
       "global", "global: experimental_distribute_dataset; per_replica: "
       "distribute_datasets_from_function.", choices=INPUT_MODES)
-  grad_accum_steps: int = setting(
-      1, "Split each replica's batch into this many micro-batches; one "
-      "all-reduce and update per step (same update, less activation "
-      "memory).", minimum=POSITIVE)
+  grad_accum_steps: int = same_as(TrainerConfig, "grad_accum_steps")
   mixed_precision: str = setting(
       "float32", "Compute dtype (float32 variables); float16 uses dynamic "
       "loss scaling; auto: bfloat16 on CPUs with AVX512_BF16/AMX-BF16 or "
@@ -152,7 +109,8 @@ class ExperimentConfig:
       help="More options for the model's builder as key=value,... (a list "
       "value continues after commas: hidden_units=32,16,dropout=false), "
       "typed from its signature; they override the flags of the built-in "
-      "options.", default_factory=dict, options=ModelOptions,
+      "options.", default_factory=dict,
+      options=builtin_options.ModelOptions,
       free_form=True)
   dataset_options: dict = setting(default_factory=dict, flag=False,
                                   options=DatasetOptions)
@@ -177,24 +135,12 @@ class ExperimentConfig:
       "fine-tuning); otherwise that is an error.")
   label_smoothing: float = setting(0.0, "Label smoothing of the "
                                    "cross-entropy, in [0, 1).")
-  ema_decay: float | None = setting(
-      None, "Keep an exponential moving average of the weights with this "
-      "decay (e.g. 0.99); evaluation and model.weights.h5 / the SavedModel "
-      "use it (model.raw.weights.h5: the raw weights); 0 unsets it, e.g. to "
-      "override a flag file's.", zero_unsets=True)
-  ema_warmup: bool = setting(
-      False, "EMA decay min(ema_decay, (1+n)/(10+n)) at update n: forgets "
-      "the initial weights quickly in short runs.")
-  eval_tta: str = setting(
-      "none", "Test-time augmentation in evaluation: flip averages the "
-      "logits of each image and its horizontal mirror.", choices=TTA_MODES)
+  ema_decay: float | None = same_as(TrainerConfig, "ema_decay")
+  ema_warmup: bool = same_as(TrainerConfig, "ema_warmup")
+  eval_tta: str = same_as(TrainerConfig, "eval_tta")
   # The gradient all-reduce's packing, implementation and wire dtype.
-  all_reduce: AllReduceConfig = AllReduceConfig()
-  jit_compile: bool = setting(
-      False, "Compile the replica step with XLA: the whole step on one "
-      "replica, each replica's forward and backward pass under several "
-      "(the all-reduce and update outside); a warning and no XLA under "
-      "parameter_server or model parallelism.")
+  all_reduce: AllReduceConfig = same_as(TrainerConfig, "all_reduce")
+  jit_compile: bool = same_as(TrainerConfig, "jit_compile")
   init_checkpoint: str | None = setting(
       None, "Warm start the model's weights (not the optimizer, step or data "
       "position) from a run folder (its newest checkpoint; <run>/best for "
@@ -209,12 +155,7 @@ class ExperimentConfig:
       None, "--init_checkpoint: a regular expression; model variables whose "
       "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
       "values.")
-  shard_optimizer_state: bool = setting(
-      False, "Each replica keeps and updates 1/N of the optimizer's slots "
-      "and the weights are all-gathered after the update (ZeRO-1; mirrored "
-      "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
-      "the whole slots, so a run resumes with it on or off and on another "
-      "replica count.")
+  shard_optimizer_state: bool = same_as(TrainerConfig, "shard_optimizer_state")
   eval_sets: tuple[str, ...] = setting(
       (), "More eval sets, evaluated at every evaluation into "
       "model_dir/eval_<NAME>: NAME:DATASET[:DATA_DIR[:SPLIT]] (SPLIT test or "
@@ -247,12 +188,12 @@ class ExperimentConfig:
     if self.label_smoothing:
       from framework.core import losses  # pylint: disable=g-import-not-at-top
       losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
-    if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-      raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
-                        "unset)")
+    TrainerConfig.of(self)  # checks the trainer's settings
+    builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(
-        self.model, self.model_options.get("num_heads", ModelOptions.num_heads),
-        self.model_options.get("vocab_size", 0))
+        self.model, self.model_options.get("num_heads", builtin.num_heads),
+        self.model_options.get("vocab_size", builtin.vocab_size),
+        self.model_options.get("num_layers", builtin.num_layers))
     if self.shard_optimizer_state and (
         self.strategy not in SHARDING_STRATEGIES or
         self.model_parallel.mode != "none"):
@@ -293,3 +234,15 @@ def absolute_path(path):
   if not isinstance(path, str) or not path or "://" in path:
     return path
   return os.path.abspath(os.path.expanduser(path))
+
+
+def __getattr__(name):
+  """`ModelOptions`, moved to `models.options`: still importable from here,
+  with a DeprecationWarning."""
+  if name == "ModelOptions":
+    import warnings  # pylint: disable=g-import-not-at-top
+    warnings.warn("framework.app.config.ModelOptions moved to "
+                  "models.options.ModelOptions", DeprecationWarning,
+                  stacklevel=2)
+    return builtin_options.ModelOptions
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,80 +27,14 @@ import tensorflow as tf
 
 from framework.core import losses, precision
 from framework.app import custom_inputs, export
+from framework.app.eval_config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
 from framework.core import checkpoint_state, checkpointing
 from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
-from framework.errors import CheckpointError, ConfigError, check_positive
+from framework.errors import CheckpointError, ConfigError
 from framework.tasks.metrics import ConfusionTrainer, format_confusion
 from framework.core.summaries import SummaryWriter, markdown_table
-
-
-DEFAULT_EVAL_NAME = "standalone"
-
-
-def _local_path(path):
-  return os.path.realpath(path) if "://" not in path else path.rstrip("/")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-  """What to evaluate, where, and how long to wait for new checkpoints.
-
-  Attributes:
-    model_dir: the training run's directory.
-    checkpoint: a checkpoint path (`.../ckpt-200`); default: the latest.
-    strategy, tpu: as for training (any strategy works).
-    dataset, data_dir, global_batch_size: default to the run's.
-    eval_dir: TensorBoard directory; default model_dir/eval_<eval_name>.
-      Never the run's own model_dir/eval (its training curves).
-    eval_name: names the default eval_dir (letters, digits, `_.-`).
-    poll_seconds: how often `watch` looks for a new checkpoint.
-    timeout_seconds: `watch` stops after this long with nothing new.
-    model: the model (registered name or `module:function`) instead of
-      model_info.json's; naming it trusts its code.
-    trust_model_code: import the `module:function` model_info.json names
-      (off by default: see `export.build_inference_model`).
-  """
-  model_dir: str
-  checkpoint: str = None
-  strategy: str = "default"
-  tpu: str = None
-  dataset: str = None
-  data_dir: str = None
-  global_batch_size: int = None
-  eval_dir: str = None
-  eval_name: str = DEFAULT_EVAL_NAME
-  poll_seconds: float = 5.0
-  timeout_seconds: float = 3600.0
-  model: str = None
-  trust_model_code: bool = False
-
-  def __post_init__(self):
-    if not self.model_dir:
-      raise ConfigError("model_dir must be set")
-    if self.global_batch_size is not None:
-      check_positive("global_batch_size", self.global_batch_size)
-    for name in ("poll_seconds", "timeout_seconds"):
-      if not getattr(self, name) > 0:
-        raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.eval_name or "") or (
-        self.eval_name in (".", "..")):
-      raise ConfigError(f"eval_name={self.eval_name!r} must be a folder name "
-                        "(letters, digits, _ . -), e.g. "
-                        f"{DEFAULT_EVAL_NAME}")
-    own = os.path.join(self.model_dir, "eval")
-    if _local_path(self.summary_dir) == _local_path(own):
-      raise ConfigError(
-          f"eval_dir={self.eval_dir!r} is the training run's own evaluation "
-          f"curves ({own}); an evaluator writes elsewhere (default: "
-          f"{os.path.join(self.model_dir, 'eval_' + DEFAULT_EVAL_NAME)})")
-
-  @property
-  def summary_dir(self):
-    """Where the evaluator's TensorBoard summaries go."""
-    return self.eval_dir or os.path.join(self.model_dir,
-                                         "eval_" + self.eval_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +95,12 @@ class Evaluator:
           f"was trained on {tuple(self.info['input_shape'])}")
     self.global_batch_size = (config.global_batch_size
                               or self.info.get("global_batch_size") or 128)
-    per_pixel = segmentation.is_segmentation(self.dataset)
-    trainer_cls = (segmentation.SegmentationTrainer if per_pixel
-                   else ConfusionTrainer)
-    if language_model.is_language_model(self.dataset):
-      trainer_cls = language_model.LanguageModelTrainer
+    task = language_model.task_name(self.dataset)
+    per_pixel = task == "segmentation"
+    trainer_cls = {
+        "segmentation": segmentation.SegmentationTrainer,
+        language_model.TASK: language_model.LanguageModelTrainer,
+    }.get(task, ConfusionTrainer)
     # The run's own compute precision, so that its numbers come out again.
     self.precision = self.info.get("mixed_precision") or "float32"
     if self.precision not in ("float32", "auto"):

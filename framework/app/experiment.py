@@ -6,7 +6,6 @@ train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
 data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -16,18 +15,17 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-import models
 from models import registry
 from framework.app import eval_set_specs
 from framework.app import export
 from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
-from framework.core import optimizers, precision, progress, ps_training
+from framework.app import run_plan
+from framework.core import optimizers, progress, protocols, ps_training
 from framework.core import warm_start
-from framework.data import augment, datasets, inputs
-from framework.distribute import strategies
-from framework.tasks import language_model, segmentation
+from framework.data import augment, inputs
+from framework.tasks import segmentation
 from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
@@ -48,19 +46,22 @@ build_model_and_optimizer = factory.build_model_and_optimizer
 
 
 def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
-          train_input=None, eval_input=None, make_trainer=None):
+          train_input=None, eval_input=None, make_trainer=None, plan=None):
   """(trainer, controller) for `config` under `strategy` on `dataset`.
 
   Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
   `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries. The
-  keyword arguments replace the defaults; see `run`.
+  keyword arguments replace the defaults; see `run`. `plan`: the run's
+  `RunPlan` (default: that of `config`, `strategy` and `dataset`).
   """
-  per_pixel = segmentation.is_segmentation(dataset)
+  plan = plan or run_plan.RunPlan.of(config, strategy, dataset)
+  config, strategy, dataset = plan.config, plan.strategy, plan.dataset
   trainer, loop = factory.build_trainer(
       config, strategy, dataset, trainer_cls, build_model=build_model,
-      make_trainer=make_trainer)
+      make_trainer=make_trainer, plan=plan)
   model = trainer.model  # before a parameter-server coordinator wraps it
-  loss_scale = getattr(trainer, "loss_scale", None)
+  # The loss scale's and the EMA's state, where the trainer declares them.
+  checkpoint_items = protocols.checkpoint_items(trainer)
   augment_fn = augment.get_augmentation(config.augment)
 
   def default_train_input(start_step):
@@ -71,7 +72,7 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
 
   train_input = train_input or default_train_input
   eval_inputs = None
-  if ps_training.is_parameter_server(strategy):
+  if plan.parameter_server:
     # The coordinator schedules the steps on the workers; the Controller
     # around it is the same (framework/core/ps_training.py).
     trainer, train_input, eval_input = ps_training.coordinate(
@@ -83,15 +84,11 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     eval_inputs = eval_set_specs.eval_inputs(config, strategy, dataset,
                                              eval_input)
     eval_input = None
-  checkpoint_items = dict(loss_scale.checkpoint_items() if loss_scale
-                          else {})
-  if getattr(trainer, "ema", None) is not None:
-    checkpoint_items.update(trainer.ema.checkpoint_items())
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
                 checkpoint_items=checkpoint_items or None)
-  if per_pixel:
+  if plan.is_segmentation:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
         samples=dataset.test_samples(3), **kwargs)
@@ -153,32 +150,15 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
   else:
     registry.get_builder(config.model)  # a bad --model fails before any work
   start_time = time.time()  # time_to_target counts from here
-  # `auto` becomes what it means on this machine, once, before anything reads
-  # the config (the check, model_info.json, the policy).
-  config = dataclasses.replace(config, mixed_precision=(
-      precision.resolve_precision(config.mixed_precision)))
-  if config.strategy == "parameter_server" or (
-      strategy is not None and ps_training.is_parameter_server(strategy)):
-    ps_training.check_config(config)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
-  if strategy is None:
-    strategy = strategies.make_strategy(config.strategy, tpu=config.tpu)
-  # A pipeline under mirrored: R copies of it, on one replica.
-  model_parallel, strategy = config.model_parallel.with_strategy(
-      strategy, config.strategy)
-  if model_parallel.replica_devices:
-    config = dataclasses.replace(config, model_parallel=model_parallel)
-    piece = ("stage pipeline" if model_parallel.mode == "pipeline"
-             else "way tensor split")
-    logging.info("data x %s: %d copies of a %d-%s on %s",
-                 model_parallel.mode, len(model_parallel.replica_devices),
-                 model_parallel.device_count[0], piece,
-                 model_parallel.replica_devices)
+  # Precision, strategy, model split, dataset and its task: decided here,
+  # once; everything below reads the plan.
+  plan = run_plan.resolve(config, strategy, train_input=train_input,
+                          eval_input=eval_input)
   # One writer per model_dir, locked before anything there is touched.
-  with RunLock(config.model_dir,
-               enabled=strategies.is_chief(strategy)) as lock:
-    return _run(config, trainer_cls, strategy, prepare_controller, lock,
+  with RunLock(plan.config.model_dir, enabled=plan.chief) as lock:
+    return _run(plan, trainer_cls, prepare_controller, lock,
                 build_model=build_model, train_input=train_input,
                 eval_input=eval_input, make_trainer=make_trainer,
                 start_time=start_time)
@@ -237,41 +217,19 @@ def _warn_if_main(path):
       "%s, or move it to a module and train with that", path, how)
 
 
-def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
+def _run(plan, trainer_cls, prepare_controller, lock, *,
          build_model, train_input, eval_input, make_trainer, start_time):
-  replicas = strategy.num_replicas_in_sync
-  if config.global_batch_size % replicas:
-    raise ConfigError(
-        f"global_batch_size={config.global_batch_size} is not divisible by "
-        f"the {replicas} replicas of strategy={config.strategy}; use a "
-        f"multiple of {replicas}")
-  logging.info("loading dataset=%s%s", config.dataset,
-               f" from {config.data_dir}" if config.data_dir else "")
-  dataset = datasets.load_dataset(config.dataset, config.data_dir,
-                                  seed=config.seed, **config.dataset_options)
-  logging.info("strategy=%s replicas=%d dataset=%s train=%d test=%d",
-               config.strategy, replicas, dataset.name,
-               dataset.num_train_examples, dataset.num_test_examples)
-  # Custom inputs: the model is built for the features they give.
-  dataset = custom_inputs.fit_dataset(dataset, config.dataset, train_input,
-                                      eval_input)
-  if train_input is None:
-    # Before anything is written: a batch larger than the data is no run.
-    inputs.steps_per_epoch(dataset.num_train_examples,
-                           config.global_batch_size)
-  # Before the distribution check, which builds the model too.
-  models.check_task(config.model, language_model.task_name(dataset),
-                    config.dataset)
+  config, strategy, dataset = plan.config, plan.strategy, plan.dataset
   if config.check_distribution:
     # Before the real trainer exists; `build` re-seeds, so the run is the
     # same with or without the check.
     check_run.check_experiment(config, strategy, dataset, trainer_cls,
                                build_model=build_model,
-                               make_trainer=make_trainer)
+                               make_trainer=make_trainer, plan=plan)
   trainer, controller = build(
       config, strategy, dataset, trainer_cls, build_model=build_model,
       train_input=train_input, eval_input=eval_input,
-      make_trainer=make_trainer)
+      make_trainer=make_trainer, plan=plan)
   if train_input is None:  # best.json's epoch
     controller.steps_per_epoch = inputs.steps_per_epoch(
         dataset.num_train_examples, config.global_batch_size)
@@ -281,10 +239,11 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   init = warm_start.warm_start(
       controller, config.init_checkpoint,
       skip_mismatch=config.init_skip_mismatch, exclude=config.init_exclude)
-  chief = strategies.is_chief(strategy)
+  chief = plan.chief
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps,
-              **custom_inputs.record(train_input, eval_input))
+              **custom_inputs.record(train_input, eval_input),
+              run_plan=plan.record())
   # A relaunch keeps the record of the warm start its first launch did.
   init = init or (export.read_model_info_quietly(config.model_dir)
                   or {}).get("init_checkpoint")
@@ -302,12 +261,14 @@ def _run(config, trainer_cls, strategy, prepare_controller, lock, *,
   # when the last loop's loss was not finite.
   results = controller.run()
   if chief:
-    model = trainer.export_model()
-    averaged = getattr(trainer, "averaged_weights", None)
-    if getattr(trainer, "ema", None) is not None:
+    if not isinstance(trainer, protocols.Exportable):
+      logging.info("trainer=%s has no export_model(): the weights file and "
+                   "the export hold its model", type(trainer).__name__)
+    model = protocols.export_model(trainer)
+    if protocols.ema_of(trainer) is not None:
       export.save_weights(model, os.path.join(config.model_dir,
                                               RAW_WEIGHTS_FILE))
-    with averaged() if averaged else contextlib.nullcontext():
+    with protocols.averaged_weights(trainer):
       export.save_weights(model, os.path.join(config.model_dir, WEIGHTS_FILE))
       if config.export_saved_model:
         # This run's own config named the model: its code is trusted.

@@ -26,6 +26,8 @@ from framework.errors import CheckpointError, ConfigError
 from framework.data import preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
+from framework.app.eval_config import EvalConfig
+from framework.settings import default
 
 MODEL_INFO_FILE = "model_info.json"
 EXPORT_DIR = "export"
@@ -164,7 +166,8 @@ def read_model_info_quietly(model_dir):
     return None
 
 
-def build_inference_model(info, *, trust_model_code=False):
+def build_inference_model(
+    info, *, trust_model_code=default(EvalConfig, "trust_model_code")):
   """The model described by `info`, built without any strategy.
 
   Safe by default, as Keras's `safe_mode`: a registered model name is
@@ -187,7 +190,8 @@ def build_inference_model(info, *, trust_model_code=False):
   return model
 
 
-def check_model_code(info, trust_model_code=False):
+def check_model_code(
+    info, trust_model_code=default(EvalConfig, "trust_model_code")):
   """ConfigError (saying how to go on) if building `info`'s model would
   import code that neither the registry nor the user vouches for."""
   name = info["model"]
@@ -247,7 +251,9 @@ class ServingModule(tf.Module):
             "class_name": tf.gather(self.class_names, predicted)}
 
 
-def export_saved_model(model, info, export_dir, *, trust_model_code=False):
+def export_saved_model(
+    model, info, export_dir, *,
+    trust_model_code=default(EvalConfig, "trust_model_code")):
   """Writes a SavedModel of `model`'s weights under `export_dir`.
 
   A fresh copy of the model is built outside any strategy, so the export

@@ -14,16 +14,12 @@ import keras
 import models
 from models import registry
 from framework.core import losses, optimizers, precision
+from framework.core.config import TrainerConfig
 from framework.core.controller import LoopConfig
 from framework.core.trainer import Trainer
 from framework.data import inputs
 from framework.errors import ConfigError
 from framework.tasks import language_model, segmentation
-
-# Trainer defaults that are only passed when a config changes them, so that
-# Trainer subclasses with their own constructor keep working.
-_MAX_SKIPPED_STEPS = 10
-
 
 def total_steps(config, num_train_examples):
   """The run's length in steps (`train_steps`, or `epochs` in steps)."""
@@ -33,12 +29,14 @@ def total_steps(config, num_train_examples):
                                                 config.global_batch_size)
 
 
-def default_trainer_cls(dataset):
+def default_trainer_cls(dataset=None, *, task=None):
   """SegmentationTrainer for per-pixel labels, LanguageModelTrainer for
-  token sequences, else the plain Trainer."""
-  if language_model.is_language_model(dataset):
+  token sequences, else the plain Trainer (`task`: the dataset's, as
+  `language_model.task_name` or a `RunPlan` gives it)."""
+  task = task or language_model.task_name(dataset)
+  if task == language_model.TASK:
     return language_model.LanguageModelTrainer
-  if segmentation.is_segmentation(dataset):
+  if task == "segmentation":
     return segmentation.SegmentationTrainer
   return Trainer
 
@@ -62,12 +60,13 @@ def optimizer_config(config, steps):
 
 
 def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
-                              compute_precision=None):
+                              compute_precision=None, task=None):
   """(model, optimizer, LoopConfig with the run's length) under `strategy`.
 
   `build_model(input_shape, num_classes, **options)` builds the model
   (default: the builder `config.model` names). `compute_precision` replaces
   `config.mixed_precision` for the model's dtype policy (None: the run's).
+  `task`: the dataset's (None: from `dataset`).
   """
   steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
@@ -106,7 +105,8 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
       registry.check_outputs(config.model, model, dataset.num_classes,
                              config.dataset)
       # A model registered without its task is known once built.
-      models.check_task(config.model, language_model.task_name(dataset),
+      models.check_task(config.model,
+                        task or language_model.task_name(dataset),
                         config.dataset, model)
       optimizer = optimizers.make_optimizer(optimizer_cfg)
   finally:
@@ -115,40 +115,29 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
 
 
 def trainer_options(config, strategy):
-  """The Trainer keyword arguments of a run of `config` under `strategy`
-  (a float16 run gets a new `LossScale` for that strategy)."""
+  """The Trainer keyword arguments of a run of `config` under `strategy`:
+  every step setting (`TrainerConfig`'s fields), whatever its value (a
+  float16 run also gets a new `LossScale` for that strategy)."""
+  step = TrainerConfig.of(config)
+  if step.jit_compile and config.model_parallel.mode != "none":
+    logging.warning("jit_compile: not supported with model_parallel=%s (a "
+                    "stage's ops run on several devices, an XLA function on "
+                    "one); training without XLA", config.model_parallel.mode)
+    step = dataclasses.replace(step, jit_compile=False)
   options = dict(global_batch_size=config.global_batch_size,
-                 clip_norm=config.clip_norm, nan_policy=config.nan_policy)
-  if config.grad_accum_steps != 1:
-    options["grad_accum_steps"] = config.grad_accum_steps
-  if config.max_skipped_steps != _MAX_SKIPPED_STEPS:
-    options["max_skipped_steps"] = config.max_skipped_steps
+                 **{f.name: getattr(step, f.name)
+                    for f in dataclasses.fields(step)})
   if config.label_smoothing:
     options["loss_fn"] = losses.smoothed_sparse_categorical_loss(
         config.label_smoothing)
-  if config.ema_decay is not None:
-    options.update(ema_decay=config.ema_decay, ema_warmup=config.ema_warmup)
-  if config.eval_tta != "none":
-    options["eval_tta"] = config.eval_tta
-  if not config.all_reduce.is_default:
-    options["all_reduce"] = config.all_reduce
-  if config.shard_optimizer_state:
-    options["shard_optimizer_state"] = True
   if precision.needs_loss_scale(config.mixed_precision):
     options["loss_scale"] = precision.LossScale(strategy)
-  if config.jit_compile:
-    if config.model_parallel.mode != "none":
-      logging.warning("jit_compile: not supported with model_parallel=%s (a "
-                      "stage's ops run on several devices, an XLA function on "
-                      "one); training without XLA", config.model_parallel.mode)
-    else:
-      options["jit_compile"] = True
   return options
 
 
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
                   build_model=None, make_trainer=None, model_parallel=True,
-                  compute_precision=None):
+                  compute_precision=None, plan=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
   Args:
@@ -160,11 +149,14 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       (False: the unsplit trainer, the self-check's reference).
     compute_precision: the model's dtype policy instead of the run's (the
       float16 loss scale still follows `config.mixed_precision`).
+    plan: the run's `RunPlan`, whose dataset task is read instead of
+      deciding it again.
   """
-  trainer_cls = trainer_cls or default_trainer_cls(dataset)
+  task = plan.task if plan is not None else None
+  trainer_cls = trainer_cls or default_trainer_cls(dataset, task=task)
   model, optimizer, loop = build_model_and_optimizer(
       config, strategy, dataset, build_model,
-      compute_precision=compute_precision)
+      compute_precision=compute_precision, task=task)
   if make_trainer is None:
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                     if model_parallel else trainer_cls)

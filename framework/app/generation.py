@@ -17,7 +17,9 @@ draws from softmax(logits / temperature) with a numpy generator seeded by
 import numpy as np
 import tensorflow as tf
 
+from framework.app.predict_config import PredictConfig
 from framework.errors import ConfigError, check_positive
+from framework.settings import default
 from framework.tasks.language_model import TASK
 
 
@@ -30,7 +32,10 @@ def check_language_model(info):
         "language model (e.g. --model=gpt --dataset=text)")
 
 
-def generate(model, prompt, max_new_tokens, *, temperature=0.0, seed=0):
+def generate(model, prompt,
+             max_new_tokens=default(PredictConfig, "max_new_tokens"), *,
+             temperature=default(PredictConfig, "temperature"),
+             seed=default(PredictConfig, "seed")):
   """`prompt` (token ids) followed by `max_new_tokens` generated ones.
 
   Args:
@@ -69,8 +74,10 @@ def generate(model, prompt, max_new_tokens, *, temperature=0.0, seed=0):
   return tokens
 
 
-def generate_text(model, prompt, max_new_tokens, *, temperature=0.0,
-                  seed=0):
+def generate_text(model, prompt,
+                  max_new_tokens=default(PredictConfig, "max_new_tokens"), *,
+                  temperature=default(PredictConfig, "temperature"),
+                  seed=default(PredictConfig, "seed")):
   """`prompt` (a str, as UTF-8 bytes) continued by `max_new_tokens` bytes,
   decoded as UTF-8 (invalid sequences replaced)."""
   tokens = generate(model, list(prompt.encode("utf-8")), max_new_tokens,

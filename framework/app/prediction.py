@@ -23,6 +23,8 @@ from framework.app.experiment import WEIGHTS_FILE
 from framework.app.export import (MODEL_INFO_FILE, build_inference_model,
                                   read_model_info, with_model)
 from framework.data.inputs import to_float
+from framework.app.eval_config import EvalConfig
+from framework.settings import default
 
 CIFAR10_TEST_SIZE = 10000
 
@@ -84,7 +86,9 @@ def resolve_model(model_dir=None, weights=None, model=None):
   return with_model(info, model), weights
 
 
-def load_model(info, weights, *, trust_model_code=False):
+def load_model(
+    info, weights, *,
+    trust_model_code=default(EvalConfig, "trust_model_code")):
   """Builds `info`'s model without a strategy and loads `weights` into it
   (`trust_model_code`: see `export.build_inference_model`)."""
   model = build_inference_model(info, trust_model_code=trust_model_code)

@@ -4,10 +4,10 @@ A train action gets the loop's outputs (the trainer's mean metrics plus
 `learning_rate`, `steps_per_second`, ...), after they were logged and
 summarised and before the loop's checkpoint and evaluation; an eval action
 gets each evaluation's results. An action may raise (the run ends there,
-saving nothing more) or call `controller.request_stop(reason)`: the run
-then ends after this loop's checkpoint and evaluation as at `train_steps`
-(final checkpoint, evaluation, and with `experiment.run` the weights file
-and the export).
+saving nothing more) or return what it decides: `Stop(reason)` (or call
+`controller.request_stop(reason)`) ends the run after this loop's
+checkpoint and evaluation as at `train_steps` (final checkpoint,
+evaluation, and with `experiment.run` the weights file and the export).
 
 Built in: the NaN policy (`NanGuard`), early stopping (`StopWhen`, from
 `LoopConfig.stop_when` / `stop_at_accuracy`), the profiler's report,
@@ -15,55 +15,69 @@ preemption (`framework.core.preemption.install`) and the segmentation mask
 summaries.
 """
 
-import time
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
-from absl import logging
-
-from framework.core import eval_sets
 from framework.core import protocols
 from framework.core.stop_condition import StopCondition
 from framework.errors import NonFiniteLossError
 
 Action = Callable[[int, Mapping[str, float]], Any]
 
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+  """What an action returns to end the run (as `request_stop(reason)`)."""
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetReached(Stop):
+  """`StopWhen`'s decision: `condition` met, `metric` at `value`. The
+  Controller's target tracker records the time to target and stops the run
+  (unless that target was already reached, or the run continues past it)."""
+  condition: StopCondition = None
+  metric: str = ""
+  value: float = float("nan")
+  description: Optional[str] = None
+
+
 class StopWhen:
-  """Stops the run the first time `condition` holds; records the time it
-  took (`time_to_target_seconds` under the condition's split).
+  """Decides the first time `condition` holds: returns `TargetReached`
+  (the Controller then stops the run and records the time to target),
+  else None.
 
   Args:
-    controller: the Controller to stop (its `start_time`, writers and
-      `time_to_target` are used).
     condition: a `StopCondition`.
     description: how the log names the target (default: the condition).
+    results: `(split, results) -> results` of that eval split (e.g. the
+      Controller's `eval_sets.results_of`); None: the results given.
+    aliases: {metric: name the evaluator reports it under}
+      (`protocols.metric_aliases`).
   """
 
-  def __init__(self, controller: Any, condition: StopCondition,
-               description: Optional[str] = None):
-    self.controller = controller
+  def __init__(self, condition: StopCondition,
+               description: Optional[str] = None, *,
+               results: Optional[Callable[[str, Mapping[str, float]],
+                                          Mapping[str, float]]] = None,
+               aliases: Optional[Mapping[str, str]] = None):
     self.condition = condition
     self.description = description
+    self.results = results
+    self.aliases = dict(aliases or {})
 
-  def __call__(self, step: int, outputs: Mapping[str, float]) -> None:
-    c = self.controller
-    if self.condition.split != "train":
-      outputs = eval_sets.results_of(c, self.condition.split, outputs)
-    if (c.time_to_target is not None or not c.measure_target
-        or not self.condition.met(outputs)):
-      return
-    c.time_to_target = time.time() - (c.start_time or time.time())
-    c.writer(self.condition.split).scalars(
-        step, {"time_to_target_seconds": c.time_to_target})
-    value = self.condition.metric_value(outputs)
-    if self.description:
-      logging.info("target %s reached at step %d: %s=%.4f "
-                   "time_to_target_seconds=%.1f", self.description, step,
-                   self.condition.metric, value, c.time_to_target)
-    else:
-      logging.info("target %s reached at step %d: %s=%.4f "
-                   "time_to_target_seconds=%.1f", self.condition, step,
-                   self.condition.metric, value, c.time_to_target)
-    c.request_stop(f"stop_when {self.condition}")
+  def __call__(self, step: int,
+               outputs: Mapping[str, float]) -> Optional[TargetReached]:
+    condition = self.condition
+    if condition.split != "train" and self.results is not None:
+      outputs = self.results(condition.split, outputs)
+    if not condition.met(outputs, self.aliases):
+      return None
+    return TargetReached(
+        reason=f"stop_when {condition}", condition=condition,
+        metric=condition.metric,
+        value=condition.metric_value(outputs, self.aliases),
+        description=self.description)
 
 
 class NanGuard:

@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from framework.core import atomic
 from framework.core import eval_sets
+from framework.core import protocols
 from framework.core import run_state
 from framework.core.stop_condition import parse_metric
 from framework.distribute import strategies
@@ -293,7 +294,7 @@ def restore_weights(controller: Any, path: str) -> None:
   """Loads the model (and EMA) of checkpoint `path`, not its step or
   optimizer, into `controller`'s trainer."""
   objects = {"model": controller.trainer.model}
-  ema = getattr(controller.trainer, "ema", None)
+  ema = protocols.ema_of(controller.trainer)
   if ema is not None:
     objects.update(ema.checkpoint_items())
   tf.train.Checkpoint(**objects).restore(path).expect_partial(
@@ -302,13 +303,8 @@ def restore_weights(controller: Any, path: str) -> None:
 
 def _save_eval_weights(trainer, path):
   """The weights evaluation uses (EMA averages swapped in), as `.h5`."""
-  export_model = getattr(trainer, "export_model", None)
-  model = export_model() if export_model else trainer.model
-  averaged = getattr(trainer, "averaged_weights", None)
-  if averaged is None:
-    model.save_weights(path)
-    return
-  with averaged():
+  model = protocols.export_model(trainer)
+  with protocols.averaged_weights(trainer):
     model.save_weights(path)
 
 

@@ -319,3 +319,76 @@ class AllReduceConfig:
   @property
   def is_default(self):
     return self == AllReduceConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """The step settings `Trainer` takes as keyword arguments (see `Trainer`):
+  declared here once, read by `ExperimentConfig` (the same fields) and by
+  `Trainer.__init__` (its keyword defaults).
+
+  Attributes:
+    clip_norm: clip the all-reduced gradient to this global norm.
+    nan_policy: one of NAN_POLICIES.
+    max_skipped_steps: under `nan_policy=skip`, stop after this many
+      skipped steps in a row.
+    grad_accum_steps: micro-batches per replica batch.
+    ema_decay: an EMA of the trainable weights with this decay (None: off).
+    ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
+    eval_tta: one of TTA_MODES.
+    all_reduce: the gradient all-reduce's `AllReduceConfig`.
+    jit_compile: compile the replica step with XLA where it can.
+    shard_optimizer_state: ZeRO-1 over the replicas.
+  """
+  clip_norm: float | None = setting(None, "Clip the all-reduced gradient to "
+                                    "this global norm.")
+  nan_policy: str = setting(
+      "stop", "On a NaN/Inf loss: stop (keep the last good checkpoint) or "
+      "skip the step.", choices=NAN_POLICIES)
+  max_skipped_steps: int = setting(
+      10, "--nan_policy=skip: stop with an error (saving nothing) after this "
+      "many skipped steps in a row.", minimum=POSITIVE,
+      read_by={"nan_policy": ("skip",)})
+  grad_accum_steps: int = setting(
+      1, "Split each replica's batch into this many micro-batches; one "
+      "all-reduce and update per step (same update, less activation "
+      "memory).", minimum=POSITIVE)
+  ema_decay: float | None = setting(
+      None, "Keep an exponential moving average of the weights with this "
+      "decay (e.g. 0.99); evaluation and model.weights.h5 / the SavedModel "
+      "use it (model.raw.weights.h5: the raw weights); 0 unsets it, e.g. to "
+      "override a flag file's.", zero_unsets=True)
+  ema_warmup: bool = setting(
+      False, "EMA decay min(ema_decay, (1+n)/(10+n)) at update n: forgets "
+      "the initial weights quickly in short runs.")
+  eval_tta: str = setting(
+      "none", "Test-time augmentation in evaluation: flip averages the "
+      "logits of each image and its horizontal mirror.", choices=TTA_MODES)
+  # The gradient all-reduce's packing, implementation and wire dtype.
+  all_reduce: AllReduceConfig = AllReduceConfig()
+  jit_compile: bool = setting(
+      False, "Compile the replica step with XLA: the whole step on one "
+      "replica, each replica's forward and backward pass under several "
+      "(the all-reduce and update outside); a warning and no XLA under "
+      "parameter_server or model parallelism.")
+  shard_optimizer_state: bool = setting(
+      False, "Each replica keeps and updates 1/N of the optimizer's slots "
+      "and the weights are all-gathered after the update (ZeRO-1; mirrored "
+      "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
+      "the whole slots, so a run resumes with it on or off and on another "
+      "replica count.")
+
+  def __post_init__(self):
+    check_settings(self)
+    if self.clip_norm is not None and not self.clip_norm > 0:
+      raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or unset)")
+    if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+      raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
+                        "unset)")
+
+  @classmethod
+  def of(cls, config):
+    """The TrainerConfig of `config` (any object with these attributes,
+    e.g. an `ExperimentConfig`)."""
+    return cls(**{f.name: getattr(config, f.name)
+                  for f in dataclasses.fields(cls)})

@@ -99,10 +99,10 @@ def _prepare(controller, split, data, steps):
                         f"holds {data.steps or 'all'} batches")
     return data.dataset
   if isinstance(data, tf.data.Dataset):
-    data = controller._pad_eval(data)  # pylint: disable=protected-access
+    data = controller.batching.pad_eval(data)
     if steps is not None:
       data = data.take(steps)
-    return controller._distribute(data)  # pylint: disable=protected-access
+    return controller.batching.distribute(data)
   if steps is not None:
     raise ConfigError(
         f"eval_steps={steps}: the {split} input returned an already "

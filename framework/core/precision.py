@@ -82,14 +82,18 @@ _KERAS_POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16",
                  "float16": "mixed_float16"}
 
 
+def _concrete(precision):
+  # A resolved name is taken as it is: a run resolves `auto` once.
+  return precision if precision in PRECISIONS else resolve_precision(precision)
+
+
 def set_precision(precision):
   """Sets Keras's global dtype policy; call before building the model."""
-  keras.mixed_precision.set_global_policy(
-      _KERAS_POLICY[resolve_precision(precision)])
+  keras.mixed_precision.set_global_policy(_KERAS_POLICY[_concrete(precision)])
 
 
 def needs_loss_scale(precision):
-  return resolve_precision(precision) == "float16"
+  return _concrete(precision) == "float16"
 
 
 class LossScale:

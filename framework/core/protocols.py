@@ -6,7 +6,8 @@ trainer is declared here (`declared_names()`; a test runs a recording proxy
 through a whole run). `LoopTrainer` is required (and `LoopEvaluator` to
 evaluate); every other capability is optional, detected with `isinstance`
 against its own protocol, and has the default written here when absent
-(`framework.core.adapters` reads them once for the Controller).
+(`framework.core.eval_batching` and `loop_report` read them once for the
+Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
 `framework.Trainer` implements all of them.
 
     class LoopTrainer(Protocol):          # required
@@ -48,6 +49,10 @@ against its own protocol, and has the default written here when absent
                     strategy, train_step(batch)    # required
     DistributedStep: distributed_train_step(dist_batch)
                                                    # strategy.run(train_step)
+    LoopStep:       run_step(dist_batch), step_variables()
+                                                   # the step above, its
+                                                   # shares summed; model,
+                                                   # optimizer, global_step
     GradientSettings: clip_norm, grad_accum_steps  # None, 1
 
 The NaN policy watches `loss` when `train` returns one, else every value it
@@ -55,10 +60,12 @@ returns.
 """
 
 import contextlib
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
+
+from framework import _tf_internal
 
 
 @runtime_checkable
@@ -220,6 +227,18 @@ class DistributedStep(Protocol):
 
 
 @runtime_checkable
+class LoopStep(Protocol):
+  """The training loop's own step, which the self-check runs (a `Trainer`
+  has it): one step as the loop runs it, and what a step changes."""
+
+  def run_step(self, dist_batch: Any) -> Any:
+    """(per-replica outputs, their SUM); advances `global_step`."""
+
+  def step_variables(self) -> list:
+    """Every variable one step may change."""
+
+
+@runtime_checkable
 class GradientSettings(Protocol):
   """Clipping and accumulation, which the self-check's diagnosis and its
   one-device batch order need (defaults None and 1)."""
@@ -231,7 +250,7 @@ class GradientSettings(Protocol):
 OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
             DatasetDistributing, MetricAliases, Exportable, LossScaled,
             WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
-            DistributedStep, GradientSettings)
+            DistributedStep, LoopStep, GradientSettings)
 ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
 
 
@@ -247,6 +266,54 @@ def declared_names() -> frozenset:
   """Every name some protocol here declares: all that the loop, the run and
   the self-check may read of a trainer."""
   return frozenset().union(*(names_of(p) for p in ALL))
+
+
+def missing(trainer: Any, protocol: type) -> list:
+  """The names of `protocol` that `trainer` lacks, sorted."""
+  return sorted(name for name in names_of(protocol)
+                if not hasattr(trainer, name))
+
+
+def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
+  """The evaluator a Controller uses (`evaluator`, else a `LoopEvaluator`
+  trainer); ConfigError when `trainer` is no `LoopTrainer`, or when an
+  evaluator is `needed` and there is none."""
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if not isinstance(trainer, LoopTrainer):
+    raise ConfigError(
+        f"trainer={type(trainer).__name__} lacks "
+        f"{', '.join(missing(trainer, LoopTrainer))}: a Controller needs "
+        "framework.core.protocols.LoopTrainer")
+  if evaluator is None and isinstance(trainer, LoopEvaluator):
+    evaluator = trainer
+  if needed and not isinstance(evaluator, LoopEvaluator):
+    raise ConfigError(
+        f"an eval input is set but trainer={type(trainer).__name__} has no "
+        "evaluate(distributed_dataset) and no evaluator= was given")
+  return evaluator
+
+
+def metric_aliases(evaluator: Any) -> dict:
+  """{metric: the name `evaluator` reports it under} ({} unless it
+  declares `MetricAliases`)."""
+  if isinstance(evaluator, MetricAliases):
+    return dict(evaluator.metric_aliases)
+  return {}
+
+
+def checkpoint_objects(trainer: Any,
+                       extra: Optional[Mapping[str, Any]] = None) -> dict:
+  """What a run's checkpoint holds: model, optimizer, global step, the
+  model's random-generator state (a resumed run draws the same dropout
+  masks) and `extra`."""
+  objects = dict(model=trainer.model,
+                 optimizer=checkpointed_optimizer(trainer),
+                 global_step=trainer.global_step, **(extra or {}))
+  rng_states = [v for v in trainer.model.variables
+                if _tf_internal.is_seed_generator_state(v)]
+  if rng_states:
+    objects["rng_states"] = rng_states
+  return objects
 
 
 def export_model(trainer: Any) -> keras.Model:
@@ -293,6 +360,17 @@ def checkpoint_items(trainer: Any) -> dict:
   if ema is not None:
     items.update(ema.checkpoint_items())
   return items
+
+
+def take_stop_request(trainer: Any) -> bool:
+  """Whether `trainer.request_stop()` was called (`Stoppable`); clears it,
+  so that the trainer's later calls run their steps again."""
+  if not isinstance(trainer, Stoppable):
+    return False
+  if not bool(trainer.stop_requested.numpy()):
+    return False
+  trainer.stop_requested.assign(False)
+  return True
 
 
 def nan_policy(trainer: Any) -> str:

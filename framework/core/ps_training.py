@@ -95,33 +95,52 @@ def per_worker_dataset_fn(dataset, global_batch_size, *, seed=0, augment=None):
 class CoordinatedTrainer:
   """A Trainer whose steps the coordinator schedules on the PS workers.
 
-  Has the protocol the `Controller` uses (`train`, `evaluate`, `strategy`,
-  `model`, `optimizer`, `global_step`, `sync_replica_state`, ...); what it
-  does not define comes from the wrapped trainer, whose `train_step` and
-  `eval_step` are the math.
+  Defines `train`, `evaluate` and `distribute_dataset` itself; forwards
+  exactly `FORWARDED` to the wrapped trainer, whose `train_step` and
+  `eval_step` are the math: the loop contract's attributes
+  (`framework.core.protocols`), each only where the wrapped trainer has it,
+  so that a protocol check on this object says what the trainer can do.
 
   Args:
     trainer: a `Trainer` built under a `ParameterServerStrategy`.
   """
+
+  # Read on the wrapped trainer each time (`LoopTrainer`'s attributes).
+  REQUIRED = ("model", "optimizer", "strategy", "global_step")
+  # Copied from it when it has them: fixed objects (variables, policies,
+  # bound methods); `last_confusion` is refreshed after each evaluation.
+  OPTIONAL = ("sync_replica_state", "global_batch_size", "nan_policy",
+              "max_skipped_steps", "skipped_steps", "consecutive_skips",
+              "loss_scale", "request_stop", "stop_requested",
+              "run_eval_step", "metric_aliases", "export_model", "ema",
+              "averaged_weights", "last_confusion", "checkpointed_optimizer")
+  FORWARDED = REQUIRED + OPTIONAL
 
   def __init__(self, trainer):
     if not is_parameter_server(trainer.strategy):
       raise ConfigError(
           f"CoordinatedTrainer needs a ParameterServerStrategy trainer; got "
           f"{type(trainer.strategy).__name__}")
-    self.trainer = trainer
+    self._forward(trainer)
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
         trainer.strategy)
     self._step_fn = tf.function(self._claimed_step)
     self._eval_fn = tf.function(self._eval_batch)
     self._last_metrics = None
 
-  def __getattr__(self, name):
-    # Only called for names not found here: model, optimizer, strategy,
-    # global_step, nan_policy, global_batch_size, export_model, ...
-    if name.startswith("__") or "trainer" not in self.__dict__:
-      raise AttributeError(name)
-    return getattr(self.trainer, name)
+  def _forward(self, trainer):
+    """Wraps `trainer`: its `OPTIONAL` attributes that it has, copied."""
+    self.trainer = trainer
+    for name in self.OPTIONAL:
+      if hasattr(trainer, name):
+        setattr(self, name, getattr(trainer, name))
+    if not hasattr(trainer, "sync_replica_state"):
+      self.sync_replica_state = lambda: None
+
+  model = property(lambda self: self.trainer.model)
+  optimizer = property(lambda self: self.trainer.optimizer)
+  strategy = property(lambda self: self.trainer.strategy)
+  global_step = property(lambda self: self.trainer.global_step)
 
   def per_worker_dataset(self, dataset_fn):
     """The distributed dataset `train` iterates: `dataset_fn` per worker."""
@@ -189,8 +208,11 @@ class CoordinatedTrainer:
       values = {k: v.numpy() for k, v in self._eval_fn(batch).items()}
       totals = values if totals is None else {
           k: totals[k] + values[k] for k in totals}
-    return {k: float(v) for k, v in
-            self.trainer.eval_results(totals).items()}
+    results = {k: float(v) for k, v in
+               self.trainer.eval_results(totals).items()}
+    if "last_confusion" in vars(self):
+      self.last_confusion = self.trainer.last_confusion
+    return results
 
 
 def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):

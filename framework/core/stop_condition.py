@@ -5,7 +5,7 @@ import dataclasses
 import math
 import operator
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
 from framework.errors import ConfigError
 
@@ -37,8 +37,8 @@ class StopCondition:
   Attributes:
     split: "train" (checked after every loop), "eval" or "eval_<name>"
       (an eval set: after every evaluation).
-    metric: a name the trainer returns (`accuracy` falls back to
-      `pixel_accuracy` for segmentation).
+    metric: a name the trainer returns (or an evaluator's alias of it,
+      `metric_aliases`: e.g. the name a task reports accuracy under).
     op: one of <, <=, >, >=.
     value: the threshold.
   """
@@ -67,15 +67,17 @@ class StopCondition:
   def __str__(self):
     return f"{self.split}/{self.metric}{self.op}{self.value:g}"
 
-  def metric_value(self, outputs: Mapping[str, float]) -> float:
-    """The watched value in `outputs`; ConfigError if there is none."""
-    for name in (self.metric, "pixel_accuracy") if (
-        self.metric == "accuracy") else (self.metric,):
+  def metric_value(self, outputs: Mapping[str, float],
+                   aliases: Optional[Mapping[str, str]] = None) -> float:
+    """The watched value in `outputs` (under `metric`, else its name in
+    `aliases`); ConfigError if there is none."""
+    for name in (self.metric, (aliases or {}).get(self.metric)):
       if name in outputs:
         return float(outputs[name])
     raise ConfigError(
         f"stop_when={self}: the {self.split} outputs have no "
         f"{self.metric!r} (only {', '.join(sorted(outputs))})")
 
-  def met(self, outputs: Mapping[str, float]) -> bool:
-    return _OPS[self.op](self.metric_value(outputs), self.value)
+  def met(self, outputs: Mapping[str, float],
+          aliases: Optional[Mapping[str, str]] = None) -> bool:
+    return _OPS[self.op](self.metric_value(outputs, aliases), self.value)

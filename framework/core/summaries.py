@@ -97,6 +97,29 @@ class SummaryWriter:
     self._writer.close()
 
 
+class Writers:
+  """A run's `SummaryWriter`s by folder, each created on first use (so a run
+  that fails while restoring leaves no new event files)."""
+
+  def __init__(self, model_dir, *, enabled=True,
+               sinks: Sequence[MetricSink] = ()):
+    self.model_dir, self.enabled, self.sinks = model_dir, enabled, sinks
+    self._writers = {}
+
+  def restart(self, step):
+    """Tells the sinks that a relaunch restored `step` (`MetricSink`)."""
+    for sink in self.sinks:
+      if hasattr(sink, "restart"):
+        sink.restart(step)
+
+  def __call__(self, name):
+    if name not in self._writers:
+      self._writers[name] = SummaryWriter(self.model_dir, name,
+                                          enabled=self.enabled,
+                                          sinks=self.sinks)
+    return self._writers[name]
+
+
 @contextlib.contextmanager
 def default_step(step):
   """`step` as the default step of `tf.summary` calls inside the context
@@ -110,6 +133,19 @@ def default_step(step):
       yield
   finally:
     tf.summary.experimental.set_step(previous)
+
+
+def record_every(every):
+  """A `tf.summary.record_if` condition: record on the default summary
+  steps that `every` divides (read in-graph; 0: never)."""
+
+  def condition():
+    if not every:
+      return False
+    step = tf.summary.experimental.get_step()
+    return tf.equal(tf.math.floormod(tf.cast(step, tf.int64), every), 0)
+
+  return condition
 
 
 def markdown_table(values):

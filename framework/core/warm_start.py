@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core import checkpointing
+from framework.core import protocols
 from framework.errors import CheckpointError, ConfigError
 
 WEIGHTS_FILE_SUFFIX = ".weights.h5"
@@ -162,7 +163,7 @@ def _checkpoint_keys(reader):
   def walk(node_id, path, on_path):
     node = graph.nodes[node_id]
     for attribute in node.attributes:
-      if attribute.name == "VARIABLE_VALUE" and path:
+      if attribute.name == _tf_internal.VARIABLE_VALUE_KEY and path:
         keys.setdefault("/".join(path), attribute.checkpoint_key)
     for child in node.children:
       if child.node_id not in on_path:
@@ -299,7 +300,7 @@ def warm_start(controller, path, *, skip_mismatch=False, exclude=None):
   trainer = controller.trainer
   record = restore_weights(trainer.model, path, skip_mismatch=skip_mismatch,
                            exclude=exclude)
-  ema = getattr(trainer, "ema", None)
+  ema = protocols.ema_of(trainer)
   if ema is not None:
     for average, variable in zip(ema.averages, ema.variables):
       ema.strategy.extended.update(

@@ -19,6 +19,7 @@ restarted and its exit status is the task's.
 """
 
 import ctypes
+import functools
 import json
 import os
 import random
@@ -31,13 +32,17 @@ import tempfile
 import threading
 import time
 
+from framework.distribute.launch_config import LaunchConfig
 from framework.errors import ConfigError, check_positive
+from framework.settings import default
 
 ROLE_ORDER = ("chief", "worker", "ps", "evaluator")
 CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 # Programs whose --strategy defaults to a single-process one.
 _DISTLOOP_PROGRAMS = ("train.py", "custom_step.py", "distloop-train")
 _PR_SET_PDEATHSIG = 1
+# The keyword defaults of the launch settings: `LaunchConfig`'s, declared once.
+_default = functools.partial(default, LaunchConfig)
 # Each task's file for its configuration-error line (see scripts/cli.py).
 ERROR_FILE_ENV = "DISTLOOP_ERROR_FILE"
 
@@ -51,7 +56,7 @@ def _ephemeral_port_range():
     return None
 
 
-def free_ports(count, host="127.0.0.1"):
+def free_ports(count, host=_default("host")):
   """`count` distinct TCP ports on `host` that are free right now.
 
   Ports come from below the kernel's ephemeral range where there is room:
@@ -87,7 +92,8 @@ def _bindable(host, port):
       return False
 
 
-def cluster_on_hosts(hosts, workers, ps=0, *, chief=None, port=2222):
+def cluster_on_hosts(hosts, workers, ps=_default("ps"), *,
+                     chief=_default("chief"), port=2222):
   """Like `local_cluster`, with one address of `hosts` per task (in
   `tasks_of` order) and the same `port` on each."""
   chief = ps > 0 if chief is None else chief
@@ -100,7 +106,8 @@ def cluster_on_hosts(hosts, workers, ps=0, *, chief=None, port=2222):
           for role, n in counts.items() if n}
 
 
-def local_cluster(workers, ps=0, *, chief=None, host="127.0.0.1"):
+def local_cluster(workers, ps=_default("ps"), *, chief=_default("chief"),
+                  host=_default("host")):
   """A cluster dict {role: ['host:port', ...]} on free loopback ports.
 
   Args:
@@ -259,9 +266,11 @@ class Launcher:
       (e.g. `ip netns exec HOST`, see `framework.distribute.netns`).
   """
 
-  def __init__(self, command, cluster, *, grace_period=10.0, env=None,
-               output=None, serving_workers=False, max_restarts=0,
-               new_cluster=None, task_prefix=None):
+  def __init__(self, command, cluster, *,
+               grace_period=_default("grace_period"), env=None,
+               output=None, serving_workers=False,
+               max_restarts=_default("max_restarts"), new_cluster=None,
+               task_prefix=None):
     check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")

@@ -18,7 +18,9 @@ import os
 import shutil
 import subprocess
 
+from framework.distribute.launch_config import LaunchConfig
 from framework.errors import ConfigError
+from framework.settings import default
 
 SUBNET = "10.77.0"
 
@@ -83,7 +85,8 @@ class HostNetwork:
       jumbo frames of many data-centre networks, fewer packets per byte).
   """
 
-  def __init__(self, hosts, rate=None, name="dl0", mtu=1500):
+  def __init__(self, hosts, rate=None, name="dl0",
+               mtu=default(LaunchConfig, "netns_mtu")):
     if isinstance(hosts, bool) or not isinstance(hosts, int) or not (
         0 < hosts <= 250):
       raise ConfigError(f"hosts={hosts!r} must be an integer in 1..250")

@@ -6,16 +6,12 @@ import functools
 from framework.errors import ConfigError
 from framework.model_parallel.choices import BALANCES, MODES, PLACEMENTS  # pylint: disable=unused-import
 from framework.model_parallel.mesh import check_device_count, parse_mesh
-from framework.settings import POSITIVE, check_settings, setting
+from framework.model_parallel.split_config import SPLIT_READ_BY, SplitConfig
+from framework.settings import check_settings, same_as, setting
 
 # This module imports no TensorFlow at load time (the flags are made from
 # ModelParallelConfig before TensorFlow loads): the trainers and devices are
 # imported where they are used.
-
-# What only a split model reads (`setting(read_by=...)`).
-_SPLIT = {"model_parallel": ("pipeline", "tensor")}
-_PIPELINE = {"model_parallel": ("pipeline",)}
-_TENSOR = {"model_parallel": ("tensor",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +43,9 @@ class ModelParallelConfig:
       split axis (`mesh.parse_mesh`): sets `mode`, `num_shards` or
       `num_stages` and `data_axis`; empty: the flags above.
     data_axis: copies of the split (from `mesh`; set, not given).
+    tensor_stages: tensor x pipeline: the stages of a tensor split, each on
+      its own `num_shards` devices (from `mesh`'s pipeline axis with a
+      model axis; set, not given).
     replica_devices: data x pipeline (x tensor): R tuples of `num_stages`
       (`num_shards`) devices, one copy of the split on each (set by
       `with_strategy`; empty: one copy).
@@ -55,44 +54,21 @@ class ModelParallelConfig:
       "none", "pipeline: cut the layers into --num_stages stages on as many "
       "devices; tensor: split one hidden Dense layer's units across "
       "--num_shards devices.", flag="model_parallel", choices=MODES)
-  num_stages: int = setting(2, "Pipeline stages (devices).",
-                            minimum=POSITIVE, read_by=_PIPELINE)
-  num_microbatches: int = setting(
-      1, "Micro-batches per global batch (GPipe schedule); must divide "
-      "--global_batch_size.", minimum=POSITIVE, read_by=_SPLIT)
-  stage_boundaries: tuple[int | str, ...] = setting(
-      (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
-      "names (a name starts a stage); default: balanced by "
-      "--stage_balance.", read_by=_PIPELINE)
-  num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
-                            "are split across.", minimum=POSITIVE,
-                            read_by=_TENSOR)
-  split_layer: int | None = setting(
-      None, "Tensor parallel: index of the Dense layer to split (default: "
-      "the last Dense followed by a Dense).", read_by=_TENSOR)
+  num_stages: int = same_as(SplitConfig, "num_stages")
+  num_microbatches: int = same_as(SplitConfig, "num_microbatches")
+  stage_boundaries: tuple[int | str, ...] = same_as(SplitConfig,
+                                                    "stage_boundaries")
+  num_shards: int = same_as(SplitConfig, "num_shards")
+  split_layer: int | None = same_as(SplitConfig, "split_layer")
   devices: str = setting(
       "local", "local: this process's GPUs or --cpu_devices; cluster: "
       "stage/shard i on TF_CONFIG's worker i, the chief runs the loop "
       "(scripts/launch.py --workers=N adds the chief).",
-      flag="model_parallel_devices", choices=PLACEMENTS, read_by=_SPLIT)
-  recompute: bool = setting(
-      False, "Model parallel: keep only each stage's inputs per micro-batch "
-      "and recompute its forward pass in the backward pass (less "
-      "activation memory, one more forward pass per step).", read_by=_SPLIT)
-  serial_stages: bool = setting(
-      False, "Model parallel: each stage device runs its ops one at a time, "
-      "in program order, as a GPU stream does (logical CPU devices "
-      "otherwise run several of a stage's ops at once on the shared "
-      "cores).")
-  input_grads_first: bool = setting(
-      True, "Model parallel, with --serial_stages: each stage computes the "
-      "input gradient it sends back before its weight gradients (B before "
-      "W, as zero-bubble pipelines do: a smaller bubble); false: the "
-      "backward pass in creation order.", read_by=_SPLIT)
-  stage_balance: str = setting(
-      "flops", "Pipeline cut points without --stage_boundaries: equal "
-      "forward+backward conv/matmul FLOPs per stage, or equal parameter "
-      "counts.", choices=BALANCES, read_by=_PIPELINE)
+      flag="model_parallel_devices", choices=PLACEMENTS, read_by=SPLIT_READ_BY)
+  recompute: bool = same_as(SplitConfig, "recompute")
+  serial_stages: bool = same_as(SplitConfig, "serial_stages")
+  input_grads_first: bool = same_as(SplitConfig, "input_grads_first")
+  stage_balance: str = same_as(SplitConfig, "stage_balance")
   mesh: str = setting(
       "", "One device mesh for the split, e.g. data:2,model:2 (data x "
       "tensor), data:2,pipeline:2 or model:4; axes data, model, pipeline; "
@@ -100,6 +76,7 @@ class ModelParallelConfig:
       "--num_shards/--num_stages is the one-axis mesh.")
   replica_devices: tuple = setting((), flag=False)  # set by with_strategy
   data_axis: int = setting(1, flag=False)  # set from `mesh`
+  tensor_stages: int = setting(1, flag=False)  # set from `mesh`
 
   def __post_init__(self):
     check_settings(self)
@@ -129,14 +106,28 @@ class ModelParallelConfig:
     object.__setattr__(self, "data_axis", sizes.get("data", 1))
     if mode == "tensor":
       object.__setattr__(self, "num_shards", sizes["model"])
+      object.__setattr__(self, "tensor_stages", sizes.get("pipeline", 1))
     else:
       object.__setattr__(self, "num_stages", sizes["pipeline"])
 
-  def check_model(self, model, num_heads, vocab_size=0):
+  def check_model(self, model, num_heads, vocab_size, num_layers=0):
     """Raises ConfigError when a tensor split cannot cut `model` (the
-    shards must divide a gpt's heads and vocabulary); before any build."""
-    if self.mode != "tensor" or model != "gpt":
+    shards must divide a gpt's heads and vocabulary, a tensor x pipeline
+    mesh needs a model with a whole split and a block per stage); before
+    any build."""
+    if self.mode != "tensor":
       return
+    if self.tensor_stages > 1 and model != "gpt":
+      raise ConfigError(
+          f"mesh={self.mesh}: tensor x pipeline (model and pipeline axes "
+          f"both > 1) splits a transformer; model={model} has no whole-model "
+          "split (use model=gpt, or one of the axes)")
+    if model != "gpt":
+      return
+    if num_layers and num_layers < self.tensor_stages:
+      raise ConfigError(
+          f"mesh={self.mesh}: the pipeline axis={self.tensor_stages} needs at "
+          f"least one gpt block per stage; num_layers={num_layers}")
     where = f"mesh={self.mesh}: the model axis" if self.mesh else "num_shards"
     for name, size in (("num_heads", num_heads), ("vocab_size", vocab_size)):
       if size and size % self.num_shards:
@@ -148,7 +139,7 @@ class ModelParallelConfig:
   def device_count(self):
     """(devices the split needs, the argument that sets it)."""
     if self.mode == "tensor":
-      return self.num_shards, "num_shards"
+      return self.num_shards * self.tensor_stages, "num_shards"
     return self.num_stages, "num_stages"
 
   def with_strategy(self, strategy, name):
@@ -268,5 +259,7 @@ class ModelParallelConfig:
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
         input_grads_first=self.input_grads_first, devices=devices,
+        **({"num_stages": self.tensor_stages} if self.tensor_stages > 1
+           else {}),
         **({"replica_devices": [list(g) for g in self.replica_devices]}
            if self.replica_devices else {}))

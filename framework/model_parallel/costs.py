@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.model_parallel.choices import BALANCES  # pylint: disable=unused-import
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.perf.flops import call_training_flops
 
 
@@ -55,7 +57,7 @@ def node_flops(node, input_gradient=True):
                              input_gradient)
 
 
-def node_costs(nodes, balance="flops"):
+def node_costs(nodes, balance=default(SplitConfig, "stage_balance")):
   """Per-node cost (`flops` or `params`) of a model's call nodes, in order.
 
   A node with no trainable layer before it (in this order) needs no input
@@ -82,7 +84,7 @@ def node_costs(nodes, balance="flops"):
   return costs
 
 
-def layer_costs(layers, balance="flops"):
+def layer_costs(layers, balance=default(SplitConfig, "stage_balance")):
   """Per-layer cost of a built `keras.Sequential`'s layers, in order."""
   # Keras 3: a layer's node 0 is its call in the Sequential's functional
   # graph (built on an Input).

@@ -25,6 +25,8 @@ from framework.errors import ConfigError
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
 from framework.model_parallel.costs import call_layer, node_costs
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.model_parallel.stages import (Record, read_state,
                                              restored_state, state_variables,
                                              tensor_bytes)
@@ -257,7 +259,9 @@ class GraphStage:
     return grads_in, variable_grads
 
 
-def split_graph(model, num_stages, boundaries=None, balance="flops"):
+def split_graph(model, num_stages,
+                boundaries=default(SplitConfig, "stage_boundaries"),
+                balance=default(SplitConfig, "stage_balance")):
   """(node groups, boundaries): the graph's nodes cut into `num_stages`.
 
   Args:

@@ -18,6 +18,8 @@ from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.boundaries import (balanced_boundaries,
                                                  check_boundaries)
 from framework.model_parallel.graph import graph_stages, resolve_boundaries, split_graph
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import Stage
 
@@ -31,7 +33,9 @@ def model_layers(model):
   return list(model.layers)
 
 
-def split_layers(layers, num_stages, boundaries=None, balance="flops"):
+def split_layers(layers, num_stages,
+                 boundaries=default(SplitConfig, "stage_boundaries"),
+                 balance=default(SplitConfig, "stage_balance")):
   """Cuts `layers` into `num_stages` lists (balanced by `balance`:
   forward + backward FLOPs or parameter count, see `costs`).
 
@@ -110,9 +114,13 @@ class PipelineTrainer(StagedTrainer):
     **kwargs: `Trainer` arguments.
   """
 
-  def __init__(self, model, optimizer, strategy, *, num_stages=2,
-               num_microbatches=1, stage_boundaries=None, devices=None,
-               stage_balance="flops", replica_devices=None, **kwargs):
+  def __init__(self, model, optimizer, strategy, *,
+               num_stages=default(SplitConfig, "num_stages"),
+               num_microbatches=default(SplitConfig, "num_microbatches"),
+               stage_boundaries=default(SplitConfig, "stage_boundaries"),
+               devices=None,
+               stage_balance=default(SplitConfig, "stage_balance"),
+               replica_devices=None, **kwargs):
     check_choice("stage_balance", stage_balance, BALANCES)
     if replica_devices:
       if devices:

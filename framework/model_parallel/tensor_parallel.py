@@ -19,6 +19,8 @@ import tensorflow as tf
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.parallel_layers import split_for
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from framework.model_parallel.pipeline import model_layers
 from framework.model_parallel.staged_trainer import StagedTrainer
 from framework.model_parallel.stages import ParallelStage, Stage
@@ -255,29 +257,41 @@ class TensorParallelTrainer(StagedTrainer):
     num_microbatches: optional micro-batching (as in the pipeline).
     devices: D device names; default `/GPU:0..` or `/CPU:0..`.
     replica_devices: data x tensor (transformer splits only): R lists of D
-      devices, one copy of the split on each.
+      (D * num_stages) devices, one copy of the split on each.
+    num_stages: tensor x pipeline (transformer splits only): the blocks cut
+      into this many stages, each split across its own D devices.
     **kwargs: `Trainer` arguments.
   """
 
-  def __init__(self, model, optimizer, strategy, *, num_shards=2,
-               split_layer=None, num_microbatches=1, devices=None,
-               replica_devices=None, **kwargs):
+  def __init__(self, model, optimizer, strategy, *,
+               num_shards=default(SplitConfig, "num_shards"),
+               split_layer=default(SplitConfig, "split_layer"),
+               num_microbatches=default(SplitConfig, "num_microbatches"),
+               devices=None, replica_devices=None, num_stages=1, **kwargs):
+    check_positive("num_stages", num_stages)
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
+      count = num_shards * num_stages
       if replica_devices and not devices:
         devices = replica_devices[0]  # copy 0's, local or on a cluster task
       devices = list(devices or model_parallel_devices(
-          num_shards * len(replica_devices or [()]), name="num_shards"))
-      devices = devices[:num_shards]
+          count * len(replica_devices or [()]), name="num_shards"))
+      devices = devices[:count]
       placed, stages, copies, kwargs = split_setup(
           split, model, optimizer, strategy, devices=devices,
-          replica_devices=replica_devices, kwargs=kwargs)
+          replica_devices=replica_devices, kwargs=kwargs,
+          num_stages=num_stages)
       self.split_layer = None
       self._unsplit = model
       super().__init__(placed, optimizer, strategy, stages=stages,
                        num_microbatches=num_microbatches, copies=copies,
                        **kwargs)
       return
+    if num_stages > 1:
+      raise ConfigError(
+          f"tensor x pipeline (num_stages={num_stages}) needs a model with a "
+          f"whole-model split (model=gpt); {model.name} splits one Dense "
+          "pair only")
     if replica_devices:
       raise ConfigError(
           "data x tensor parallelism needs a model with a whole-model "

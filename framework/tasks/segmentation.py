@@ -8,6 +8,8 @@ replicas and reads pixel accuracy and IoU off the global matrix; TensorBoard
 gets image | true mask | predicted mask triplets.
 """
 
+import types
+
 import numpy as np
 import tensorflow as tf
 
@@ -51,7 +53,14 @@ def triplets(model, images, masks):
 
 
 class SegmentationTrainer(ConfusionTrainer):
-  """Reports loss, pixel accuracy, mean IoU and per-class IoU on evaluation."""
+  """Reports loss, pixel accuracy, mean IoU and per-class IoU on evaluation.
+
+  Its accuracy is `pixel_accuracy` (`metric_aliases`: what
+  `stop_at_accuracy`, `stop_when=eval/accuracy...` and the run's record
+  read).
+  """
+
+  metric_aliases = types.MappingProxyType({"accuracy": "pixel_accuracy"})
 
   def eval_results(self, totals):
     results = super().eval_results(totals)

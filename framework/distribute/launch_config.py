@@ -1,0 +1,66 @@
+"""The local launcher's settings (`scripts/launch.py`'s flags), declared once.
+
+`scripts/launch.py` makes its flags from `LaunchConfig`'s fields
+(`scripts/config_flags.py`), and `launcher.local_cluster`,
+`launcher.cluster_on_hosts`, `launcher.Launcher` and `netns.HostNetwork`
+default their keywords to the same fields. No TensorFlow here.
+"""
+
+import dataclasses
+
+from framework.errors import ConfigError
+from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
+
+# Every link's MTU lies in this range (IPv4's minimum, the largest a veth
+# takes).
+MTU_RANGE = (576, 65535)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """A local multi-process job: its tasks, addresses, stopping and restarts.
+
+  Attributes:
+    workers: `worker` tasks.
+    ps: parameter-server tasks; with `ps > 0` a chief is added.
+    chief: add a chief task (None: only with `ps > 0`, or a command whose
+      chief runs a split model's loop).
+    host: the address every task listens on.
+    grace_period: seconds between SIGTERM and SIGKILL when stopping tasks.
+    netns, netns_rate, netns_mtu: each task on its own network namespace
+      (`framework.distribute.netns`), its links' bandwidth and MTU.
+    max_restarts: start the whole job again after a failure, at most this
+      many times.
+  """
+  workers: int = setting(2, "Number of worker tasks.", minimum=POSITIVE)
+  ps: int = setting(0, "Number of parameter-server tasks; with ps > 0 a "
+                    "chief (the coordinator) is added.", minimum=NON_NEGATIVE)
+  chief: bool | None = setting(
+      None, "Add a chief task (default: only with --ps > 0 or a command with "
+      "--model_parallel_devices=cluster, whose chief runs the loop).")
+  host: str = setting("127.0.0.1", "Address every task listens on.")
+  grace_period: float = setting(10.0, "Seconds between SIGTERM and SIGKILL "
+                                "when stopping tasks.")
+  netns: bool = setting(
+      False, "Run each task in its own network namespace with its own "
+      "address, joined by a bridge (a local multi-host rehearsal; needs "
+      "root, ip and tc).")
+  netns_rate: str = setting("", "With --netns: each link's bandwidth, e.g. "
+                            "10gbit or 500mbit (tc tbf); empty: unshaped.")
+  netns_mtu: int = setting(1500, "With --netns: every link's MTU (9000: "
+                           "jumbo frames, as on many data-centre networks).")
+  max_restarts: int = setting(
+      0, "After a task fails, stop the others and start the whole job again "
+      "(it resumes from its last checkpoint), at most this many times; "
+      "never after a task's configuration error (a bad flag or value).",
+      minimum=NON_NEGATIVE)
+
+  def __post_init__(self):
+    check_settings(self)
+    if not self.grace_period >= 0:
+      raise ConfigError(f"grace_period={self.grace_period} must be >= 0")
+    low, high = MTU_RANGE
+    if (isinstance(self.netns_mtu, bool) or not isinstance(self.netns_mtu, int)
+        or not low <= self.netns_mtu <= high):
+      raise ConfigError(f"netns_mtu={self.netns_mtu!r} must be an integer in "
+                        f"{low}..{high}")
