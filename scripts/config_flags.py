@@ -22,6 +22,7 @@ from framework import settings
 from framework.app.config import BUILTIN_MODELS, ExperimentConfig
 from framework.data.config import DATASET_NAMES
 from framework.errors import ConfigError
+from framework.model_parallel import mesh
 
 # Fields without a flag that the flags' config must still fill: the run's
 # length, replaced by experiment.build_model_and_optimizer.
@@ -291,6 +292,7 @@ def unread_flags(argv, flag_values=flags.FLAGS, extra=None, table=None):
   table = read_by_table(extra) if table is None else table
   choosing = sorted({c for read_by in table.values() for c in read_by})
   final = {c: _text(flag_values[c]) for c in choosing}
+  _mesh_mode(final, flag_values)
   direct = {name for name, _ in _set_in(argv[1:], flag_values)}
   contexts = {}  # flag set only by flag files -> their choices
   for path in _flag_files(argv[1:]):
@@ -314,6 +316,19 @@ def unread_flags(argv, flag_values=flags.FLAGS, extra=None, table=None):
       continue
     unread.append((name, {c: final[c] for c in read_by}))
   return unread
+
+
+def _mesh_mode(final, flag_values):
+  """A `--mesh` chooses the split as --model_parallel does (its flags, e.g.
+  --model_parallel_devices, are then read)."""
+  if final.get("model_parallel") != "none" or "mesh" not in flag_values:
+    return
+  try:
+    sizes = mesh.parse_mesh(flag_values["mesh"].value or "")
+  except ConfigError:
+    return  # no mesh, or a bad one: the run says why
+  final["model_parallel"] = ("tensor" if sizes.get("model", 1) > 1
+                             else "pipeline")
 
 
 def unread_warning(argv, flag_values=flags.FLAGS, extra=None, table=None):

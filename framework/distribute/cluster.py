@@ -60,8 +60,14 @@ def configure_coordination_service(config=None, *,
       spec, jobs, int(heartbeat_timeout * 1000))
 
 
-def run_server(config=None):
-  """Runs this `worker`/`ps` task's gRPC server until the process is killed."""
+def run_server(config=None, *, cpu_devices=None):
+  """Runs this `worker`/`ps` task's gRPC server until the process is killed.
+
+  Args:
+    cpu_devices: CPU devices the server offers (a mesh's devices of one
+      task); None: one. The server makes its own devices from its
+      ConfigProto, not from `tf.config`'s logical devices.
+  """
   config = config or parse_tf_config()
   if config is None:
     raise ConfigError("a parameter-server worker or ps task needs TF_CONFIG")
@@ -73,6 +79,9 @@ def run_server(config=None):
                  "on its first closure", threads, MIN_WORKER_INTER_OP_THREADS)
     session_config = tf.compat.v1.ConfigProto(
         inter_op_parallelism_threads=MIN_WORKER_INTER_OP_THREADS)
+  if cpu_devices and cpu_devices > 1:
+    session_config = session_config or tf.compat.v1.ConfigProto()
+    session_config.device_count["CPU"] = cpu_devices
   server = tf.distribute.Server(
       _cluster_spec(config), job_name=task["type"],
       task_index=task.get("index", 0), protocol="grpc",

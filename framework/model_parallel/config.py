@@ -102,9 +102,6 @@ class ModelParallelConfig:
     if self.mode not in ("none", mode):
       raise ConfigError(f"mesh={self.mesh} is a {mode} split; it disagrees "
                         f"with --model_parallel={self.mode} (drop one)")
-    if self.devices == "cluster":
-      raise ConfigError(f"mesh={self.mesh} with model_parallel_devices="
-                        "cluster is not supported yet; use local devices")
     object.__setattr__(self, "mode", mode)
     object.__setattr__(self, "data_axis", sizes.get("data", 1))
     if mode == "tensor":
@@ -161,6 +158,8 @@ class ModelParallelConfig:
     """
     if self.mesh and self.devices == "local":
       return self._mesh_strategy(strategy, name)
+    if self.mesh:
+      return self._cluster_mesh_strategy(strategy, name)
     if self.mode == "none" or strategy.num_replicas_in_sync == 1:
       return self, strategy
     if self.devices == "cluster":
@@ -196,6 +195,22 @@ class ModelParallelConfig:
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
+  def _cluster_mesh_strategy(self, strategy, name):
+    """(config, one-replica strategy) of a mesh on a cluster: copy r of the
+    split on worker task r's devices (`mesh_cluster`); call after
+    `devices.start_cluster` connected this chief."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from framework.model_parallel import mesh_cluster  # pylint: disable=g-import-not-at-top
+    if strategy.num_replicas_in_sync != 1:
+      raise ConfigError(
+          f"mesh={self.mesh} makes its own data axis; use strategy=default "
+          f"(not {name})")
+    groups = mesh_cluster.cluster_groups(
+        self.mesh, parse_mesh(self.mesh),
+        [d.name for d in tf.config.list_logical_devices()])
+    return dataclasses.replace(
+        self, replica_devices=tuple(tuple(g) for g in groups)), strategy
+
   def trainer_factory(self, trainer_cls=None):
     """`trainer_cls`, or the model-parallel trainer bound to this config.
 
@@ -227,7 +242,7 @@ class ModelParallelConfig:
       trainer_cls = type(parallel_cls.__name__ + trainer_cls.__name__,
                          (parallel_cls, trainer_cls), {})
     devices = None
-    if self.devices == "cluster":
+    if self.devices == "cluster" and not self.replica_devices:
       devices = cluster_devices(self.device_count[0])
     if self.mode == "pipeline":
       return functools.partial(

@@ -44,12 +44,13 @@ def model_parallel_devices(count, *, name="num_stages"):
       "(or use fewer)")
 
 
-def check_cluster(tf_config, count, *, name="num_stages"):
+def check_cluster(tf_config, count, *, name="num_stages", per="piece"):
   """Raises ConfigError unless `tf_config` has a chief and `count` workers.
 
   Args:
     tf_config: the parsed TF_CONFIG (None: unset).
-    count: stages or shards, one per worker task.
+    count: stages or shards (or a mesh's copies), one per worker task.
+    name: the argument that sets `count`; per: what one task holds.
   """
   if tf_config is None:
     raise ConfigError(
@@ -65,7 +66,7 @@ def check_cluster(tf_config, count, *, name="num_stages"):
   if workers < count:
     raise ConfigError(
         f"model_parallel_devices=cluster with {name}={count} needs {count} "
-        f"worker tasks (one per piece); TF_CONFIG has {workers}")
+        f"worker tasks (one per {per}); TF_CONFIG has {workers}")
 
 
 def connect_cluster(tf_config):
@@ -95,12 +96,19 @@ def start_cluster(config, tf_config=None):
   from framework.distribute import cluster, tf_config as tf_config_lib
   tf_config = tf_config or tf_config_lib.parse_tf_config()
   count, name = config.device_count
-  check_cluster(tf_config, count, name=name)
+  per = "piece"
+  if config.mesh:  # a copy of the split per task (mesh_cluster)
+    count, name, per = config.data_axis, f"mesh={config.mesh}: data", "copy"
+  check_cluster(tf_config, count, name=name, per=per)
   # A call to a dead worker fails at once instead of retrying forever.
   os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
   task_type = tf_config["task"]["type"]
   if task_type == "worker":
-    cluster.run_server(tf_config)
+    # The server offers the logical CPU devices of --cpu_devices (a mesh's
+    # copy needs several); it does not read tf.config's.
+    cpus = tf.config.get_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0])
+    cluster.run_server(tf_config, cpu_devices=len(cpus) if cpus else None)
     return None
   if task_type != "chief":
     raise ConfigError(

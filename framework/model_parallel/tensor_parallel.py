@@ -274,6 +274,8 @@ class TensorParallelTrainer(StagedTrainer):
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
       count = num_shards * num_stages
+      if replica_devices and not devices:
+        devices = replica_devices[0]  # copy 0's, local or on a cluster task
       devices = list(devices or model_parallel_devices(
           count * len(replica_devices or [()]), name="num_shards"))
       devices = devices[:count]

@@ -15,7 +15,7 @@ devices one after another, and the split cuts its blocks into stages.
 import tensorflow as tf
 
 from framework.errors import ConfigError
-from framework.model_parallel.devices import variable_device
+from framework.model_parallel.devices import short_device, variable_device
 from framework.model_parallel.replicas import all_reduce_copies
 from framework.model_parallel.parallel_layers import (
     sharded_sparse_categorical_loss, vocab_parallel_statistics)
@@ -79,7 +79,9 @@ def all_reduce_by_shard(per_copy, variables, groups):
     collective group per model-axis position: the data axis).
   """
   summed = [list(grads) for grads in per_copy]
-  position = {device: d for d, device in enumerate(groups[0])}
+  # Short names on both sides: a variable reports `/job:worker/task:0/CPU:0`
+  # for a group's `/job:worker/replica:0/task:0/device:CPU:0`.
+  position = {short_device(device): d for d, device in enumerate(groups[0])}
   by_shard = {}
   for i, variable in enumerate(variables[0]):
     by_shard.setdefault(position[variable_device(variable)], []).append(i)
