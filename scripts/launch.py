@@ -41,7 +41,7 @@ from absl import flags
 try:  # No TensorFlow in them.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
-  from scripts import config_flags  # pylint: disable=g-import-not-at-top
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top

@@ -29,7 +29,7 @@ from absl import flags
 try:  # No TensorFlow in them: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
-  from scripts import config_flags  # pylint: disable=g-import-not-at-top
+  from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
 from framework.app.predict_config import PredictConfig  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
