@@ -12,6 +12,7 @@ string `getattr`), or matches a Keras-internal variable name.
 # pylint: disable=protected-access,g-direct-tensorflow-import
 import importlib
 
+import keras
 import tensorflow as tf
 
 # --- Keras optimizers (core/fused_updates.py, trainer.py, optimizer_sharding.py).
@@ -38,6 +39,22 @@ def learning_rate_variable(optimizer):
   return learning_rate if hasattr(learning_rate, "assign") else None
 
 
+def share_step_counter(optimizer, iterations):
+  """Makes `optimizer` count its steps in `iterations` (another optimizer's
+  counter), before it is built. Missing publicly: `iterations` is
+  read-only (Keras keeps the variable in `_iterations`)."""
+  # Keras's __setattr__ would track it as a new variable.
+  object.__setattr__(optimizer, "_iterations", iterations)
+
+
+def optimizer_slot_variables(optimizer):
+  """The optimizer's per-variable slots: its variables other than its own
+  step counter and learning rate (Keras 3.15 names them `iteration` and
+  `learning_rate`). Missing publicly: a list of the slots alone."""
+  return [v for v in optimizer.variables
+          if v.name not in ("iteration", "learning_rate")]
+
+
 def uses_weight_decay(optimizer, variable):
   """Whether `optimizer`'s weight decay applies to `variable` (its
   `exclude_from_weight_decay` lists). Missing publicly: the query."""
@@ -49,10 +66,6 @@ def trackable_children(obj):
   its variable lists, iterations, learning rate). Missing publicly: the
   object graph of a checkpoint, by name, before it is written."""
   return dict(obj._trackable_children())
-
-
-# The name a variable's value has in a checkpoint (`.../.ATTRIBUTES/<it>`).
-VARIABLE_VALUE_KEY = "VARIABLE_VALUE"
 
 
 class SavedAsVariable(tf.__internal__.tracking.Trackable):
@@ -193,6 +206,20 @@ def is_seed_generator_state(variable):
   """Whether `variable` is a Keras SeedGenerator's state (a random layer's,
   not a statistic to average or an input to a step)."""
   return variable.name == SEED_GENERATOR_STATE
+
+
+# The attributes under which Keras 3.15's random layers keep their
+# SeedGenerator: `seed_generator` (Dropout, the noise layers, Attention),
+# `generator` (the preprocessing layers: RandomFlip, RandomCrop, ...).
+SEED_GENERATOR_ATTRIBUTES = ("seed_generator", "generator")
+
+
+def has_seed_generator(layer):
+  """Whether `layer` draws random numbers from a Keras SeedGenerator of its
+  own. Missing publicly: a query for a layer's randomness (Keras's random
+  layers keep it under conventional attribute names)."""
+  return any(isinstance(getattr(layer, name, None), keras.random.SeedGenerator)
+             for name in SEED_GENERATOR_ATTRIBUTES)
 
 
 # --- Preemption (core/preemption.py). ----------------------------------------

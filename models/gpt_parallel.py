@@ -10,6 +10,13 @@ residual stream is one copy per device:
     x   = block.split_call(x)                             per block
     logits_d = head_d(ln_f(x_d))                          [B, T, V/D]
 
+Tensor x pipeline (`num_stages=P`): `devices` is P groups of D, stage p
+holding blocks `p * L/P ...` cut across its own D devices (their
+all-reduces within that group only); the embedding and positions live on
+stage 0, the last layer norm and the head on stage P-1 (a tied head
+reads stage 0's table shards). The residual stream crosses from one
+stage's device d to the next stage's device d.
+
 Weights sit under the unsplit model's checkpoint paths (`_operations/i/`),
 cut weights as slices of the full tensor, so a checkpoint of either
 restores into the other.
@@ -68,29 +75,37 @@ class _Operations(parallel_layers.CheckpointNode):
 
 
 class ShardedGPT(keras.Model):
-  """A GPT whose blocks, embedding and head are cut across `devices`."""
+  """A GPT whose blocks, embedding and head are cut across `devices`
+  (`num_stages` consecutive groups of them: tensor x pipeline)."""
 
   def __init__(self, *, sequence_length, vocab_size, width, num_heads,
-               hidden, num_layers, tied, devices, **kwargs):
+               hidden, num_layers, tied, devices, num_stages=1, **kwargs):
     super().__init__(name="gpt", **kwargs)
     self.devices = tuple(devices)
+    self.num_stages = num_stages
     self.options = dict(sequence_length=sequence_length,
                         vocab_size=vocab_size, width=width,
                         num_heads=num_heads, hidden=hidden,
-                        num_layers=num_layers, tied=tied)
+                        num_layers=num_layers, tied=tied,
+                        num_stages=num_stages)
+    self.stage_devices = stage_groups(self.devices, num_stages)
+    first, last = self.stage_devices[0], self.stage_devices[-1]
     self.embedding = parallel_layers.VocabParallelEmbedding(
-        vocab_size, width, self.devices, tied=tied, name="token_embedding")
+        vocab_size, width, first, tied=tied, name="token_embedding")
     self.position = gpt.PositionEmbedding(sequence_length, width,
                                           name="position_embedding")
-    self.blocks = [gpt.Block(width, num_heads, hidden, self.devices,
+    self.blocks = [gpt.Block(width, num_heads, hidden,
+                             self.stage_devices[stage_of(i, num_layers,
+                                                         num_stages)],
                              name=f"block_{i}") for i in range(num_layers)]
     self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")
     # Built eagerly, piece by piece: a device scope inside a symbolic call
     # does not reach the variables Keras creates there.
     shape = (None, sequence_length, width)
     self.embedding.build()
-    with tf.device(self.devices[0]):
+    with tf.device(first[0]):
       self.position.build(shape)
+    with tf.device(last[0]):
       self.ln_f.build(shape)
     for block in self.blocks:
       block.build(shape)
@@ -109,14 +124,15 @@ class ShardedGPT(keras.Model):
     return _weights(self.embedding, self.position, self.blocks, self.ln_f)
 
   def call(self, tokens, training=False):
-    devices = self.devices
+    devices = self.stage_devices[0]
     looked_up = [parallel_ops.on_device(
         device, lambda d=d: self.embedding.lookup(d, tokens))
                  for d, device in enumerate(devices)]
     xs = [parallel_ops.on_device(device, self.position, x) for device, x in
           zip(devices, parallel_ops.all_reduce(looked_up, devices))]
     for block in self.blocks:
-      xs = block.split_call(xs)
+      xs = block.split_call(xs)  # on_device moves xs to the block's stage
+    devices = self.stage_devices[-1]
     return [parallel_ops.on_device(
         device, lambda x, d=d: self.embedding.logits(d, self.ln_f(x)), x)
             for d, (device, x) in enumerate(zip(devices, xs))]
@@ -140,19 +156,39 @@ class ShardedGPT(keras.Model):
     return ShardedGPT(**self.options, devices=devices).load_weights_from(self)
 
 
+def stage_groups(devices, num_stages):
+  """`devices` cut into `num_stages` consecutive groups of equal size."""
+  size = len(devices) // num_stages
+  return [tuple(devices[p * size:(p + 1) * size]) for p in range(num_stages)]
+
+
+def stage_of(block, num_layers, num_stages):
+  """The stage of block `block`: contiguous, as equal as the count allows."""
+  return block * num_stages // num_layers
+
+
 @parallel_layers.register_split("gpt")
-def split(model, devices):
+def split(model, devices, num_stages=1):
   """The ShardedGPT of the unsplit GPT `model` on `devices`, its weights.
 
+  With `num_stages` > 1, `devices` is that many groups of shard devices
+  (tensor x pipeline): stage p's blocks are cut across group p.
+
   Raises:
-    ConfigError: the shard count does not divide the heads or the vocabulary
-      (before any variable is made).
+    ConfigError: the shard count does not divide the heads or the vocabulary,
+      or fewer blocks than stages (before any variable is made).
   """
   embedding, position, blocks, _ = _unsplit_parts(model)
   if not blocks:
     raise ConfigError("a tensor split of model=gpt needs at least one block")
+  if num_stages < 1 or len(devices) % num_stages:
+    raise ConfigError(f"num_stages={num_stages} must divide the "
+                      f"{len(devices)} devices of a tensor x pipeline split")
+  if len(blocks) < num_stages:
+    raise ConfigError(f"num_stages={num_stages} needs at least as many gpt "
+                      f"blocks; num_layers={len(blocks)}")
   head = blocks[0]
-  num = len(devices)
+  num = len(devices) // num_stages
   parallel_layers.check_divides(num, num_heads=head.num_heads,
                                 vocab_size=embedding.vocab_size)
   parallel_layers.check_divides(num, mlp_hidden=head.hidden)
@@ -160,4 +196,5 @@ def split(model, devices):
       sequence_length=position.sequence_length,
       vocab_size=embedding.vocab_size, width=head.width,
       num_heads=head.num_heads, hidden=head.hidden, num_layers=len(blocks),
-      tied=embedding.tied, devices=devices).load_weights_from(model)
+      tied=embedding.tied, devices=devices,
+      num_stages=num_stages).load_weights_from(model)

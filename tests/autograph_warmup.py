@@ -49,7 +49,8 @@ _ENTRY_MODULES = ("framework.core.trainer", "framework.core.step_loop",
                   "framework.core.ps_training",
                   "framework.model_parallel.staged_trainer",
                   "framework.model_parallel.tensor_parallel",
-                  "framework.check.distribution_check")
+                  "framework.check.distribution_check",
+                  "framework.check.distribution_step")
 
 
 class Warmup:

@@ -304,7 +304,8 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "init_checkpoint": None, "init_exclude": None,
                 "init_skip_mismatch": False, "jit_compile": False,
                 "shard_optimizer_state": False,
-                "model_parallel.mesh": "", "model_parallel.data_axis": 1}
+                "model_parallel.mesh": "", "model_parallel.data_axis": 1,
+                "model_parallel.tensor_stages": 1}
 
 
 def _flat(value, prefix=""):

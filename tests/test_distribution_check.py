@@ -418,6 +418,23 @@ def test_noise_layers_pass_with_a_warning(batch, mirrored):
   assert report.cause_codes == ["loss_per_replica_mean"], report.table()
 
 
+def build_random_flip():
+  return keras.Sequential([
+      keras.Input((8,)), keras.layers.Reshape((2, 4, 1)),
+      keras.layers.RandomFlip("horizontal"), keras.layers.Flatten(),
+      keras.layers.Dense(4)])
+
+
+def test_a_random_preprocessing_layer_is_named(batch, mirrored):
+  # Keras's preprocessing layers keep their SeedGenerator under another
+  # attribute than Dropout's: named all the same.
+  report = check(Trainer, mirrored, batch, build=build_random_flip)
+  assert "random_layers" in report.warning_codes, report.table()
+  message = report.warnings[report.warning_codes.index("random_layers")]
+  assert "random_flip drawing their mean" in message.message
+  assert not report.causes, report.table()
+
+
 def test_wrong_stochastic_step_still_fails_and_is_named(batch, mirrored):
   report = check(NoisyLossPerReplicaMean, mirrored, batch)
   assert report.verdict == "fail"

@@ -30,6 +30,32 @@ def test_a_mesh_sets_the_split_and_its_data_axis():
     ModelParallelConfig(mode="pipeline", mesh="data:2,model:2")
 
 
+def test_a_mesh_with_model_and_pipeline_axes_is_a_staged_tensor_split():
+  both = ModelParallelConfig(mesh="model:2,pipeline:2")
+  assert (both.mode, both.num_shards, both.tensor_stages, both.data_axis,
+          both.device_count) == ("tensor", 2, 2, 1, (4, "num_shards"))
+  three = ModelParallelConfig(mesh="data:2,model:2,pipeline:2")
+  assert (three.num_shards, three.tensor_stages, three.data_axis) == (2, 2, 2)
+  assert three.trainer_factory().keywords["tensor_stages"] == 2
+  # Without a pipeline axis the tensor split has one stage, as before.
+  assert "tensor_stages" not in ModelParallelConfig(
+      mesh="data:2,model:2").trainer_factory().keywords
+
+
+@pytest.mark.parametrize("model, layers, message", [
+    ("mlp", 2, "mesh=model:2,pipeline:2: tensor x pipeline (model and "
+     "pipeline axes both > 1) splits a transformer; model=mlp"),
+    ("gpt", 1, "mesh=model:2,pipeline:2: the pipeline axis=2 needs at least "
+     "one gpt block per stage; num_layers=1"),
+])
+def test_a_tensor_by_pipeline_mesh_the_model_cannot_take_is_one_line(
+    model, layers, message):
+  config = ModelParallelConfig(mesh="model:2,pipeline:2")
+  with pytest.raises(ConfigError, match=re.escape(message)) as error:
+    config.check_model(model, num_heads=4, vocab_size=64, num_layers=layers)
+  assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("mesh, message", [
     ("data:2,shards:2", "unknown axis 'shards'; the axes are data, model, "
      "pipeline"),
@@ -38,7 +64,6 @@ def test_a_mesh_sets_the_split_and_its_data_axis():
     ("model:2,model:2", "names the axis 'model' twice"),
     ("data2", "must be axis:size"),
     ("data:4", "splits no model"),
-    ("data:2,model:2,pipeline:2", "tensor x pipeline"),
 ])
 def test_a_bad_mesh_is_one_line(mesh, message):
   with pytest.raises(ConfigError, match=re.escape(message)) as error:
@@ -62,6 +87,10 @@ def test_the_axes_must_multiply_to_the_devices():
     (["--mesh=data:2,model:3", "--cpu_devices=6"],
      ["the model axis=3 does not divide gpt num_heads=4"]),
     (["--mesh=data:2,rows:2", "--cpu_devices=4"], ["unknown axis 'rows'"]),
+    (["--mesh=data:2,model:2,pipeline:2", "--cpu_devices=4"],
+     ["has 8 devices", "this process has 4"]),
+    (["--mesh=model:2,pipeline:4", "--cpu_devices=8"],
+     ["the pipeline axis=4 needs at least one gpt block per stage"]),
 ])
 def test_train_py_on_a_wrong_mesh_is_one_line_and_writes_nothing(
     tmp_path, flags, fragments):
@@ -88,14 +117,18 @@ def _evaluate_loss(proc):
 
 
 @pytest.mark.slow
-def test_a_data_by_tensor_checkpoint_evaluates_the_same_on_one_device(
-    tmp_path):
+@pytest.mark.parametrize("mesh, devices, piece", [
+    ("data:2,model:2", 4, "2-way"),
+    ("data:2,model:2,pipeline:2", 8, "4-way"),  # 2 stages of 2 shards
+])
+def test_a_mesh_checkpoint_evaluates_the_same_on_one_device(
+    tmp_path, mesh, devices, piece):
   model_dir = str(tmp_path / "mesh")
   train = helpers.run_script("train.py", *GPT, f"--model_dir={model_dir}",
                              "--train_steps=4", "--steps_per_loop=2",
-                             "--mesh=data:2,model:2", "--cpu_devices=4",
+                             f"--mesh={mesh}", f"--cpu_devices={devices}",
                              timeout=900)
-  assert "data x tensor: 2 copies of a 2-way tensor split" in train.stderr
+  assert f"data x tensor: 2 copies of a {piece} tensor split" in train.stderr
   assert os.path.exists(os.path.join(model_dir, "ckpt-4.index"))
   # From another folder, no mesh, one device: the unsplit GPT restores the
   # split checkpoint.

@@ -100,6 +100,21 @@ def test_a_split_checkpoint_restores_unsplit_and_the_other_way(tmp_path):
       rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_blocks_cut_into_stages_equal_unsplit_and_sit_on_their_stage():
+  # Tensor 1 x pipeline 2 on the 2 in-process devices: the stage placement
+  # (the 8-device test below splits each stage 2 ways too).
+  out = compare(STEPS, 1, num_stages=2)
+  _check(out)
+  placed = out["trainer"].model
+  where = lambda v: mp.variable_device(v)
+  assert [b.devices for b in placed.blocks] == [("/CPU:0",), ("/CPU:1",)]
+  assert {where(v) for v in placed.blocks[1].trainable_variables} == {
+      "/CPU:1"}
+  assert where(placed.ln_f.gamma) == "/CPU:1"
+  assert where(placed.position.positions) == "/CPU:0"
+
+
 @pytest.mark.parametrize("devices, message", [
     (["/CPU:0", "/CPU:1", "/CPU:0"], "num_shards=3 does not divide "
      "num_heads=4"),
@@ -136,3 +151,40 @@ def test_four_way_and_data_two_by_tensor_two_equal_unsplit():
     _check(result)
   assert out["tensor4"]["devices"] == [f"/CPU:{i}" for i in range(4)]
   assert out["data2_tensor2"]["devices"] == ["/CPU:0", "/CPU:1"]
+
+
+_EIGHT_DEVICES = """
+import json
+import framework
+framework.configure_cpu_devices(8)
+from framework import model_parallel as mp
+from tests.transformer_split_reference import compare
+groups = [[f"/CPU:{i}" for i in range(4)], [f"/CPU:{i}" for i in range(4, 8)]]
+out = {"tensor2_pipeline2": compare(3, 2, num_stages=2),
+       "data2_tensor2_pipeline2": compare(3, 2, num_stages=2,
+                                          replica_devices=groups)}
+placed = out["tensor2_pipeline2"]["trainer"].model
+out["stages"] = [list(b.devices) for b in placed.blocks]
+out["block_devices"] = [sorted({mp.variable_device(v)
+                                for v in b.trainable_variables})
+                        for b in placed.blocks]
+copy = out["data2_tensor2_pipeline2"]["trainer"].copies[0][1]
+out["copy_stages"] = [list(b.devices) for b in copy.blocks]
+for name in ("tensor2_pipeline2", "data2_tensor2_pipeline2"):
+  out[name].pop("trainer")
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_by_pipeline_and_all_three_axes_equal_unsplit():
+  proc = helpers.run_code(_EIGHT_DEVICES, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  out = json.loads(line[-1][len("RESULT "):])
+  _check(out["tensor2_pipeline2"])
+  _check(out["data2_tensor2_pipeline2"])
+  # Stage p's blocks are split across its own 2 devices.
+  assert out["stages"] == [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
+  assert out["block_devices"] == out["stages"]
+  assert out["copy_stages"] == [["/CPU:4", "/CPU:5"], ["/CPU:6", "/CPU:7"]]

@@ -139,6 +139,26 @@ def test_learning_rate_variable_and_seed_generator_state():
   assert len(states) == 1 and len(dropout.non_trainable_variables) == 3
 
 
+def test_optimizer_slots_alone_and_a_shared_step_counter():
+  kernel = keras.Variable(np.ones((2, 2), np.float32), name="kernel")
+  first, second = keras.optimizers.Adam(0.1), keras.optimizers.Adam(0.1)
+  first.build([kernel])
+  _tf_internal.share_step_counter(second, first.iterations)
+  second.build([kernel])
+  assert second.iterations is first.iterations
+  slots = _tf_internal.optimizer_slot_variables(second)
+  assert len(slots) == 2 and len(second.variables) == 4
+  assert all(v is not second.iterations for v in slots)
+  first.iterations.assign(5)
+  assert int(second.iterations.numpy()) == 5
+
+
+def test_random_layers_have_a_seed_generator():
+  assert _tf_internal.has_seed_generator(keras.layers.Dropout(0.5))
+  assert _tf_internal.has_seed_generator(keras.layers.RandomFlip())
+  assert not _tf_internal.has_seed_generator(keras.layers.Dense(2))
+
+
 def test_onednn_query():
   assert _tf_internal.onednn_enabled() in (True, False)
 
@@ -161,16 +181,60 @@ def test_coordination_service_parts():
 
 
 _INTERNAL_MODULES = ("tensorflow.python", "keras.src", "tensorflow.compiler")
-# The builtins that read an attribute by its name.
-_BY_NAME = ("getattr", "hasattr", "setattr", "delattr")
-# Keras-internal names that a string literal must not match elsewhere.
-_INTERNAL_STRINGS = (_tf_internal.SEED_GENERATOR_STATE,)
+# The names TensorFlow and Keras are imported as: a private attribute read
+# off them (`tf.distribute._x`, `tf.__internal__`) is an internal.
+_TF_NAMES = ("tf", "tensorflow", "keras")
+# The builtins (and object's methods) that reach an attribute by its name.
+_BY_NAME = ("getattr", "hasattr", "setattr", "delattr", "__getattribute__",
+            "__setattr__", "__delattr__")
+# Keras/TensorFlow-internal names that a string literal must not match
+# elsewhere: variable names, attribute names and checkpoint keys by
+# convention (not the preprocessing layers' `generator`: too common a word),
+# and Keras's name for an optimizer's step counter (read
+# `optimizer.iterations` instead).
+_INTERNAL_STRINGS = (_tf_internal.SEED_GENERATOR_STATE, "seed_generator",
+                     _tf_internal.VARIABLE_VALUE_KEY, "iteration")
+
+
+def _private(name):
+  return name.startswith("_") and not (
+      name.startswith("__") and name.endswith("__") and name != "__internal__")
+
+
+def _root(node):
+  while isinstance(node, ast.Attribute):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+def _by_string(node):
+  """`what` when `node` reads a private attribute through a string: a
+  `getattr`-like builtin on anything but `self`/`cls`, or `attrgetter`."""
+  if not isinstance(node, ast.Call):
+    return None
+  func = node.func
+  name = func.id if isinstance(func, ast.Name) else (
+      func.attr if isinstance(func, ast.Attribute) else None)
+  if name in _BY_NAME and len(node.args) >= 2:
+    owner, attribute = node.args[0], node.args[1]
+    if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+      return None  # distloop's own attributes
+    strings = [attribute]
+  elif name == "attrgetter":
+    strings = node.args
+  else:
+    return None
+  for arg in strings:
+    if (isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+        and any(_private(part) for part in arg.value.split("."))):
+      return f"{name}(..., {arg.value!r})"
+  return None
 
 
 def internal_uses(source):
   """[(line, what)] of `source`'s uses of TensorFlow/Keras internals: an
   internal module imported, a private attribute read by a string
-  (`getattr(x, "_name")`), or a Keras-internal variable name."""
+  (`getattr(x, "_name")`) or off `tf`/`keras`, or a Keras-internal name."""
   found = []
   for node in ast.walk(ast.parse(source)):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -178,13 +242,11 @@ def internal_uses(source):
                  else [alias.name for alias in node.names])
       found += [(node.lineno, f"import {m}") for m in modules
                 if m.startswith(_INTERNAL_MODULES)]
-    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-          and node.func.id in _BY_NAME and len(node.args) >= 2
-          and isinstance(node.args[1], ast.Constant)
-          and isinstance(node.args[1].value, str)):
-      name = node.args[1].value
-      if name.startswith("_") and not name.startswith("__"):
-        found.append((node.lineno, f"{node.func.id}(..., {name!r})"))
+    elif _by_string(node):
+      found.append((node.lineno, _by_string(node)))
+    elif (isinstance(node, ast.Attribute) and _private(node.attr)
+          and _root(node) in _TF_NAMES):
+      found.append((node.lineno, f"{_root(node)}...{node.attr}"))
     elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
           and node.value in _INTERNAL_STRINGS):
       found.append((node.lineno, repr(node.value)))
@@ -198,8 +260,20 @@ def test_the_scan_finds_each_kind_of_use():
             "b = hasattr(model, '_nodes_by_depth')\n"
             "c = getattr(module, '__file__', None)\n"  # dunder: public
             "d = getattr(layer, 'trainable_variables', [])\n"
-            "e = [v for v in vs if v.name == 'seed_generator_state']\n")
-  assert [line for line, _ in internal_uses(source)] == [1, 2, 3, 4, 7]
+            "e = [v for v in vs if v.name == 'seed_generator_state']\n"
+            "f = getattr(self, '_replica_step', None)\n"  # distloop's own
+            "g = operator.attrgetter('optimizer._learning_rate')(t)\n"
+            "h = tf.distribute.Strategy._extended\n"
+            "i = tf.__internal__.tracking.Trackable\n"
+            "j = getattr(l, 'seed_generator', None)\n"
+            "k = attribute.name == 'VARIABLE_VALUE'\n"
+            "m = [v for v in opt.variables if v.name != 'iteration']\n"
+            "n = self._trainer.model\n"  # not off tf or keras
+            "setattr(obj, '_private', 1)\n"
+            "object.__setattr__(optimizer, '_iterations', counter)\n"
+            "object.__setattr__(self, 'mode', mode)\n")
+  assert sorted(line for line, _ in internal_uses(source)) == [
+      1, 2, 3, 4, 7, 9, 10, 11, 12, 13, 14, 16, 17]
 
 
 def test_no_other_module_uses_tensorflow_or_keras_internals():

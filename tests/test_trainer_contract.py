@@ -189,7 +189,7 @@ def test_the_parameter_server_wrapper_forwards_a_declared_list():
       trainer.global_step)
   own = (protocols.DatasetDistributing,)
   step_only = (protocols.Steppable, protocols.DistributedStep,
-               protocols.GradientSettings)
+               protocols.LoopStep, protocols.GradientSettings)
   for protocol in protocols.ALL:
     if protocol in own + step_only:
       continue

@@ -35,7 +35,8 @@ def flat(weights):
   return np.concatenate([np.ravel(w.numpy()) for w in weights])
 
 
-def compare(steps, num_shards, replica_devices=None, tied=True):
+def compare(steps, num_shards, replica_devices=None, tied=True,
+            num_stages=1):
   """Relative differences (forward, per-step loss, weights after each step)
   of the split GPT against the unsplit one, on the same batches."""
   x, y = token_batches(steps)
@@ -44,8 +45,8 @@ def compare(steps, num_shards, replica_devices=None, tied=True):
   split = mp.TensorParallelTrainer(
       tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9), STRATEGY,
       global_batch_size=BATCH, num_shards=num_shards,
-      devices=[f"/CPU:{i}" for i in range(num_shards)],
-      replica_devices=replica_devices)
+      devices=[f"/CPU:{i}" for i in range(num_shards * num_stages)],
+      replica_devices=replica_devices, tensor_stages=num_stages)
   forward = relative(np.concatenate(
       [t.numpy() for t in split.model(x[:BATCH])], -1),
                      reference.model(x[:BATCH]).numpy())

@@ -192,7 +192,8 @@ class ExperimentConfig:
     builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", builtin.num_heads),
-        self.model_options.get("vocab_size", builtin.vocab_size))
+        self.model_options.get("vocab_size", builtin.vocab_size),
+        self.model_options.get("num_layers", builtin.num_layers))
     if self.shard_optimizer_state and (
         self.strategy not in SHARDING_STRATEGIES or
         self.model_parallel.mode != "none"):

@@ -124,6 +124,7 @@ class RunPlan:
                 "mode": split.mode, "mesh": split.mesh,
                 "num_stages": split.num_stages,
                 "num_shards": split.num_shards,
+                "tensor_stages": split.tensor_stages,
                 "replica_devices": [list(g) for g in split.replica_devices]},
             "eval": dict(dataclasses.asdict(self.eval),
                          splits=list(self.eval.splits))}

@@ -1,10 +1,11 @@
 """Proves that a train step trains the same on N replicas as on one device.
 
 The common bugs of custom loops under `tf.distribute` are silent: training
-runs, just wrongly. This check runs ONE call of the trainer's own
-`train_step` on the same global batch from the same starting state twice,
-under the chosen strategy (or model split) and on a single device, and
-compares what changed:
+runs, just wrongly. This check runs ONE training step, the one the
+training loop runs (`Trainer.run_step`: `train_step` on every replica and
+the SUM of its outputs; `distribution_step`), on the same global batch from
+the same starting state twice, under the chosen strategy (or model split)
+and on a single device, and compares what changed:
 
     update     weights after - before, per layer (trainable variables)
     state      non-trainable variables (BatchNorm moving statistics)
@@ -73,265 +74,19 @@ warning, and `--check_distribution` builds both sides in float32 (the
 distribution logic and a float16 loss scale are the same).
 """
 
-import dataclasses
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from framework import _tf_internal
-from framework.check import distribution_randomness
+from framework.check import distribution_layers, distribution_randomness
+from framework.check import distribution_step as steps
+from framework.check.distribution_diagnosis import compare
+from framework.check.distribution_report import (  # pylint: disable=unused-import
+    FAIL, PASS, WARN, CheckReport, DistributionCheckError, verdict_of)
+from framework.check.distribution_step import PROBE_MOMENTUM  # pylint: disable=unused-import
 from framework.distribute import strategies
-from framework.check.distribution_diagnosis import (WARNING_CAUSES, Finding,
-                                                    Outcome, compare)
-from framework.errors import ConfigError, DistloopError
-
-PASS, WARN, FAIL = "pass", "warn", "fail"
-PROBE_MOMENTUM = 0.9
-
-
-class DistributionCheckError(DistloopError):
-  """The distribution check failed: the step trains differently on N replicas."""
-
-
-@dataclasses.dataclass
-class CheckReport:
-  """The outcome: `verdict` is pass, warn or fail; `causes` name failures."""
-  verdict: str
-  causes: list
-  warnings: list
-  rows: list
-  header: str
-  seconds: float
-
-  @property
-  def cause_codes(self):
-    return [c.code for c in self.causes]
-
-  @property
-  def warning_codes(self):
-    return [w.code for w in self.warnings]
-
-  def table(self):
-    lines = [self.header,
-             f"  {'':10}{'group':34}{'max abs diff':>13}{'max rel diff':>13}"
-             f"{'rel L2 diff':>13}{'tolerance':>11}"]
-    for r in self.rows:
-      flag = "" if r.ok else "  <-"
-      lines.append(f"  {r.section:10}{r.name[:33]:34}{r.max_abs:13.3g}"
-                   f"{r.max_rel:13.3g}{r.rel_l2:13.3g}{r.tolerance:11.2g}"
-                   f"{flag}")
-    lines.append(f"verdict: {self.verdict.upper()} ({self.seconds:.1f} s)")
-    for c in self.causes:
-      lines.append(f"  FAIL {c.code}: {c.message}")
-    for w in self.warnings:
-      lines.append(f"  WARN {w.code}: {w.message}")
-    return "\n".join(lines)
-
-  def __str__(self):
-    return self.table()
-
-
-# --- Running one step. -------------------------------------------------------
-
-
-def _layers(model):
-  return _tf_internal.flatten_layers(model)
-
-
-# Keras layers that only add noise in training, and the attribute that turns
-# the noise off when 0 (their `call` then draws nothing).
-_NOISE_LAYERS = ((keras.layers.GaussianNoise, "stddev"),
-                 (keras.layers.GaussianDropout, "rate"),
-                 (keras.layers.AlphaDropout, "rate"))
-
-
-def _prepare_model(model):
-  """Dropout and noise off, BatchNorm synchronised.
-
-  Returns:
-    (undo, dropouts, unsynchronised BatchNorms, noise layers): layer names.
-  """
-  undo, dropouts, unsynced, noisy = [], [], [], []
-  for layer in _layers(model):
-    if isinstance(layer, keras.layers.Dropout) and layer.rate > 0:
-      dropouts.append(layer.name)
-      undo.append((layer, "rate", layer.rate))
-      layer.rate = 0.0
-    for cls, attr in _NOISE_LAYERS:
-      if isinstance(layer, cls) and getattr(layer, attr) > 0:
-        noisy.append(layer.name)
-        undo.append((layer, attr, getattr(layer, attr)))
-        setattr(layer, attr, 0.0)
-    if (isinstance(layer, keras.layers.BatchNormalization) and
-        not layer.synchronized):
-      unsynced.append(layer.name)
-      undo.append((layer, "synchronized", False))
-      layer.synchronized = True
-  return undo, dropouts, unsynced, noisy
-
-
-def _random_layers(model):
-  """Layers other than dropout and noise that draw random numbers."""
-  switched_off = (keras.layers.Dropout,) + tuple(c for c, _ in _NOISE_LAYERS)
-  return [l.name for l in _layers(model)
-          if getattr(l, "seed_generator", None) is not None
-          and not isinstance(l, switched_off)]
-
-
-def _local_values(strategy, variable):
-  """Every per-device copy of `variable`, as numpy arrays."""
-  inner = getattr(variable, "value", variable)
-  try:
-    copies = strategy.experimental_local_results(inner)
-  except (ValueError, TypeError):
-    copies = (inner,)
-  return [np.asarray(c.numpy() if hasattr(c, "numpy") else c) for c in copies]
-
-
-def _snapshot(variables):
-  return [np.array(v.numpy()) for v in variables]
-
-
-def _restore(variables, values):
-  for v, value in zip(variables, values):
-    v.assign(value)
-
-
-def _state_variables(trainer):
-  state = list(trainer.model.variables) + list(trainer.optimizer.variables)
-  step = getattr(trainer, "global_step", None)
-  # What a step of the run changes besides: the EMA, the float16 loss scale
-  # and the skip counters.
-  ema = getattr(trainer, "ema", None)
-  if ema is not None:
-    state += list(ema.averages) + [ema.num_updates]
-  loss_scale = getattr(trainer, "loss_scale", None)
-  if loss_scale is not None:
-    state += [loss_scale.scale, loss_scale.good_steps]
-  state += [getattr(trainer, name) for name in
-            ("skipped_steps", "consecutive_skips") if hasattr(trainer, name)]
-  return state + ([step] if step is not None else [])
-
-
-def _copy_state(source, target, variables_of):
-  pairs = list(zip(variables_of(source), variables_of(target)))
-  if len(variables_of(source)) != len(variables_of(target)):
-    raise ConfigError(
-        f"the trainer has {len(variables_of(source))} variables but the "
-        f"reference has {len(variables_of(target))}: make_reference must "
-        "build the same model")
-  for s, t in pairs:
-    if tuple(s.shape) != tuple(t.shape):
-      raise ConfigError(f"variable {s.path} has shape {tuple(s.shape)} but "
-                        f"the reference's {t.path} has {tuple(t.shape)}")
-    t.assign(s.numpy())
-
-
-def _probe_optimizer(trainer):
-  with trainer.strategy.scope():
-    probe = keras.optimizers.SGD(learning_rate=1.0, momentum=PROBE_MOMENTUM)
-    probe.build(trainer.model.trainable_variables)
-  return probe
-
-
-def _run_steps(trainer, batches, draws=None):
-  """One call of `trainer.train_step` per batch, each from the same state.
-
-  Returns what each call changed; the state is put back after each. The
-  random ops left in each traced step are noted in `draws`.
-  """
-  strategy = trainer.strategy
-  model, optimizer = trainer.model, trainer.optimizer
-  model_vars, opt_vars = list(model.variables), list(optimizer.variables)
-
-  # A trainer whose step is not `strategy.run(train_step)` (a model split
-  # with its own schedule) provides `distributed_train_step(dist_batch)`,
-  # returning the per-replica outputs before the SUM.
-  custom = getattr(trainer, "distributed_train_step", None)
-
-  @tf.function
-  def step(dist_batch):
-    # Exactly what `Trainer._one_step` runs, minus the SUM, which is done
-    # below so that each replica's share stays visible.
-    if custom is not None:
-      outputs = custom(dist_batch) or {}
-    else:
-      outputs = strategy.run(trainer.train_step, args=(dist_batch,)) or {}
-    if draws is not None:
-      draws.scan(tf.compat.v1.get_default_graph())
-    return {k: tf.stack([tf.cast(tf.reshape(t, []), tf.float32) for t in
-                         strategy.experimental_local_results(v)])
-            for k, v in outputs.items()}
-
-  outcomes = []
-  for batch in batches:
-    before = _snapshot(model_vars)
-    opt_before = _snapshot(opt_vars)
-    dataset = tf.data.Dataset.from_tensors(batch)
-    dist_batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    metrics = {k: v.numpy() for k, v in step(dist_batch).items()}
-    deltas, spreads = [], []
-    for var, old in zip(model_vars, before):
-      copies = _local_values(strategy, var)
-      if not np.issubdtype(old.dtype, np.floating):
-        deltas.append(None)
-        spreads.append(0.0)
-        continue
-      deltas.append(copies[0].astype(np.float64) - old)
-      spreads.append(max(float(np.max(np.abs(c - copies[0]), initial=0.0))
-                         for c in copies))
-    opt_deltas = [np.asarray(v.numpy(), np.float64) - old
-                  for v, old in zip(opt_vars, opt_before)]
-    outcomes.append(Outcome(
-        names=[v.path for v in model_vars],
-        trainable=[v.trainable for v in model_vars], deltas=deltas,
-        spreads=spreads, opt_names=[v.path for v in opt_vars],
-        opt_deltas=opt_deltas, metrics=metrics))
-    _restore(model_vars, before)
-    _restore(opt_vars, opt_before)
-  return outcomes
-
-
-def _other_batch(batch):
-  """Other data of the same shape: the first half, each example twice."""
-  def halve(x):
-    size = tf.shape(x)[0]
-    return tf.gather(x, tf.range(size) // 2)
-  return tf.nest.map_structure(halve, batch)
-
-
-def _as_one_device(batch, replicas, micro_batches):
-  """`batch` reordered so that one device's K micro-batches hold the examples
-  of the N replicas' K micro-batches: micro-batch k on one device is replica
-  0's k-th, then replica 1's k-th, ... (gradient accumulation with BatchNorm
-  normalises over a micro-batch, so the sets must match; sums do not care
-  about the order)."""
-  if replicas == 1 or micro_batches == 1:
-    return batch
-
-  def reorder(x):
-    x = tf.convert_to_tensor(x)
-    parts = tf.reshape(x, [replicas, micro_batches, -1] + x.shape[1:].as_list())
-    return tf.reshape(tf.transpose(parts, [1, 0] + list(
-        range(2, parts.shape.rank))), tf.shape(x))
-  return tf.nest.map_structure(reorder, batch)
-
-
-def _regularisation_gradients(model):
-  """d(sum of model.losses)/d(variable) at the current weights, or None."""
-  variables = model.trainable_variables
-  with tf.GradientTape() as tape:
-    losses = model.losses
-    if not losses:
-      return [None] * len(variables)
-    total = tf.add_n([tf.cast(l, tf.float32) for l in losses])
-  grads = tape.gradient(total, variables)
-  return [None if g is None else np.asarray(g, np.float64) for g in grads]
-
-
-# --- Public API. -------------------------------------------------------------
+from framework.errors import ConfigError
 
 
 def _check_supported(strategy):
@@ -355,8 +110,10 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
   """Runs one train step distributed and on one device; compares them.
 
   What a trainer needs: `strategy`, `model` (its variables are the state),
-  `optimizer` and `train_step` (run as `strategy.run(train_step)`, or the
-  trainer's own `distributed_train_step(dist_batch)` if it has one).
+  `optimizer` and `train_step`. A `Trainer` runs its loop's own step
+  (`run_step`) and puts back its `step_variables()`; another trainer runs
+  its `distributed_train_step(dist_batch)` if it has one, else
+  `strategy.run(train_step)`.
 
   Args:
     trainer: the trainer to check (built under its strategy or model split),
@@ -391,111 +148,55 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     raise ConfigError("make_reference must build a single-replica trainer, "
                       f"got {reference.strategy.num_replicas_in_sync}")
 
-  saved = None if owned else _snapshot(_state_variables(trainer))
+  saved = None if owned else steps.snapshot(steps.state_variables(trainer))
   saved_optimizer = trainer.optimizer
   undo = []
   replicas = strategy.num_replicas_in_sync
   clip_norm = getattr(trainer, "clip_norm", None)
   try:
-    undo_t, dropouts, unsynced, noisy = _prepare_model(trainer.model)
-    undo_r, _, _, _ = _prepare_model(reference.model)
-    undo = undo_t + undo_r
+    undo_t, dropouts, unsynced, noisy = distribution_layers.prepare_model(
+        trainer.model)
+    undo = undo_t + distribution_layers.prepare_model(reference.model)[0]
     if probe_optimizer:
-      trainer.optimizer = _probe_optimizer(trainer)
-      reference.optimizer = _probe_optimizer(reference)
-    _copy_state(trainer, reference,
-                lambda t: list(t.model.variables) +
-                ([] if probe_optimizer else list(t.optimizer.variables)))
-    reg_grads = _regularisation_gradients(reference.model)
+      trainer.optimizer = steps.probe_optimizer(trainer)
+      reference.optimizer = steps.probe_optimizer(reference)
+    steps.copy_state(trainer, reference,
+                     lambda t: list(t.model.variables) +
+                     ([] if probe_optimizer else list(t.optimizer.variables)))
+    reg_grads = steps.regularisation_gradients(reference.model)
     # The reference also runs on the batch in reverse order: the same math
     # with another float summation order, which measures the rounding noise
     # of this model (BatchNorm's backward pass, for one, amplifies it).
     micro_batches = getattr(trainer, "grad_accum_steps", 1)
-    one_device = lambda b: _as_one_device(b, replicas, micro_batches)
+    one_device = lambda b: steps.as_one_device(b, replicas, micro_batches)
     reversed_batch = tf.nest.map_structure(lambda x: tf.reverse(x, [0]),
                                            one_device(batch))
     # Random ops draw their mean on both sides while the steps are traced.
     with distribution_randomness.neutralised() as draws:
-      ref_out, noise_out = _run_steps(reference, [one_device(batch),
-                                                  reversed_batch], draws)
-      dist_out, = _run_steps(trainer, [batch], draws)
+      ref_out, noise_out = steps.run_steps(
+          reference, [one_device(batch), reversed_batch], draws)
+      dist_out, = steps.run_steps(trainer, [batch], draws)
       rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
                              atol, reg_grads, clip_norm, probe_optimizer)
       if "update_mismatch" in [c.code for c in causes]:
         # Unexplained: does the difference depend on the data at all?
-        other = _other_batch(batch)
-        other_out = (_run_steps(trainer, [other], draws)[0],
-                     _run_steps(reference, [one_device(other)], draws)[0])
+        other = steps.other_batch(batch)
+        other_out = (steps.run_steps(trainer, [other], draws)[0],
+                     steps.run_steps(reference, [one_device(other)],
+                                     draws)[0])
         rows, causes = compare(dist_out, ref_out, noise_out, replicas, rtol,
                                atol, reg_grads, clip_norm, probe_optimizer,
                                other=other_out)
   finally:
     trainer.optimizer = saved_optimizer
-    for layer, attr, value in undo:
-      setattr(layer, attr, value)
+    distribution_layers.put_back(undo)
     if saved is not None:
-      _restore(_state_variables(trainer), saved)
+      steps.restore(steps.state_variables(trainer), saved)
 
-  warnings = []
-  if unsynced and replicas > 1:
-    warnings.append(Finding(
-        "batch_norm_unsynchronized",
-        f"BatchNormalization without synchronisation ({', '.join(unsynced)}):"
-        f" each of the {replicas} replicas normalises with the statistics of "
-        "its own part of the batch, so training differs from one device "
-        "(the check synchronised them to compare the rest); use "
-        "synchronized=True (--sync_batch_norm)"))
-  if dropouts:
-    warnings.append(Finding(
-        "dropout",
-        f"dropout ({', '.join(dropouts)}) draws different masks per device; "
-        "the check ran with dropout off, so it is not covered"))
-  randoms = _random_layers(trainer.model)
-  if noisy or randoms:
-    handled = ([f"{', '.join(noisy)} switched off"] if noisy else []) + (
-        [f"{', '.join(randoms)} drawing their mean"] if randoms else [])
-    warnings.append(Finding(
-        "random_layers",
-        f"layers drawing random numbers ({'; '.join(handled)}) would draw "
-        "different numbers on each device; the check compared the rest "
-        "without their noise, so the noise itself is not covered"))
-  if draws.replaced_ops:
-    warnings.append(Finding(
-        "random_ops",
-        f"random ops in the step ({'; '.join(draws.replaced_ops)}) draw "
-        "different numbers on each device; the check replaced their draws by "
-        f"the distribution's centre ({distribution_randomness.NORMAL:g} for "
-        f"normal, {distribution_randomness.UNIFORM:g} for uniform [0, 1)) on "
-        "both sides, so the rest is compared exactly and the random values "
-        "are not"))
-  compute_dtype = str(getattr(trainer.model, "compute_dtype", ""))
-  if compute_dtype in ("bfloat16", "float16"):
-    warnings.append(Finding(
-        "low_precision",
-        f"the model computes in {compute_dtype}, whose rounding can move one step "
-        f"by several % between {replicas} replicas and one device (BatchNorm "
-        "amplifies it) beyond the tolerance; build both sides in float32 to "
-        "check the distribution (--check_distribution does)"))
-  warnings.extend(notes)
-  if draws.left_ops:
-    warnings.append(Finding(
-        "random_ops_left",
-        f"random ops in the step that the check cannot replace "
-        f"({'; '.join(draws.left_ops)}) still draw different numbers on each "
-        "device: a difference they feed may be theirs, not a bug"))
-  # A difference the diagnosis put down to rounding is a warning.
-  warnings.extend(c for c in causes if c.code in WARNING_CAUSES)
-  causes = [c for c in causes if c.code not in WARNING_CAUSES]
-  if draws.left_ops:
-    # Unexplained otherwise: the random ops the check could not replace are
-    # the one difference it knows of between the two sides.
-    causes = [dataclasses.replace(c, code="random_ops_left", message=(
-        f"{c.message}; random ops the check cannot replace "
-        f"({'; '.join(draws.left_ops)}) draw different numbers on each "
-        "device, the likely cause")) if c.code in ("update_mismatch",
-                                                   "state_mismatch") else c
-              for c in causes]
-  verdict = FAIL if causes else WARN if warnings else PASS
+  verdict, causes, warnings = verdict_of(
+      causes, distribution_layers.layer_warnings(
+          trainer.model, replicas, dropouts, unsynced, noisy), draws,
+      str(getattr(trainer.model, "compute_dtype", "")), replicas, notes)
   header = (f"distribution check: {_describe(trainer)} vs "
             f"{_describe(reference)}, one step, same global batch"
             f"{', probe optimizer SGD' if probe_optimizer else ''}")

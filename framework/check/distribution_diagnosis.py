@@ -94,7 +94,7 @@ def _safe_ratio(num, den):
 
 @dataclasses.dataclass
 class Outcome:
-  """What one train step changed (numpy), from `_run_steps`."""
+  """What one train step changed (numpy), from `distribution_step`."""
   names: list           # model variable paths
   trainable: list       # bool per model variable
   deltas: list          # after - before, per model variable (float only)
@@ -102,7 +102,15 @@ class Outcome:
   opt_names: list
   opt_deltas: list
   metrics: dict         # name -> per-replica shares (np array)
+  totals: dict = None   # name -> the SUM the trainer's loop reported (None:
+                        # the shares' sum)
+  opt_steps: int = None  # index of the optimizer's step counter
 
+  def total(self, name):
+    """The metric `name` as the trainer reports it."""
+    if self.totals is not None and name in self.totals:
+      return float(self.totals[name])
+    return float(np.sum(self.metrics[name]))
 
 
 def _group(path):
@@ -144,7 +152,7 @@ def _offset(dist, ref, trainable):
   update = _flat(dist.deltas, trainable) - _flat(ref.deltas, trainable)
   loss = None
   if "loss" in dist.metrics and "loss" in ref.metrics:
-    loss = float(np.sum(dist.metrics["loss"]) - np.sum(ref.metrics["loss"]))
+    loss = dist.total("loss") - ref.total("loss")
   return update, loss
 
 
@@ -223,14 +231,14 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
                           zip(dist.names, dist.trainable) if t),
                          key=len, reverse=True)
   steps_taken = ref_steps = None
-  for name, d, r, e in zip(dist.opt_names, dist.opt_deltas, ref.opt_deltas,
-                           noise.opt_deltas):
+  for i, (name, d, r, e) in enumerate(zip(
+      dist.opt_names, dist.opt_deltas, ref.opt_deltas, noise.opt_deltas)):
     leaf = kind = name.rsplit("/", 1)[-1]
     for prefix in slot_prefixes:  # "<variable path>_<slot>" -> "<slot>"
       if leaf.startswith(prefix):
         kind = leaf[len(prefix):]
         break
-    if kind in ("iteration", "iterations"):
+    if i == dist.opt_steps:
       steps_taken, ref_steps = float(np.max(d)), float(np.max(r))
     opt_groups.setdefault(kind, _Diff()).add(d, r)
     opt_noise.setdefault(kind, _Diff()).add(e, r)
@@ -240,9 +248,9 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
 
   # Metrics: the SUM of shares, as the trainer reports them.
   metric_bad = {}
-  ref_metrics = {k: float(np.sum(v)) for k, v in ref.metrics.items()}
+  ref_metrics = {k: ref.total(k) for k in ref.metrics}
   for k, shares in dist.metrics.items():
-    value = float(np.sum(shares))
+    value = dist.total(k)
     expected = ref_metrics.get(k)
     if expected is None:
       nan = float("nan")
@@ -250,7 +258,7 @@ def compare(dist, ref, noise, replicas, rtol, atol, reg_grads, clip_norm,
                       rtol, False))
       metric_bad[k] = (value, None, shares)
       continue
-    noise_diff = _Diff().add(float(np.sum(noise.metrics[k])), expected)
+    noise_diff = _Diff().add(noise.total(k), expected)
     row = _Diff().add(value, expected).row(
         "metric", k, tolerance_of(noise_diff.rel_l2), atol)
     rows.append(row)

@@ -26,7 +26,7 @@ Limits: the replacement happens only while the check traces (graph mode),
 in this process; a hand-written dropout whose keep test fails at 0.5 (rate
 > 0.5) drops every unit during the check, so what lies below it is not
 compared. Keras noise layers are switched off instead (see
-`distribution_check`), so they never reach these ops.
+`distribution_layers`), so they never reach these ops.
 """
 
 import contextlib

@@ -49,6 +49,10 @@ Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
                     strategy, train_step(batch)    # required
     DistributedStep: distributed_train_step(dist_batch)
                                                    # strategy.run(train_step)
+    LoopStep:       run_step(dist_batch), step_variables()
+                                                   # the step above, its
+                                                   # shares summed; model,
+                                                   # optimizer, global_step
     GradientSettings: clip_norm, grad_accum_steps  # None, 1
 
 The NaN policy watches `loss` when `train` returns one, else every value it
@@ -223,6 +227,18 @@ class DistributedStep(Protocol):
 
 
 @runtime_checkable
+class LoopStep(Protocol):
+  """The training loop's own step, which the self-check runs (a `Trainer`
+  has it): one step as the loop runs it, and what a step changes."""
+
+  def run_step(self, dist_batch: Any) -> Any:
+    """(per-replica outputs, their SUM); advances `global_step`."""
+
+  def step_variables(self) -> list:
+    """Every variable one step may change."""
+
+
+@runtime_checkable
 class GradientSettings(Protocol):
   """Clipping and accumulation, which the self-check's diagnosis and its
   one-device batch order need (defaults None and 1)."""
@@ -234,7 +250,7 @@ class GradientSettings(Protocol):
 OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
             DatasetDistributing, MetricAliases, Exportable, LossScaled,
             WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
-            DistributedStep, GradientSettings)
+            DistributedStep, LoopStep, GradientSettings)
 ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
 
 

@@ -7,11 +7,13 @@
                                         # max_skipped_steps skips in a row
       return metrics / steps            # global_step counts what ran
 
-    one step = SUM over replicas of distributed_train_step(next(iterator))
+    one step = run_step(next(iterator)):  SUM over replicas of
+               distributed_train_step(batch); global_step += 1
 
 Python is not on the per-step path. `StepLoop` is a mixin of
 `framework.Trainer`; it reads the trainer's `strategy`, `global_step`,
-`stop_requested`, `nan_policy`, the skip counters, `ema` and `train_step`.
+`stop_requested`, `nan_policy`, the skip counters, `ema`, `loss_scale`,
+`model`, `optimizer` and `train_step`.
 """
 
 from __future__ import annotations
@@ -44,12 +46,21 @@ class StepLoop:
     step = self._replica_step or self.train_step  # XLA-compiled or not
     return self.strategy.run(step, args=(dist_batch,))
 
-  def _one_step(self, iterator):
+  def run_step(self, dist_batch: Any) -> tuple[Any, dict[str, Any]]:
+    """One training step on a distributed batch, as the loop runs it.
+
+    Advances `global_step`. The distribution check calls it too, so that it
+    checks the loop's own step rather than a copy.
+
+    Returns:
+      (the per-replica outputs of `distributed_train_step`, their SUM over
+      replicas: the step's metrics).
+    """
     self._applied_in_trace = False
     # tf.summary calls inside the step record at the step it ends at (the
     # Controller's train/ scalars use the same numbering).
     with summaries.default_step(self.global_step + 1):
-      per_replica = self.distributed_train_step(next(iterator))
+      per_replica = self.distributed_train_step(dist_batch)
     if not self._applied_in_trace and (self.ema is not None
                                        or self.nan_policy == "skip"):
       # Raised by `train` once traced (autograph would re-wrap it here).
@@ -61,7 +72,22 @@ class StepLoop:
           "override compute_loss instead")
     metrics = self._reduce(per_replica)
     self.global_step.assign_add(1)
-    return metrics
+    return per_replica, metrics
+
+  def step_variables(self) -> list[Any]:
+    """Every variable one step may change: the model's, the optimizer's,
+    the EMA's, the float16 loss scale's, the skip counters and
+    `global_step` (what the distribution check puts back afterwards)."""
+    state = list(self.model.variables) + list(self.optimizer.variables)
+    if self.ema is not None:
+      state += list(self.ema.averages) + [self.ema.num_updates]
+    if self.loss_scale is not None:
+      state += [self.loss_scale.scale, self.loss_scale.good_steps]
+    return state + [self.skipped_steps, self.consecutive_skips,
+                    self.global_step]
+
+  def _one_step(self, iterator):
+    return self.run_step(next(iterator))[1]
 
   def _keep_going(self):
     """Whether the loop may run another step (read before each step)."""

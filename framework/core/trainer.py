@@ -42,8 +42,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from framework.core import optimizer_sharding
-from framework.core import tta, xla
+from framework.core import optimizer_sharding, tta, xla
 from framework.core.config import TrainerConfig
 from framework.core.ema import WeightAverage
 from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
@@ -84,8 +83,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
   taken), averaged by the trainer over the GLOBAL batch; or a scalar that is
   already this replica's share (`self.average(...)`). Metrics are per-example
   values (averaged alike) or scalar shares. The trainer adds the layer
-  regularisers (`model.losses`) and reports the total as `loss`. Options of
-  a subclass are constructor keyword arguments, not class attributes.
+  regularisers (`model.losses`) and reports the total as `loss`. A
+  subclass's options are constructor keywords, not class attributes.
 
   Overriding `train_step` instead takes over the whole step; see the module
   docstring for what it must then do and what it may not be combined with.
@@ -108,25 +107,22 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       and sum their gradients before the one all-reduce and update: the same
       update as the whole batch at 1/grad_accum_steps of the activations.
     loss_scale: a `framework.core.precision.LossScale` (float16 training), or None.
-    fused_updates: update each variable with TensorFlow's one-kernel
-      optimizer op where there is one (Adam, AdamW, SGD; see
-      `framework.core.fused_updates`), else the optimizer's `update_step`.
+    fused_updates: update with TensorFlow's one-kernel optimizer ops where
+      there is one (`framework.core.fused_updates`), else `update_step`.
     ema_decay: keep an exponential moving average of the trainable weights
-      (`framework.core.ema`), updated after each applied update; evaluation
-      uses it. None: off.
+      (`framework.core.ema`) after each applied update, which evaluation
+      uses. None: off.
     ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
     eval_tta: test-time augmentation in evaluation (`framework.core.tta`):
       `none` or `flip` (mean logits of each image and its mirror).
     all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
-      implementation, wire dtype of the gradient all-reduce); None: its
-      defaults.
+      implementation, wire dtype of the gradient all-reduce); None: defaults.
     jit_compile: compile the replica step with XLA where TensorFlow can
       (`framework.core.xla`: the whole step on one replica, each replica's
       forward and backward pass under several; a warning where it cannot).
     shard_optimizer_state: each replica keeps and updates 1/N of the
-      optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1);
-      mirrored and multi-worker mirrored strategies, SGD/Adam/AdamW. With
-      one replica it changes nothing.
+      optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1) under
+      (multi-worker) mirrored strategies; one replica: no change.
   """
 
   def __init__(self, model: keras.Model,
@@ -174,10 +170,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self.max_skipped_steps = max_skipped_steps
     self.eval_tta = tta.check_tta(eval_tta)
     self.communication = all_reduce  # an AllReduceConfig, or None
-    self.ema = None
-    if ema_decay is not None:
-      self.ema = WeightAverage(model.trainable_variables, strategy, ema_decay,
-                               warmup=ema_warmup)
+    self.ema = None if ema_decay is None else WeightAverage(
+        model.trainable_variables, strategy, ema_decay, warmup=ema_warmup)
     # Set when the optimizer state is sharded over the replicas.
     self.optimizer_sharding = None
     if shard_optimizer_state and replicas == 1:
@@ -209,9 +203,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
     self._trace_error = None
-    # What XLA compiles (framework/core/xla.py): the replica step or its
-    # forward and backward; `distributed_train_step` runs `_replica_step`
-    # when set.
+    # What XLA compiles (framework/core/xla.py): the replica step (then
+    # `distributed_train_step` runs `_replica_step`) or its gradients.
     self.jit_compile = xla.jit_mode(jit_compile, strategy)
     self._replica_step = None  # None: `train_step` as it is at each trace
     if self.jit_compile == xla.STEP:
@@ -312,7 +305,6 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     if value.shape.rank == 0:
       return tf.cast(value, tf.float32)
     return self.average(value)
-
 
   def average(self, values: tf.Tensor) -> tf.Tensor:
     """This replica's share of the global-batch mean of `values` [batch, ...]."""

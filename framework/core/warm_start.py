@@ -163,7 +163,7 @@ def _checkpoint_keys(reader):
   def walk(node_id, path, on_path):
     node = graph.nodes[node_id]
     for attribute in node.attributes:
-      if attribute.name == "VARIABLE_VALUE" and path:
+      if attribute.name == _tf_internal.VARIABLE_VALUE_KEY and path:
         keys.setdefault("/".join(path), attribute.checkpoint_key)
     for child in node.children:
       if child.node_id not in on_path:

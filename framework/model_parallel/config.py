@@ -43,6 +43,9 @@ class ModelParallelConfig:
       split axis (`mesh.parse_mesh`): sets `mode`, `num_shards` or
       `num_stages` and `data_axis`; empty: the flags above.
     data_axis: copies of the split (from `mesh`; set, not given).
+    tensor_stages: tensor x pipeline: the stages of a tensor split, each on
+      its own `num_shards` devices (from `mesh`'s pipeline axis with a
+      model axis; set, not given).
     replica_devices: data x pipeline (x tensor): R tuples of `num_stages`
       (`num_shards`) devices, one copy of the split on each (set by
       `with_strategy`; empty: one copy).
@@ -73,6 +76,7 @@ class ModelParallelConfig:
       "--num_shards/--num_stages is the one-axis mesh.")
   replica_devices: tuple = setting((), flag=False)  # set by with_strategy
   data_axis: int = setting(1, flag=False)  # set from `mesh`
+  tensor_stages: int = same_as(SplitConfig, "tensor_stages")  # from `mesh`
 
   def __post_init__(self):
     check_settings(self)
@@ -105,14 +109,28 @@ class ModelParallelConfig:
     object.__setattr__(self, "data_axis", sizes.get("data", 1))
     if mode == "tensor":
       object.__setattr__(self, "num_shards", sizes["model"])
+      object.__setattr__(self, "tensor_stages", sizes.get("pipeline", 1))
     else:
       object.__setattr__(self, "num_stages", sizes["pipeline"])
 
-  def check_model(self, model, num_heads, vocab_size):
+  def check_model(self, model, num_heads, vocab_size, num_layers=0):
     """Raises ConfigError when a tensor split cannot cut `model` (the
-    shards must divide a gpt's heads and vocabulary); before any build."""
-    if self.mode != "tensor" or model != "gpt":
+    shards must divide a gpt's heads and vocabulary, a tensor x pipeline
+    mesh needs a model with a whole split and a block per stage); before
+    any build."""
+    if self.mode != "tensor":
       return
+    if self.tensor_stages > 1 and model != "gpt":
+      raise ConfigError(
+          f"mesh={self.mesh}: tensor x pipeline (model and pipeline axes "
+          f"both > 1) splits a transformer; model={model} has no whole-model "
+          "split (use model=gpt, or one of the axes)")
+    if model != "gpt":
+      return
+    if num_layers and num_layers < self.tensor_stages:
+      raise ConfigError(
+          f"mesh={self.mesh}: the pipeline axis={self.tensor_stages} needs at "
+          f"least one gpt block per stage; num_layers={num_layers}")
     where = f"mesh={self.mesh}: the model axis" if self.mesh else "num_shards"
     for name, size in (("num_heads", num_heads), ("vocab_size", vocab_size)):
       if size and size % self.num_shards:
@@ -124,7 +142,7 @@ class ModelParallelConfig:
   def device_count(self):
     """(devices the split needs, the argument that sets it)."""
     if self.mode == "tensor":
-      return self.num_shards, "num_shards"
+      return self.num_shards * self.tensor_stages, "num_shards"
     return self.num_stages, "num_stages"
 
   def with_strategy(self, strategy, name):
@@ -226,5 +244,7 @@ class ModelParallelConfig:
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
         input_grads_first=self.input_grads_first, devices=devices,
+        **({"tensor_stages": self.tensor_stages} if self.tensor_stages > 1
+           else {}),
         **({"replica_devices": [list(g) for g in self.replica_devices]}
            if self.replica_devices else {}))

@@ -19,7 +19,7 @@ def parse_mesh(text):
 
   Raises:
     ConfigError: an unknown axis, a size that is not a positive integer,
-      an axis named twice, or tensor x pipeline (not supported yet).
+      an axis named twice, or no model or pipeline axis > 1.
   """
   sizes = {}
   for part in str(text).split(","):
@@ -36,10 +36,6 @@ def parse_mesh(text):
       raise ConfigError(f"mesh={text!r}: the size of {name!r} must be a "
                         f"positive integer, got {size!r}")
     sizes[name] = int(size)
-  if sizes.get("model", 1) > 1 and sizes.get("pipeline", 1) > 1:
-    raise ConfigError(f"mesh={text!r}: tensor x pipeline (model and "
-                      "pipeline axes both > 1) is not supported yet; use "
-                      "one of them with data")
   if sizes.get("model", 1) == 1 and sizes.get("pipeline", 1) == 1:
     raise ConfigError(f"mesh={text!r} splits no model (a model or pipeline "
                       "axis > 1); data parallelism alone is "

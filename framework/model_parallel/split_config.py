@@ -52,6 +52,10 @@ class SplitConfig:
       "input gradient it sends back before its weight gradients (B before "
       "W, as zero-bubble pipelines do: a smaller bubble); false: the "
       "backward pass in creation order.", read_by=SPLIT_READ_BY)
+  tensor_stages: int = setting(
+      1, "Tensor x pipeline: the stages of a tensor split, each split "
+      "across its own devices (set from --mesh's pipeline axis).",
+      flag=False, minimum=POSITIVE)
   stage_balance: str = setting(
       "flops", "Pipeline cut points without --stage_boundaries: equal "
       "forward+backward conv/matmul FLOPs per stage, or equal parameter "

@@ -27,6 +27,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
@@ -280,7 +281,7 @@ class StagedTrainer(Trainer):
         raise ValueError("a pipeline copy must have the stages' variables")
       # One step counter: Adam's bias correction and any learning-rate
       # schedule see the same step in every copy.
-      object.__setattr__(optimizer, "_iterations", self.optimizer.iterations)
+      _tf_internal.share_step_counter(optimizer, self.optimizer.iterations)
       with self.strategy.scope():
         optimizer.build(model.trainable_variables)
       for v in variables:
@@ -306,8 +307,7 @@ class StagedTrainer(Trainer):
     """(copy 0's variable, copy r's variable): weights, optimizer slots."""
     # The slots. The step counter is shared and the learning rate copy 0's
     # (a copy's own are unused).
-    own = lambda opt: [v for v in opt.variables
-                       if v.name not in ("iteration", "learning_rate")]
+    own = _tf_internal.optimizer_slot_variables
     pairs = []
     for _, model, optimizer in self.copies:
       pairs += zip(self.model.weights, model.weights)

@@ -257,7 +257,9 @@ class TensorParallelTrainer(StagedTrainer):
     num_microbatches: optional micro-batching (as in the pipeline).
     devices: D device names; default `/GPU:0..` or `/CPU:0..`.
     replica_devices: data x tensor (transformer splits only): R lists of D
-      devices, one copy of the split on each.
+      (D * tensor_stages) devices, one copy of the split on each.
+    tensor_stages: tensor x pipeline (transformer splits only): the blocks cut
+      into this many stages, each split across its own D devices.
     **kwargs: `Trainer` arguments.
   """
 
@@ -265,21 +267,31 @@ class TensorParallelTrainer(StagedTrainer):
                num_shards=default(SplitConfig, "num_shards"),
                split_layer=default(SplitConfig, "split_layer"),
                num_microbatches=default(SplitConfig, "num_microbatches"),
-               devices=None, replica_devices=None, **kwargs):
+               devices=None, replica_devices=None,
+               tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
+    check_positive("tensor_stages", tensor_stages)
+    num_stages = tensor_stages
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
+      count = num_shards * num_stages
       devices = list(devices or model_parallel_devices(
-          num_shards * len(replica_devices or [()]), name="num_shards"))
-      devices = devices[:num_shards]
+          count * len(replica_devices or [()]), name="num_shards"))
+      devices = devices[:count]
       placed, stages, copies, kwargs = split_setup(
           split, model, optimizer, strategy, devices=devices,
-          replica_devices=replica_devices, kwargs=kwargs)
+          replica_devices=replica_devices, kwargs=kwargs,
+          num_stages=num_stages)
       self.split_layer = None
       self._unsplit = model
       super().__init__(placed, optimizer, strategy, stages=stages,
                        num_microbatches=num_microbatches, copies=copies,
                        **kwargs)
       return
+    if num_stages > 1:
+      raise ConfigError(
+          f"tensor x pipeline (tensor_stages={num_stages}) needs a model with a "
+          f"whole-model split (model=gpt); {model.name} splits one Dense "
+          "pair only")
     if replica_devices:
       raise ConfigError(
           "data x tensor parallelism needs a model with a whole-model "

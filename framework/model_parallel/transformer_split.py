@@ -8,6 +8,8 @@ loss. With `replica_devices` (data x tensor) there is one copy of the split
 per group of devices; each variable's gradient is all-reduced across the
 copies' devices that hold it (the data axis only: copy r's shard d meets
 the other copies' shard d), and every copy applies the same update.
+With `num_stages` (tensor x pipeline) a group is the copy's stages' shard
+devices one after another, and the split cuts its blocks into stages.
 """
 
 import tensorflow as tf
@@ -28,7 +30,7 @@ def check_groups(groups, num_shards):
 
 
 def split_setup(split, model, optimizer, strategy, *, devices,
-                replica_devices, kwargs):
+                replica_devices, kwargs, num_stages=1):
   """(placed model, stages, copies, trainer kwargs) of a transformer split.
 
   Raises:
@@ -45,7 +47,8 @@ def split_setup(split, model, optimizer, strategy, *, devices,
   groups = [list(g) for g in (replica_devices or [devices])]
   check_groups(groups, len(devices))
   with strategy.scope():
-    placed = split(model, groups[0])
+    placed = (split(model, groups[0], num_stages=num_stages)
+              if num_stages > 1 else split(model, groups[0]))
   stages = [Stage("tensor_parallel", groups[0][0], [placed])]
   copies = []
   copy_config = dict(optimizer.get_config(), learning_rate=0.0)
