@@ -22,10 +22,31 @@ def _sys_path_uses(path):
           and isinstance(node.value, ast.Name) and node.value.id == "sys"]
 
 
+def _imports_of_scripts(path):
+  """Lines importing the repository's `scripts` package by that name (only
+  importable with the repository on sys.path)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names = [(n.lineno, n.module) for n in ast.walk(tree)
+           if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+  names += [(n.lineno, a.name) for n in ast.walk(tree)
+            if isinstance(n, ast.Import) for a in n.names]
+  return [line for line, name in names
+          if name == "scripts" or name.startswith("scripts.")]
+
+
 @pytest.mark.parametrize("app", APPS)
 def test_the_app_reads_no_sys_path(app):
   path = os.path.join(ROOT, "scripts", f"{app}.py")
   assert _sys_path_uses(path) == [], f"scripts/{app}.py edits sys.path"
+
+
+@pytest.mark.parametrize("module", APPS + ("cli", "config_flags", "curves"))
+def test_siblings_are_imported_by_the_installed_name(module):
+  path = os.path.join(ROOT, "scripts", f"{module}.py")
+  assert _imports_of_scripts(path) == [], (
+      f"scripts/{module}.py imports scripts.*: use `from . import x` with "
+      "`from distloop_cli import x` as the fallback")
 
 
 @pytest.mark.slow
