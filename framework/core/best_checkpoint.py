@@ -40,6 +40,7 @@ from typing import Any, Mapping, Optional
 from absl import logging
 import tensorflow as tf
 
+from framework.core import actions
 from framework.core import atomic
 from framework.core import eval_sets
 from framework.core import protocols
@@ -126,8 +127,10 @@ class BestCheckpoint:
   """The eval action that keeps `best/` and stops early (see the module).
 
   Args:
-    controller: the Controller (its trainer, checkpoint, model_dir, writers,
-      `request_stop` and `on_train_end` are used).
+    controller: the Controller (its trainer, checkpoint, model_dir and
+      writers are read; `on_train_end` gets the end-of-run callable). The
+      action changes no Controller field: it returns `actions.Stop` to stop
+      early, and the results the run reports where they change.
     config: its `LoopConfig` (`best_*`, `early_stopping_*`,
       `restore_best_on_stop`).
   """
@@ -167,9 +170,10 @@ class BestCheckpoint:
       pass
     return []
 
-  def finished(self, step: int) -> bool:
-    """Whether the run restored at `step` already stopped early with these
-    settings (then it says so in one line); else forgets an old record."""
+  def finished(self, step: int) -> Optional[dict]:
+    """The early-stop record if the run restored at `step` already stopped
+    early with these settings (then it says so in one line; the run reports
+    the record's `metrics`); else None, and an old record is forgotten."""
     record = run_state.read_target(self.model_dir, run_state.STOP_FILE)
     if run_state.finished_early(record, step, self.metric,
                                 self.config.early_stopping_patience):
@@ -177,11 +181,10 @@ class BestCheckpoint:
                    "(raise early_stopping_patience or unset it to continue)",
                    record["reason"], step, run_state.STOP_FILE)
       self.stopped = True
-      self.controller.last_eval = record.get("metrics") or None
-      return True
+      return record
     if record is not None and self.chief:
       run_state.forget_target(self.model_dir, run_state.STOP_FILE)
-    return False
+    return None
 
   # The action.
 
@@ -193,7 +196,8 @@ class BestCheckpoint:
     best, delta = float(self.best["value"]), self.config.best_min_delta
     return value > best + delta if self.mode == "max" else value < best - delta
 
-  def __call__(self, step: int, results: Mapping[str, float]) -> None:
+  def __call__(self, step: int,
+               results: Mapping[str, float]) -> Optional[actions.Stop]:
     outputs = eval_sets.results_of(self.controller, self.split, results)
     if self.name not in outputs:
       raise ConfigError(
@@ -216,9 +220,11 @@ class BestCheckpoint:
     waited = sum(1 for s, _ in self.history if s > best_step
                  and s >= self.config.early_stopping_start_step)
     if waited >= patience:
-      self._stop(step, patience)
+      return self._stop(step, patience)
+    return None
 
   def _stop(self, step, patience):
+    """Records why in TensorBoard; the Controller applies the `Stop`."""
     c = self.controller
     reason = (f"early stopping: {self.metric} did not improve by more than "
               f"{self.config.best_min_delta:g} in {patience} evaluations "
@@ -228,7 +234,7 @@ class BestCheckpoint:
     writer = c.writer(self.split)
     writer.text(step, "stop_reason", reason)
     writer.scalars(step, {"early_stopping_step": float(step)})
-    c.request_stop(reason)
+    return actions.Stop(reason)
 
   def export(self, step: int, value: float,
              outputs: Mapping[str, float]) -> None:
@@ -267,10 +273,12 @@ class BestCheckpoint:
 
   # The end of the run.
 
-  def _on_train_end(self, step: int) -> None:
+  def _on_train_end(self, step: int) -> Optional[dict]:
+    """Records the early stop; with `restore_best_on_stop` restores the best
+    weights and returns their evaluation (what the run then reports)."""
     c = self.controller
     if not self.stopped:
-      return
+      return None
     if self.chief and c.stop_reason is not None:
       run_state.record_early_stop(
           self.model_dir, step=step, reason=c.stop_reason,
@@ -282,12 +290,13 @@ class BestCheckpoint:
     if self.config.restore_best_on_stop and self.best is not None:
       path = resolve(self.model_dir)
       restore_weights(c, path)
-      # The stop came from the evaluation at `step`: the run reports the
-      # best one instead of evaluating again.
-      c.last_eval = dict(self.best["metrics"])
       logging.info("restored the best weights (%s=%.4f at step %d) from %s",
                    self.metric, float(self.best["value"]),
                    int(self.best["step"]), path)
+      # The stop came from the evaluation at `step`: the run reports the
+      # best one instead of evaluating again.
+      return dict(self.best["metrics"])
+    return None
 
 
 def restore_weights(controller: Any, path: str) -> None:

@@ -87,8 +87,8 @@ class Controller:
     on_loop_end: deprecated: callables `fn(step)`, run as train actions.
     metric_sinks: `framework.core.summaries.MetricSink`s for every scalar
       point besides TensorBoard and `model_dir/metrics.jsonl` (chief only).
-    `self.on_train_end`: callables `fn(step)` run once training is over and
-      its final checkpoint saved, before the final evaluation.
+    `self.on_train_end`: `fn(step)` run after the final checkpoint, before
+      the final evaluation (one that returns a dict: the run's results).
   """
 
   def __init__(self, trainer: protocols.LoopTrainer, config: LoopConfig,
@@ -128,12 +128,10 @@ class Controller:
     self.writer = Writers(model_dir, enabled=chief, sinks=self.metric_sinks)
     self._restored = False
     self.restored_from = None  # the checkpoint restore() restored, if any
-    self.last_eval = None
+    self.last_eval, self._last_eval_step = None, None
     self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = []
-    self._last_eval_step = None
-    self.stop_reason = None
-    self.start_time = None
+    self.stop_reason = self.start_time = None
     self.steps_per_epoch = None  # if known: best.json's epoch
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
@@ -236,11 +234,10 @@ class Controller:
       self.start_time = time.time()
     self.restore()
     step = self.step
-    record = self.targets.finished(step)
+    record = self.targets.finished(step) or (
+        self.best.finished(step) if self.best is not None else None)
     if record is not None:
       self.last_eval = record.get("metrics") or None
-    if record is not None or (self.best is not None
-                              and self.best.finished(step)):
       return self._train_end(step, self.last_eval)
     self.targets.resume(step)
     if step >= c.train_steps:
@@ -285,9 +282,11 @@ class Controller:
     return self.targets.measuring
 
   def _train_end(self, step, results):
-    """Runs the `on_train_end` callables; `results`."""
+    """Runs the `on_train_end` callables; `results`, or those returned."""
     for fn in self.on_train_end:
-      fn(step)
+      reported = fn(step)
+      if isinstance(reported, dict):
+        self.last_eval = results = reported
     return results
 
   def _act(self, actions, step, outputs):
