@@ -25,6 +25,7 @@ from framework.app import run_plan
 from framework.core import optimizers, progress, protocols, ps_training
 from framework.core import warm_start
 from framework.data import augment, inputs
+from framework.distribute import strategies
 from framework.tasks import segmentation
 from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
@@ -154,10 +155,13 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     tf.config.experimental.enable_op_determinism()
   # Precision, strategy, model split, dataset and its task: decided here,
   # once; everything below reads the plan.
-  plan = run_plan.resolve(config, strategy, train_input=train_input,
-                          eval_input=eval_input)
-  # One writer per model_dir, locked before anything there is touched.
-  with RunLock(plan.config.model_dir, enabled=plan.chief) as lock:
+  config, strategy = run_plan.place(config, strategy)
+  # One writer per model_dir, locked before anything there is touched (and
+  # held while the data loads: a second launch waits or fails then).
+  with RunLock(config.model_dir,
+               enabled=strategies.is_chief(strategy)) as lock:
+    plan = run_plan.resolve(config, strategy, train_input=train_input,
+                            eval_input=eval_input, placed=True)
     return _run(plan, trainer_cls, prepare_controller, lock,
                 build_model=build_model, train_input=train_input,
                 eval_input=eval_input, make_trainer=make_trainer,

@@ -139,15 +139,10 @@ def _devices(strategy):
     return ()
 
 
-def resolve(config, strategy=None, *, train_input=None, eval_input=None):
-  """The plan of a run of `config`: makes its strategy (unless given),
-  places its model split and loads its dataset; checks what needs them
-  (batch divisible by the replicas, a batch no larger than the data, the
-  model's task). Touches no file of `config.model_dir`.
-
-  Args:
-    train_input, eval_input: a run's custom inputs (`experiment.run`).
-  """
+def place(config, strategy=None):
+  """(config, strategy) of a run, before its data: the precision made
+  concrete, the strategy made (unless given), the model split placed on
+  it, the batch checked against its replicas. Touches no file."""
   # `auto` becomes what it means on this machine, once, before anything
   # reads the config (the check, model_info.json, the policy).
   config = dataclasses.replace(config, mixed_precision=(
@@ -174,6 +169,22 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None):
         f"global_batch_size={config.global_batch_size} is not divisible by "
         f"the {replicas} replicas of strategy={config.strategy}; use a "
         f"multiple of {replicas}")
+  return config, strategy
+
+
+def resolve(config, strategy=None, *, train_input=None, eval_input=None,
+            placed=False):
+  """The plan of a run of `config`: `place`s it (unless `placed`: `config`
+  and `strategy` are what `place` returned) and loads its dataset; checks
+  what needs them (a batch no larger than the data, the model's task).
+  Touches no file of `config.model_dir`.
+
+  Args:
+    train_input, eval_input: a run's custom inputs (`experiment.run`).
+  """
+  if not placed:
+    config, strategy = place(config, strategy)
+  replicas = strategy.num_replicas_in_sync
   logging.info("loading dataset=%s%s", config.dataset,
                f" from {config.data_dir}" if config.data_dir else "")
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
