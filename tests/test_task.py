@@ -37,8 +37,13 @@ def _slurm(monkeypatch, procid):
 def test_a_slurm_parameter_server_task_serves_and_trains_nothing(
     tmp_path, monkeypatch, procid, role):
   _slurm(monkeypatch, procid)
-  monkeypatch.delenv("TF_CONFIG", raising=False)
-  monkeypatch.delenv("GRPC_FAIL_FAST", raising=False)
+  # run_task writes both into os.environ: set (then unset) through
+  # monkeypatch so that they are removed again after the test (a delenv of
+  # an absent name records nothing to undo, and TF_CONFIG would leak into
+  # the next test of this process).
+  for name in ("TF_CONFIG", "GRPC_FAIL_FAST"):
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
   served = []
   monkeypatch.setattr(cluster, "run_server", served.append)
   monkeypatch.setattr(experiment, "run", lambda *a, **k: pytest.fail(
