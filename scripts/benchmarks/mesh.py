@@ -76,12 +76,12 @@ QUICK_MESHES = ("unsplit", "model:2", "data:2,model:2", "mirrored:4+zero1",
                 "cluster:data:2,model:2")
 flags.DEFINE_list("sizes", ["128:4:4", "256:4:4"], "GPT sizes, each "
                   "width:layers:heads.")
-flags.DEFINE_spaceseplist("meshes", list(MESHES), "Configurations, space-separated: unsplit (1 "
-                  "device), a --mesh value (local logical CPU devices), "
-                  "mirrored:N (data parallel, +zero1: "
-                  "--shard_optimizer_state), mwms:2 (2 MultiWorkerMirrored "
-                  "processes), cluster:MESH (--model_parallel_devices="
-                  "cluster on 2 worker processes).")
+flags.DEFINE_spaceseplist(
+    "meshes", list(MESHES), "Configurations, space-separated: unsplit (1 "
+    "device), a --mesh value (logical CPU devices of one process), "
+    "mirrored:N (data parallel; +zero1: --shard_optimizer_state), mwms:N "
+    "(N MultiWorkerMirrored processes; +zero1 too), cluster:MESH "
+    "(--model_parallel_devices=cluster on one worker process per copy).")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example T.")
 flags.DEFINE_integer("global_batch_size", 16, "Examples per step.")
 flags.DEFINE_integer("num_microbatches", 4, "Micro-batches of a mesh with "
@@ -132,7 +132,8 @@ def _check_meshes():
     except (ConfigError, ValueError) as error:
       sys.exit(f"mesh.py: error: --meshes={mesh}: {error} (one of "
                f"{', '.join(MESHES)} or another --mesh value)")
-    if data * model * pipeline > 4 and not mesh.startswith("cluster:"):
+    launched = mesh.startswith(("cluster:", "mwms:"))
+    if data * model * pipeline > 4 and not launched:
       sys.exit(f"mesh.py: error: --meshes={mesh} needs "
                f"{data * model * pipeline} devices; at most 4")
 
@@ -141,27 +142,26 @@ def _microbatches(mesh):
   return FLAGS.num_microbatches if _axes(mesh)[2] > 1 else 1
 
 
-def _by_device(variables, strategy=None):
-  """{device: bytes} of the variables' copies, each on its own device."""
+def _by_device(variables, strategy):
+  """{device: bytes} of a strategy's variables' per-replica copies, each on
+  its own device."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.devices import short_device, variable_device  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.devices import short_device  # pylint: disable=g-import-not-at-top
   total = {}
   for variable in variables:
-    copies = (strategy.experimental_local_results(
-        getattr(variable, "value", variable)) if strategy else [variable])
-    for copy in copies:
-      device = short_device(copy.device if strategy else
-                            variable_device(copy) or "unplaced")
+    for copy in strategy.experimental_local_results(
+        getattr(variable, "value", variable)):
+      device = short_device(copy.device)
       total[device] = total.get(device, 0) + (
           int(np.prod(copy.shape)) * tf.as_dtype(copy.dtype).size)
   return total
 
 
 def _slots(optimizer):
-  from framework.model_parallel.memory import _optimizer_bookkeeping  # pylint: disable=g-import-not-at-top
-  skip = _optimizer_bookkeeping(optimizer)
-  return [v for v in optimizer.variables if id(v) not in skip]
+  """Per-parameter slots: not the step counter or a scalar learning rate."""
+  return [v for v in optimizer.variables
+          if v is not optimizer.iterations and len(v.shape)]
 
 
 def _measure():
@@ -174,7 +174,8 @@ def _measure():
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel import ModelParallelConfig  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel import ModelParallelConfig, memory_by_device  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.devices import short_device  # pylint: disable=g-import-not-at-top
   mirrored = mesh.startswith("mirrored:")
   strategy = framework.make_strategy("mirrored" if mirrored else "default")
   keras.utils.set_random_seed(0)
@@ -230,10 +231,13 @@ def _measure():
         for _, clone, copy_optimizer in getattr(trainer, "copies", [])]
     param_bytes, slot_bytes = {}, {}
     for placed_model, placed_optimizer in placed:
-      for device, n in _by_device(placed_model.trainable_variables).items():
-        param_bytes[device] = param_bytes.get(device, 0) + n
-      for device, n in _by_device(_slots(placed_optimizer)).items():
-        slot_bytes[device] = slot_bytes.get(device, 0) + n
+      for device, entry in memory_by_device(placed_model,
+                                            placed_optimizer).items():
+        device = short_device(device)
+        param_bytes[device] = (param_bytes.get(device, 0) +
+                               entry["param_bytes"])
+        slot_bytes[device] = (slot_bytes.get(device, 0) +
+                              entry["optimizer_slot_bytes"])
   step = statistics.median(seconds)
   return dict(
       mesh=mesh, size=FLAGS.sizes[0], parameters=parameters,
@@ -268,19 +272,22 @@ def _shared():
 
 
 def _launched(mesh, size):
-  """A 2-process run of scripts/train.py: examples/s from its log, the
-  split's logged bytes, the largest process's peak RSS."""
+  """scripts/train.py on one worker process per data-axis copy: examples/s
+  from its log, the split's logged bytes, the largest process's peak RSS."""
   spec = _size(size)
   steps = (FLAGS.warmup_loops + FLAGS.loops) * FLAGS.steps_per_loop
   model_dir = tempfile.mkdtemp(prefix="distloop_mesh_bench_")
-  split = (["--strategy=multi_worker_mirrored"] if mesh.startswith("mwms:")
+  data, model_axis, pipeline, zero = _axes(mesh)
+  split = (["--strategy=multi_worker_mirrored",
+            f"--shard_optimizer_state={str(zero).lower()}"]
+           if mesh.startswith("mwms:")
            else [f"--mesh={mesh.removeprefix('cluster:')}",
                  "--model_parallel_devices=cluster",
-                 f"--cpu_devices={_axes(mesh)[1] * _axes(mesh)[2]}",
+                 f"--cpu_devices={model_axis * pipeline}",
                  f"--num_microbatches={_microbatches(mesh)}"])
   command = [
       sys.executable, os.path.join(ROOT, "scripts", "launch.py"),
-      "--workers=2", "--grace_period=5", "--", sys.executable,
+      f"--workers={data}", "--grace_period=5", "--", sys.executable,
       os.path.join(ROOT, "scripts", "train.py"), "--model=gpt",
       "--dataset=text", f"--sequence_length={FLAGS.sequence_length}",
       f"--model_width={spec['width']}", f"--num_layers={spec['layers']}",
@@ -309,7 +316,7 @@ def _launched(mesh, size):
   skip = FLAGS.warmup_loops
   if proc.returncode or len(rates) <= skip:
     sys.exit(f"mesh.py: error: {mesh} at size {size} (scripts/launch.py "
-             f"--workers=2) failed (exit {proc.returncode}):\n"
+             f"--workers={data}) failed (exit {proc.returncode}):\n"
              f"{output[-3000:]}")
   # Each task logs its own loops; the ones after the warm-up are timed.
   timed = [r for i, r in enumerate(rates) if i % (skip + FLAGS.loops) >= skip]
