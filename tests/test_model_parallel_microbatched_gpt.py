@@ -23,6 +23,7 @@ def _train(trainer, x, y):
   return [float(trainer.train(data, 1)["loss"]) for _ in range(STEPS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_shards, num_stages, tied", [
     (2, 1, True),    # --mesh=model:2 --num_microbatches=2
     (2, 1, False),
