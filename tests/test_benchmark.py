@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
               "multi_worker", "model_parallel", "large_dataset", "network",
-              "matmul_peak", "xla", "optimizer_sharding")
+              "matmul_peak", "xla", "optimizer_sharding", "mesh")
 
 
 def run(script, *args, timeout=120):
@@ -238,3 +238,39 @@ def test_optimizer_sharding_benchmark_halves_the_slots_per_device(tmp_path):
     assert sharded["param_bytes"][device] == plain["param_bytes"][device]
   assert sharded["max_weight_difference"] <= 1e-6
   assert sharded["peak_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_mesh_benchmark_reports_bytes_per_device_and_split_costs(tmp_path):
+  output = tmp_path / "mesh.json"
+  proc = run("benchmarks/mesh.py", "--sizes=32:2:4",
+             "--meshes=unsplit model:2 mirrored:2+zero1",
+             "--steps_per_loop=1", "--warmup_loops=1", "--loops=1",
+             f"--output_json={output}", timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "load average" in proc.stdout and "| model:2 |" in proc.stdout
+  unsplit, split, zero = json.loads(output.read_text())["rows"]
+  assert [r["mesh"] for r in (unsplit, split, zero)] == [
+      "unsplit", "model:2", "mirrored:2+zero1"]
+  total = unsplit["parameters"] * 4
+  assert list(unsplit["param_bytes"].values()) == [total]
+  assert list(unsplit["slot_bytes"].values()) == [2 * total]
+  # The split: two devices, each well under the whole model (the layer
+  # norms and the position table stay on the first), Adam's slots 2x.
+  assert sorted(split["param_bytes"]) == ["/CPU:0", "/CPU:1"]
+  assert sum(split["param_bytes"].values()) == total
+  assert max(split["param_bytes"].values()) < 0.6 * total
+  for device, size in split["param_bytes"].items():
+    assert split["slot_bytes"][device] == 2 * size
+  # ZeRO-1 on 2 replicas: whole parameters, half the slots per device.
+  assert all(v == total for v in zero["param_bytes"].values())
+  assert all(v <= total + 4 * 64 for v in zero["slot_bytes"].values())
+  # 2 x (embedding + 2 per block) all-reduces + the loss's gather, both
+  # ways, of 8 x 64 x 32 floats over the model axis.
+  assert split["computed"]["model_all_reduces"] == 2 * (1 + 2 * 2 + 1)
+  assert split["computed"]["model_bytes"] == (
+      2 * 5 * 16 * 64 * 32 * 4 + 2 * 2 * 16 * 64 * 4 * 4)
+  assert zero["computed"]["data_collectives"] == 2
+  assert zero["computed"]["slot_bytes"] == total
+  assert all(r["examples_per_s"] > 0 and r["peak_rss_bytes"] > 0
+             for r in (unsplit, split, zero))

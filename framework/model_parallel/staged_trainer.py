@@ -343,7 +343,7 @@ class StagedTrainer(Trainer):
     for leaf in stage.leaves:
       with tf.device(leaf.device), tf.name_scope(f"{leaf.name}/accumulate/"):
         for _ in leaf.trainable_variables:
-          summed.append(totals[len(summed)] + grads[len(summed)])
+          summed.append(_add(totals[len(summed)], grads[len(summed)]))
     return summed
 
   def eval_logits(self, features):
@@ -357,3 +357,14 @@ class StagedTrainer(Trainer):
     metrics = dict(super().train(iterator, num_steps))
     metrics.update(memory_metrics(self.memory))
     return metrics
+
+
+def _add(total, grad):
+  """total + grad; two IndexedSlices (an embedding lookup's gradient, one per
+  micro-batch) concatenate, as a sum of sparse gradients does (`+` is not
+  defined for them)."""
+  if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
+                            tf.concat([total.indices, grad.indices], 0),
+                            total.dense_shape)
+  return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
