@@ -14,6 +14,19 @@ import zygote_client
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def tiny_mlp_config(model_dir, **kwargs):
+  """An `ExperimentConfig` of a 2-step run of a tiny MLP on synthetic data
+  (one loop, no summaries, no export); `kwargs` override its fields."""
+  # pylint: disable=g-import-not-at-top  (helpers serve processes without TF)
+  from framework import ExperimentConfig, LoopConfig
+  return ExperimentConfig(**{
+      "model": "mlp", "dataset": "synthetic", "model_dir": str(model_dir),
+      "global_batch_size": 32, "train_steps": 2, "export_saved_model": False,
+      "model_options": dict(hidden_units=(8,)),
+      "loop": LoopConfig(train_steps=1, steps_per_loop=2, summary_every=0,
+                         log_every=0), **kwargs})
+
+
 def run_script(script, *args, env=None, timeout=300, check=True, cwd=ROOT,
                fresh=False):
   """Runs `python scripts/<script> args...` in `cwd` (default: the

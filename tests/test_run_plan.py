@@ -8,22 +8,17 @@ import os
 
 import pytest
 
-from framework import ExperimentConfig, LoopConfig
+from framework import LoopConfig
 from framework.app import experiment, run_plan
 from framework.core import precision
 from framework.core.config import PRECISIONS
 from framework.errors import ConfigError
 from framework.tasks import language_model, segmentation
 import shared_strategy
+from tests.helpers import tiny_mlp_config
 
 
-def _config(model_dir, **kwargs):
-  return ExperimentConfig(**{
-      "model": "mlp", "dataset": "synthetic", "model_dir": str(model_dir),
-      "global_batch_size": 32, "train_steps": 2, "export_saved_model": False,
-      "model_options": dict(hidden_units=(8,)),
-      "loop": LoopConfig(train_steps=1, steps_per_loop=2, summary_every=0,
-                         log_every=0), **kwargs})
+_config = tiny_mlp_config
 
 
 def _count(monkeypatch, module, name):

@@ -8,20 +8,14 @@ import logging
 
 import pytest
 
-from framework import ExperimentConfig, LoopConfig
 from framework.app import experiment, task
 from framework.distribute import cluster
 from framework.distribute.cluster_options import ClusterOptions
 from framework.errors import ConfigError
+from tests.helpers import tiny_mlp_config
 
 
-def _config(model_dir, **kwargs):
-  return ExperimentConfig(**{
-      "model": "mlp", "dataset": "synthetic", "model_dir": str(model_dir),
-      "global_batch_size": 32, "train_steps": 2, "export_saved_model": False,
-      "model_options": dict(hidden_units=(8,)),
-      "loop": LoopConfig(train_steps=1, steps_per_loop=2, summary_every=0,
-                         log_every=0), **kwargs})
+_config = tiny_mlp_config
 
 
 def _slurm(monkeypatch, procid):
