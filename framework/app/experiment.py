@@ -60,7 +60,9 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   trainer, loop = factory.build_trainer(
       config, strategy, dataset, trainer_cls, build_model=build_model,
       make_trainer=make_trainer, plan=plan)
-  model = trainer.model  # before a parameter-server coordinator wraps it
+  # Before a parameter-server coordinator wraps the trainer; of a split
+  # model the unsplit one, whose architecture any mesh (or none) shares.
+  model = protocols.unsplit_model(trainer)
   # The loss scale's and the EMA's state, where the trainer declares them.
   checkpoint_items = protocols.checkpoint_items(trainer)
   augment_fn = augment.get_augmentation(config.augment)

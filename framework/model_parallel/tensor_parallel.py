@@ -19,6 +19,7 @@ import tensorflow as tf
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.parallel_layers import split_for
+from framework.model_parallel.split_checkpoint import unsplit_view
 from framework.model_parallel.split_config import SplitConfig
 from framework.settings import default
 from framework.model_parallel.pipeline import model_layers
@@ -270,6 +271,7 @@ class TensorParallelTrainer(StagedTrainer):
                devices=None, replica_devices=None,
                tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
     check_positive("tensor_stages", tensor_stages)
+    self._unsplit_optimizer = None  # a transformer split's checkpoint view
     num_stages = tensor_stages
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
@@ -288,6 +290,11 @@ class TensorParallelTrainer(StagedTrainer):
       super().__init__(placed, optimizer, strategy, stages=stages,
                        num_microbatches=num_microbatches, copies=copies,
                        **kwargs)
+      # Checkpoints hold the optimizer as an unsplit run's: any mesh
+      # (or none) resumes from them.
+      self._unsplit_optimizer = unsplit_view(
+          self.optimizer, model.trainable_variables,
+          placed.checkpoint_weights(model))
       return
     if num_stages > 1:
       raise ConfigError(
@@ -340,6 +347,20 @@ class TensorParallelTrainer(StagedTrainer):
         [stages[0].layers[0].devices for stages in all_stages])
     with tf.device(self.stages[-1].device):
       return summed, tf.add_n(losses), tf.add_n(accuracies)
+
+  @property
+  def unsplit_model(self):
+    """The model the split was cut from (its architecture; its weights are
+    the initial ones until `export_model`)."""
+    return self._unsplit
+
+  @property
+  def checkpointed_optimizer(self):
+    """What checkpoints hold as `optimizer`: for a transformer split, the
+    optimizer as an unsplit run's (`split_checkpoint.unsplit_view`)."""
+    if self._unsplit_optimizer is not None:
+      return self._unsplit_optimizer
+    return super().checkpointed_optimizer
 
   def correct(self, labels, logits):
     """As `Trainer.correct`; over logit shards for a transformer split."""
