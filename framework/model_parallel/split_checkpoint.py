@@ -21,7 +21,8 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.model_parallel.parallel_layers import ShardedWeight
+from framework.model_parallel.parallel_layers import (CheckpointNode,
+                                                      ShardedWeight)
 
 
 def _is_variable(value):
@@ -84,14 +85,13 @@ def unsplit_view(optimizer, unsplit_variables, split_weights):
 
   # id(a shadow variable) -> what the view saves in its place.
   found = {}
-  view = tf.Module(name="unsplit_optimizer")
+  children = {}
   for name, child in theirs.items():
     own = mine.get(name)
     if _is_variable(child):
       if own is None:
         raise ValueError(f"the split optimizer has no {name}")
-      found[id(child)] = own
-      setattr(view, name, own)
+      found[id(child)] = children[name] = own
     elif (_is_list(child) and len(child) == len(unsplit_variables)
           and own is not None and len(own) == split_count):
       entries = []
@@ -102,16 +102,30 @@ def unsplit_view(optimizer, unsplit_variables, split_weights):
         entry = weight if value is variable else piece(own, weight)
         found[id(value)] = entry
         entries.append(entry)
-      setattr(view, name, entries)
+      children[name] = _Node(entries)
   for name, child in theirs.items():
-    if hasattr(view, name):
+    if name in children:
       continue
     if _is_list(child):
       missing = [getattr(v, "path", v) for v in child if id(v) not in found]
       if missing:
         raise ValueError(f"optimizer state {missing[:3]} has no counterpart "
                          "in the split optimizer")
-      setattr(view, name, [found[id(v)] for v in child])
+      children[name] = _Node([found[id(v)] for v in child])
     else:  # e.g. Keras's dict of variable indices (no variables in it)
-      setattr(view, name, mine.get(name, child))
-  return view
+      children[name] = mine.get(name, child)
+  # The shadow's order: a checkpoint keys each value by its first path.
+  return _Node({name: children[name] for name in theirs})
+
+
+class _Node(CheckpointNode):
+  """A checkpoint node with the given children, in order (a list's are
+  named `0`, `1`, ..., as Keras's tracked lists name theirs)."""
+
+  def __init__(self, children):
+    if not hasattr(children, "keys"):
+      children = {str(i): child for i, child in enumerate(children)}
+    self.children = dict(children)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return dict(self.children)
