@@ -350,9 +350,11 @@ class TensorParallelTrainer(StagedTrainer):
 
   @property
   def unsplit_model(self):
-    """The model the split was cut from (its architecture; its weights are
-    the initial ones until `export_model`)."""
-    return self._unsplit
+    """The model whose architecture a resume checks: for a transformer
+    split the model it was cut from (the same on every mesh; its weights
+    are the initial ones until `export_model`), for a Dense pair the split
+    model (whose checkpoint is its own)."""
+    return self._unsplit if self.split_layer is None else self.model
 
   @property
   def checkpointed_optimizer(self):
