@@ -12,6 +12,7 @@ the partial products are summed. This equals the unsplit pair exactly (up to
 the order of a float sum), e.g. a hidden layer of 10 units as 5 + 5.
 """
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -292,9 +293,17 @@ class TensorParallelTrainer(StagedTrainer):
                        **kwargs)
       # Checkpoints hold the optimizer as an unsplit run's: any mesh
       # (or none) resumes from them.
-      self._unsplit_optimizer = unsplit_view(
-          self.optimizer, model.trainable_variables,
-          placed.checkpoint_weights(model))
+      try:
+        self._unsplit_optimizer = unsplit_view(
+            self.optimizer, model.trainable_variables,
+            placed.checkpoint_weights(model))
+      except (TypeError, ValueError, NotImplementedError) as e:
+        # An optimizer Keras cannot rebuild from its config: the split
+        # trains, its checkpoints resume on this split only.
+        logging.warning(
+            "optimizer %s: its state is checkpointed as this split's (%s); "
+            "the checkpoints resume on this split only",
+            type(self.optimizer).__name__, str(e).splitlines()[0][:200])
       return
     if num_stages > 1:
       raise ConfigError(
