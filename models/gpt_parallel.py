@@ -137,6 +137,13 @@ class ShardedGPT(keras.Model):
         device, lambda x, d=d: self.embedding.logits(d, self.ln_f(x)), x)
             for d, (device, x) in enumerate(zip(devices, xs))]
 
+  def checkpoint_weights(self, model):
+    """For each trainable variable of the unsplit `model`, in its order,
+    this split's weight at the same place (a variable or a
+    `ShardedWeight`): what the optimizer's checkpoint view pairs."""
+    mine = dict(zip(map(id, logical_weights(model)), self.logical_weights()))
+    return [mine[id(v)] for v in model.trainable_variables]
+
   def load_weights_from(self, model):
     """Sets the shards from the unsplit `model` (or another ShardedGPT)."""
     source = (model.logical_weights() if isinstance(model, ShardedGPT)

@@ -22,6 +22,7 @@ from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
 from framework.app import run_plan
+from framework.app import split_change
 from framework.core import optimizers, progress, protocols, ps_training
 from framework.core import warm_start
 from framework.data import augment, inputs
@@ -31,6 +32,7 @@ from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
 from framework.core.run_lock import RunLock
+from framework.model_parallel.parallel_layers import split_for
 from framework import settings
 from framework.core.trainer import Trainer
 
@@ -60,7 +62,9 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
   trainer, loop = factory.build_trainer(
       config, strategy, dataset, trainer_cls, build_model=build_model,
       make_trainer=make_trainer, plan=plan)
-  model = trainer.model  # before a parameter-server coordinator wraps it
+  # Before a parameter-server coordinator wraps the trainer; of a split
+  # model the unsplit one, whose architecture any mesh (or none) shares.
+  model = protocols.unsplit_model(trainer)
   # The loss scale's and the EMA's state, where the trainer declares them.
   checkpoint_items = protocols.checkpoint_items(trainer)
   augment_fn = augment.get_augmentation(config.augment)
@@ -168,11 +172,12 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
                 start_time=start_time)
 
 
-def _config_changes(model_dir, controller, config):
+def _config_changes(model_dir, controller, config, split_entry=None):
   """{"config_changes": [...]} for model_info.json: the earlier entries,
-  plus this resume's if `allow_config_change` let the configuration change
-  or a longer (shorter) run re-stretched a decaying learning-rate schedule
-  (each is then logged); {} if there never was one."""
+  plus this resume's if `allow_config_change` let the configuration change,
+  a longer (shorter) run re-stretched a decaying learning-rate schedule
+  or the model split changed (`split_entry`, already logged); each is
+  logged; {} if there never was one."""
   previous = export.read_model_info_quietly(model_dir) or {}
   history = list(previous.get("config_changes") or [])
   step = controller.step
@@ -196,6 +201,7 @@ def _config_changes(model_dir, controller, config):
         "%d steps, so from step %d on the rate differs from the first "
         "launch's (recorded in %s under config_changes)", was, now,
         schedule, now, step, export.MODEL_INFO_FILE)
+  entry.update(split_entry or {})
   if entry:
     history.append({"step": step, **entry})
   return {"config_changes": history} if history else {}
@@ -237,6 +243,15 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
   if train_input is None:  # best.json's epoch
     controller.steps_per_epoch = inputs.steps_per_epoch(
         dataset.num_train_examples, config.global_batch_size)
+  record = plan.record()
+  if record["model_parallel"]["mode"] != "none":  # which trainer ran
+    record["model_parallel"]["trainer"] = type(trainer).__name__
+  previous = export.read_model_info_quietly(config.model_dir)
+  if controller.checkpoints.latest:
+    # A split whose checkpoint another split cannot read: one line, first.
+    split_change.check(
+        previous, record["model_parallel"], model=config.model,
+        whole_split=split_for(protocols.unsplit_model(trainer)) is not None)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
   controller.restore()
   # Only when the run has no checkpoint of its own; before anything is written.
@@ -247,13 +262,16 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
   info = dict(export.model_info(config, dataset),
               train_steps=controller.config.train_steps,
               **custom_inputs.record(train_input, eval_input),
-              run_plan=plan.record())
+              run_plan=record)
   # A relaunch keeps the record of the warm start its first launch did.
   init = init or (export.read_model_info_quietly(config.model_dir)
                   or {}).get("init_checkpoint")
   if init:
     info["init_checkpoint"] = init
-  info.update(_config_changes(config.model_dir, controller, config))
+  info.update(_config_changes(config.model_dir, controller, config,
+                              split_change.change_entry(
+                                  previous, record["model_parallel"],
+                                  controller.step)))
   if chief:
     lock.record()
     # Written first, so a side-car evaluator can rebuild the model.

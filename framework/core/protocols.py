@@ -43,6 +43,8 @@ Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
                                                    # file, no swap
     ConfusionReporting: last_confusion             # evaluate.py: no matrix
     OptimizerCheckpointing: checkpointed_optimizer # `optimizer` itself
+    Split:          unsplit_model                  # `model`: what a resume
+                                                   # checks the architecture of
 
     # What the distribution self-check reads (framework/check):
     Steppable:      model, optimizer (swapped for a probe and back),
@@ -204,6 +206,14 @@ class OptimizerCheckpointing(Protocol):
 
 
 @runtime_checkable
+class Split(Protocol):
+  """A model trained split (cut across devices): `unsplit_model` is the
+  model it was cut from, whose layers (not the pieces', which differ from
+  mesh to mesh) a resumed run must have (`export.model_fingerprint`)."""
+  unsplit_model: keras.Model
+
+
+@runtime_checkable
 class Steppable(Protocol):
   """What the distribution self-check runs: one `train_step` under the
   trainer's strategy, from its model's and optimizer's state (the check
@@ -250,7 +260,7 @@ class GradientSettings(Protocol):
 OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
             DatasetDistributing, MetricAliases, Exportable, LossScaled,
             WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
-            DistributedStep, LoopStep, GradientSettings)
+            Split, DistributedStep, LoopStep, GradientSettings)
 ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
 
 
@@ -314,6 +324,14 @@ def checkpoint_objects(trainer: Any,
   if rng_states:
     objects["rng_states"] = rng_states
   return objects
+
+
+def unsplit_model(trainer: Any) -> keras.Model:
+  """The model whose architecture a run records: `trainer.unsplit_model`
+  if `Split`, else `trainer.model`."""
+  if isinstance(trainer, Split):
+    return trainer.unsplit_model
+  return trainer.model
 
 
 def export_model(trainer: Any) -> keras.Model:

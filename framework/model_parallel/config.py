@@ -113,8 +113,16 @@ class ModelParallelConfig:
   def check_model(self, model, num_heads, vocab_size, num_layers=0):
     """Raises ConfigError when a tensor split cannot cut `model` (the
     shards must divide a gpt's heads and vocabulary, a tensor x pipeline
-    mesh needs a model with a whole split and a block per stage); before
-    any build."""
+    mesh needs a model with a whole split and a block per stage, and so
+    does a gpt pipeline, which runs that split); before any build."""
+    if self.mode == "pipeline" and model == "gpt":
+      if num_layers and num_layers < self.num_stages:
+        where = (f"mesh={self.mesh}: the pipeline axis" if self.mesh
+                 else "num_stages")
+        raise ConfigError(
+            f"{where}={self.num_stages} needs at least one gpt block per "
+            f"stage; num_layers={num_layers}")
+      return
     if self.mode != "tensor":
       return
     if self.tensor_stages > 1 and model != "gpt":
@@ -222,31 +230,39 @@ class ModelParallelConfig:
     from framework.core.trainer import Trainer
     from framework.model_parallel.devices import cluster_devices
     from framework.model_parallel.pipeline import PipelineTrainer
+    from framework.model_parallel.routing import pipeline_trainer
     from framework.model_parallel.staged_trainer import StagedTrainer
     from framework.model_parallel.tensor_parallel import TensorParallelTrainer
     # pylint: enable=g-import-not-at-top
     trainer_cls = trainer_cls or Trainer
     if self.mode == "none":
       return trainer_cls
-    parallel_cls = (PipelineTrainer if self.mode == "pipeline"
-                    else TensorParallelTrainer)
-    if trainer_cls is Trainer:
-      trainer_cls = parallel_cls
-    elif not issubclass(trainer_cls, parallel_cls):
+
+    def combined(parallel_cls):
+      if trainer_cls is Trainer or issubclass(trainer_cls, parallel_cls):
+        return parallel_cls if trainer_cls is Trainer else trainer_cls
       if not issubclass(trainer_cls, Trainer) or issubclass(
           trainer_cls, StagedTrainer):
         raise ConfigError(
             f"model_parallel={self.mode} needs a trainer derived from "
             f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
       # The split's eval_logits, the subclass's eval_sums and eval_results.
-      trainer_cls = type(parallel_cls.__name__ + trainer_cls.__name__,
-                         (parallel_cls, trainer_cls), {})
+      return type(parallel_cls.__name__ + trainer_cls.__name__,
+                  (parallel_cls, trainer_cls), {})
+
     devices = None
     if self.devices == "cluster" and not self.replica_devices:
       devices = cluster_devices(self.device_count[0])
     if self.mode == "pipeline":
+      # A model with its own whole-model split (gpt) runs it as the
+      # pipeline; any other has its layers cut (`routing`).
+      pipeline_cls = combined(PipelineTrainer)
+      split_cls = (combined(TensorParallelTrainer)
+                   if not issubclass(trainer_cls, PipelineTrainer)
+                   else None)
       return functools.partial(
-          trainer_cls, num_stages=self.num_stages,
+          pipeline_trainer, pipeline_cls=pipeline_cls, split_cls=split_cls,
+          num_stages=self.num_stages,
           num_microbatches=self.num_microbatches,
           stage_boundaries=tuple(self.stage_boundaries) or None,
           stage_balance=self.stage_balance, recompute=self.recompute,
@@ -255,7 +271,8 @@ class ModelParallelConfig:
           **({"replica_devices": [list(g) for g in self.replica_devices]}
              if self.replica_devices else {}))
     return functools.partial(
-        trainer_cls, num_shards=self.num_shards, split_layer=self.split_layer,
+        combined(TensorParallelTrainer), num_shards=self.num_shards,
+        split_layer=self.split_layer,
         num_microbatches=self.num_microbatches, recompute=self.recompute,
         serial_stages=self.serial_stages,
         input_grads_first=self.input_grads_first, devices=devices,

@@ -295,8 +295,10 @@ def register_split(model_name):
 
   The split model's `call(features)` returns the logit shards; it has
   `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
-  unsplit model's weights) and `replicate(devices)` (a copy on other
-  devices, same weights).
+  unsplit model's weights), `checkpoint_weights(model)` (its own weight,
+  a variable or `ShardedWeight`, for each of the unsplit model's trainable
+  variables) and `replicate(devices)` (a copy on other devices, same
+  weights).
   """
   def wrap(split):
     _SPLITS[model_name] = split

@@ -12,6 +12,7 @@ the partial products are summed. This equals the unsplit pair exactly (up to
 the order of a float sum), e.g. a hidden layer of 10 units as 5 + 5.
 """
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,6 +20,7 @@ import tensorflow as tf
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.parallel_layers import split_for
+from framework.model_parallel.split_checkpoint import unsplit_view
 from framework.model_parallel.split_config import SplitConfig
 from framework.settings import default
 from framework.model_parallel.pipeline import model_layers
@@ -270,6 +272,7 @@ class TensorParallelTrainer(StagedTrainer):
                devices=None, replica_devices=None,
                tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
     check_positive("tensor_stages", tensor_stages)
+    self._unsplit_optimizer = None  # a transformer split's checkpoint view
     num_stages = tensor_stages
     split = split_for(model)
     if split is not None:  # a whole transformer (see transformer_split)
@@ -288,6 +291,19 @@ class TensorParallelTrainer(StagedTrainer):
       super().__init__(placed, optimizer, strategy, stages=stages,
                        num_microbatches=num_microbatches, copies=copies,
                        **kwargs)
+      # Checkpoints hold the optimizer as an unsplit run's: any mesh
+      # (or none) resumes from them.
+      try:
+        self._unsplit_optimizer = unsplit_view(
+            self.optimizer, model.trainable_variables,
+            placed.checkpoint_weights(model))
+      except (TypeError, ValueError, NotImplementedError) as e:
+        # An optimizer Keras cannot rebuild from its config: the split
+        # trains, its checkpoints resume on this split only.
+        logging.warning(
+            "optimizer %s: its state is checkpointed as this split's (%s); "
+            "the checkpoints resume on this split only",
+            type(self.optimizer).__name__, str(e).splitlines()[0][:200])
       return
     if num_stages > 1:
       raise ConfigError(
@@ -340,6 +356,22 @@ class TensorParallelTrainer(StagedTrainer):
         [stages[0].layers[0].devices for stages in all_stages])
     with tf.device(self.stages[-1].device):
       return summed, tf.add_n(losses), tf.add_n(accuracies)
+
+  @property
+  def unsplit_model(self):
+    """The model whose architecture a resume checks: for a transformer
+    split the model it was cut from (the same on every mesh; its weights
+    are the initial ones until `export_model`), for a Dense pair the split
+    model (whose checkpoint is its own)."""
+    return self._unsplit if self.split_layer is None else self.model
+
+  @property
+  def checkpointed_optimizer(self):
+    """What checkpoints hold as `optimizer`: for a transformer split, the
+    optimizer as an unsplit run's (`split_checkpoint.unsplit_view`)."""
+    if self._unsplit_optimizer is not None:
+      return self._unsplit_optimizer
+    return super().checkpointed_optimizer
 
   def correct(self, labels, logits):
     """As `Trainer.correct`; over logit shards for a transformer split."""
