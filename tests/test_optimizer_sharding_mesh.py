@@ -9,12 +9,14 @@ shared by the module's tests.
 import json
 import re
 
+import numpy as np
 import pytest
 
 from framework.app.config import ExperimentConfig
 from framework.errors import ConfigError
 from framework.model_parallel import ModelParallelConfig
 from tests import helpers
+from tests import test_model_parallel_mesh_cluster as cluster
 
 TOLERANCE = 1e-6
 STEPS = 3
@@ -111,3 +113,39 @@ def test_a_mesh_with_a_data_axis_shards_and_one_without_is_one_line():
       "model_parallel=pipeline with strategy=default has none (use a mesh "
       "with one, e.g. --mesh=data:2,pipeline:2")):
     _config("", mode="pipeline", num_stages=2)
+
+
+def _slot_bytes(log):
+  """{device: optimizer slot bytes} from the start-up memory line."""
+  line = re.search(r"model-parallel memory per device: (.*)", log)
+  assert line, log[-3000:]
+  return {device: int(slots) for device, slots in re.findall(
+      r"(\S+): params \d+ B, optimizer slots (\d+) B", line.group(1))}
+
+
+@pytest.mark.slow
+def test_on_two_worker_processes_sharded_equals_unsharded(tmp_path):
+  # The data axis across 2 worker processes (`--model_parallel_devices=
+  # cluster`): train.py, its checkpoint and its weights file.
+  weights, slots = {}, {}
+  for shard in (False, True):
+    model_dir = str(tmp_path / f"shard_{shard}")
+    proc = cluster._launch(
+        *cluster.GPT, *cluster.CLUSTER, f"--train_steps={STEPS}",
+        f"--model_dir={model_dir}",
+        f"--shard_optimizer_state={str(shard).lower()}")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    weights[shard] = cluster._weights(model_dir)
+    slots[shard] = _slot_bytes(proc.stdout + proc.stderr)
+  names = sorted(weights[False])
+  assert names and names == sorted(weights[True])
+  difference = cluster._relative(
+      np.concatenate([np.ravel(weights[True][n]) for n in names]),
+      np.concatenate([np.ravel(weights[False][n]) for n in names]))
+  print(f"cluster data:2,model:2: max relative weight difference "
+        f"{difference:.3g}; slot bytes {slots}")
+  assert difference < TOLERANCE
+  # Copy 0's devices on worker 0 hold half the slots.
+  assert len(slots[False]) == 2 and slots[False].keys() == slots[True].keys()
+  for device, size in slots[False].items():
+    assert size > 0 and 2 * slots[True][device] == size, slots
