@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from framework import model_parallel as mp
 from framework.core import protocols
+from framework.core.trainer import Trainer
+from models import gpt_parallel
 from tests.transformer_split_reference import (BATCH, flat, relative,
                                                tiny_gpt, token_batches)
 
@@ -121,4 +123,17 @@ def run(mesh, optimizer, steps, resume=True):
                    "copies": relative(copy_weights(resumed),
                                       weights(resumed)),
                    "steps": int(resumed.optimizer.iterations.numpy())}
+    # The sharded mesh's checkpoint on one device (no mesh, no sharding).
+    unsplit = Trainer(tiny_gpt(), OPTIMIZERS[optimizer](), STRATEGY,
+                      global_batch_size=BATCH)
+    unsplit.optimizer.build(unsplit.model.trainable_variables)
+    restore(unsplit, paths[True])
+    iterator = batches(2 * steps)
+    for _ in range(steps):
+      next(iterator)
+    train(unsplit, iterator, steps)
+    out["sharded_to_unsplit"] = {
+        "weights": relative(flat(gpt_parallel.logical_weights(unsplit.model)),
+                            reference),
+        "copies": 0.0, "steps": int(unsplit.optimizer.iterations.numpy())}
   return out

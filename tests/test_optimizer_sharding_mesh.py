@@ -19,6 +19,7 @@ from tests import helpers
 from tests import test_model_parallel_mesh_cluster as cluster
 
 TOLERANCE = 1e-6
+SPLIT_TOLERANCE = 1e-5
 STEPS = 3
 
 _MESHES = """
@@ -82,13 +83,17 @@ def test_each_device_holds_half_of_the_slots(meshes, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[1:2])
-@pytest.mark.parametrize("toggle", ["sharded_to_plain", "plain_to_sharded"])
+@pytest.mark.parametrize("toggle", ["sharded_to_plain", "plain_to_sharded",
+                                    "sharded_to_unsplit"])
 def test_a_checkpoint_resumes_with_sharding_toggled(meshes, case, toggle):
   out = meshes[case][toggle]
   print(f"{case} {toggle}: max relative weight difference from the "
         f"continuous unsharded run {out['weights']:.3g}")
   assert out["steps"] == 2 * STEPS
-  assert out["weights"] < TOLERANCE, out
+  # On one device the sums run in another order than on the split: the
+  # split's own tolerance (1e-5; the same arithmetic on the mesh: 1e-6).
+  tolerance = SPLIT_TOLERANCE if toggle == "sharded_to_unsplit" else TOLERANCE
+  assert out["weights"] < tolerance, out
   assert out["copies"] < TOLERANCE, out
 
 

@@ -147,14 +147,15 @@ def slot_parameters(optimizer, num_variables):
   return slots
 
 
-def saved_slots(slots, save, restore):
+def saved_slots(slots, save, restore, variables):
   """{id(slot): checkpoint node} for each of `slots` ([(slot, index)]):
-  node p saves `save(p)`, the full slot, and restores via `restore(p,
-  value)`, under the slot's key."""
+  node p saves `save(p)`, the full slot (of `variables[index]`'s shape),
+  and restores via `restore(p, value)`, under the slot's key."""
   return {id(slot): _tf_internal.SavedAsVariable(
       save=lambda p=position: save(p),
-      restore=lambda value, p=position: restore(p, value))
-          for position, (slot, _) in enumerate(slots)}
+      restore=lambda value, p=position: restore(p, value),
+      shape=tuple(variables[index].shape))
+          for position, (slot, index) in enumerate(slots)}
 
 
 def checkpoint_view(optimizer, replaced):
@@ -212,7 +213,8 @@ class ShardedOptimizerState:
     self._gathered = None  # (iterations, [full slot]) of the last save
     self.checkpointed_optimizer = checkpoint_view(optimizer, {
         **{id(s): v for s, v in zip(self.shards, self.variables)},
-        **saved_slots(self._slots, self._full_slot, self._restore_slot)})
+        **saved_slots(self._slots, self._full_slot, self._restore_slot,
+                      self.variables)})
 
   # --- The step (called by GradientPipeline). --------------------------------
 

@@ -88,7 +88,13 @@ class CopyShardedState:
                    for o, s in zip(self.optimizers, self.shards)]
     self.checkpointed_optimizer = checkpoint_view(self.optimizers[0], {
         **{id(s): v for s, v in zip(self.shards[0], self.variables[0])},
-        **saved_slots(self._slots[0], self._full_slot, self._restore_slot)})
+        **saved_slots(self._slots[0], self._full_slot, self._restore_slot,
+                      self.variables[0])})
+
+  def checkpoint_index(self, variable):
+    """The index of copy 0's `variable` in the per-variable lists of
+    `checkpointed_optimizer` (those of the optimizer built on its shards)."""
+    return self._index[0][id(_local(variable))]
 
   def optimizer_of(self):
     """{id of a copy r > 0's shard tf.Variable: copy r's optimizer}."""

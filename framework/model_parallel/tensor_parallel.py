@@ -294,9 +294,12 @@ class TensorParallelTrainer(StagedTrainer):
       # Checkpoints hold the optimizer as an unsplit run's: any mesh
       # (or none) resumes from them.
       try:
+        sharding = self.copy_sharding  # ZeRO-1 on the data axis, or None
         self._unsplit_optimizer = unsplit_view(
             self.optimizer, model.trainable_variables,
-            placed.checkpoint_weights(model))
+            placed.checkpoint_weights(model),
+            state=sharding and sharding.checkpointed_optimizer,
+            index=sharding and sharding.checkpoint_index)
       except (TypeError, ValueError, NotImplementedError) as e:
         # An optimizer Keras cannot rebuild from its config: the split
         # trains, its checkpoints resume on this split only.
