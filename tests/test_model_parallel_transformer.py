@@ -17,6 +17,7 @@ from framework import model_parallel as mp
 from framework.errors import ConfigError
 from models import gpt_parallel
 from tests import helpers
+from tests.model_parallel_reference import unsplit_gradients
 from tests.transformer_split_reference import (BATCH, LENGTH, STRATEGY,
                                                compare, tiny_gpt,
                                                token_batches)
@@ -71,6 +72,30 @@ def test_every_shard_runs_forward_and_backward_on_its_device():
   misplaced = [op.name for op in ops if where(op) == "CPU:0" and
                "shard_1" in op.name]
   assert not misplaced, misplaced[:5]
+
+
+def _largest_tensor(graph):
+  """(elements, op name) of the largest statically shaped op output."""
+  return max((t.shape.num_elements() or 0, op.name)
+             for op in graph.get_operations() for t in op.outputs)
+
+
+def test_the_split_step_makes_no_tensor_larger_than_the_unsplit_step():
+  # Issue 36: tf.einsum("...i,io->...o")'s kernel gradient built the outer
+  # product [i, o, batch, T] (a 30-70x slower split step); a shard's
+  # product is one MatMul now, whose gradients are MatMuls too.
+  specs = [tf.TensorSpec((BATCH, LENGTH), tf.int32)] * 2
+  trainer = mp.TensorParallelTrainer(
+      tiny_gpt(), keras.optimizers.SGD(0.1), STRATEGY,
+      global_batch_size=BATCH, num_shards=2, devices=["/CPU:0", "/CPU:1"])
+  split = tf.function(trainer.gradients).get_concrete_function(*specs)
+  model = tiny_gpt()
+  unsplit = tf.function(
+      lambda x, y: unsplit_gradients(model, x, y, BATCH)
+  ).get_concrete_function(*specs)
+  assert _largest_tensor(split.graph)[0] <= _largest_tensor(
+      unsplit.graph)[0], (_largest_tensor(split.graph),
+                          _largest_tensor(unsplit.graph))
 
 
 def test_a_split_checkpoint_restores_unsplit_and_the_other_way(tmp_path):
@@ -131,6 +156,7 @@ _FOUR_DEVICES = """
 import json, sys
 import framework
 framework.configure_cpu_devices(4)
+from tests.model_parallel_reference import unsplit_gradients
 from tests.transformer_split_reference import compare
 groups = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
 out = {"tensor4": compare(3, 4), "data2_tensor2": compare(
@@ -158,6 +184,7 @@ import json
 import framework
 framework.configure_cpu_devices(8)
 from framework import model_parallel as mp
+from tests.model_parallel_reference import unsplit_gradients
 from tests.transformer_split_reference import compare
 groups = [[f"/CPU:{i}" for i in range(4)], [f"/CPU:{i}" for i in range(4, 8)]]
 out = {"tensor2_pipeline2": compare(3, 2, num_stages=2),

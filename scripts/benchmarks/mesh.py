@@ -45,7 +45,6 @@ start and the end: a shared machine slows every figure.
 
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -65,6 +64,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from scripts import cli  # pylint: disable=g-import-not-at-top
+from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top
 
 cli.quiet_startup()
 
@@ -397,17 +397,6 @@ def _row(result, cost, base):
           f"{sends} |")
 
 
-def _cpu_model():
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
 def _apply_quick():
   if not FLAGS.quick:
     return
@@ -427,9 +416,8 @@ def bench():
   for text in FLAGS.sizes:
     _size(text)
   _check_meshes()
-  load = os.getloadavg()
-  print(f"host: {_cpu_model()}, {os.cpu_count()} cores; load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
+  print(f"host: {host.cpu_model()}, {os.cpu_count()} cores; "
+        f"{host.load_average()} at the start")
   print(f"GPT, byte vocabulary {VOCAB}, T={FLAGS.sequence_length}, global "
         f"batch {FLAGS.global_batch_size}, Adam; median of {FLAGS.loops} "
         f"calls of {FLAGS.steps_per_loop} steps after {FLAGS.warmup_loops}; "
@@ -462,16 +450,14 @@ def bench():
       result["parameters"], result["computed"] = parameters, cost
       print(_row(result, cost, base), flush=True)
       results.append(result)
-  load = os.getloadavg()
-  print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the "
-        f"end; vs unsplit: examples/s over the first configuration's "
-        f"({FLAGS.meshes[0]}) of the same size")
+  print(f"\n{host.load_average()} at the end; vs unsplit: examples/s over "
+        f"the first configuration's ({FLAGS.meshes[0]}) of the same size")
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:
       json.dump(dict(flags={name: FLAGS[name].value for name in (
           "sizes", "meshes", "sequence_length", "global_batch_size",
           "num_microbatches", "steps_per_loop", "warmup_loops", "loops")},
-                     host=_cpu_model(), rows=results), f, indent=1)
+                     host=host.cpu_model(), rows=results), f, indent=1)
 
 
 main = cli.main_running(bench)

@@ -27,7 +27,6 @@ process's own, the load only slows it.
 import json
 import math
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from scripts import cli  # pylint: disable=g-import-not-at-top
+from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top
 
 cli.quiet_startup()
 
@@ -160,17 +160,6 @@ def _child(model, replicas, shard):
         os.remove(name)
 
 
-def _cpu_model():
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
 def _row(case, plain):
   devices = sorted(case["slot_bytes"])
   slots = [case["slot_bytes"][d] for d in devices]
@@ -195,10 +184,8 @@ def bench():
     if name not in MODELS:
       sys.exit(f"optimizer_sharding.py: error: --models={name} is not one "
                f"of {', '.join(MODELS)}")
-  load = os.getloadavg()
-  print(f"host: {_cpu_model()}, {os.cpu_count()} cores, TensorFlow "
-        f"{tf.__version__}; load average {load[0]:.2f} {load[1]:.2f} "
-        f"{load[2]:.2f} at the start")
+  print(f"host: {host.cpu_model()}, {os.cpu_count()} cores, TensorFlow "
+        f"{tf.__version__}; {host.load_average()} at the start")
   print(f"Adam, {FLAGS.steps} steps, global batch {FLAGS.global_batch_size};"
         " MiB per device (slots: each device's)\n")
   print("| model | parameters | N | sharded | params MiB | slots MiB | "
@@ -218,8 +205,7 @@ def bench():
       cases += [plain, sharded]
   print(f"\nweights after {FLAGS.steps} steps, sharded vs unsharded: max "
         f"|diff| {max(c['max_weight_difference'] for c in cases):.3g}")
-  load = os.getloadavg()
-  print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+  print(f"{host.load_average()} at the end")
   if FLAGS.output_json:
     for case in cases:
       case.pop("weights")

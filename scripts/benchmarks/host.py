@@ -1,0 +1,30 @@
+"""What a benchmark says about the machine it measured on.
+
+Flag-free, so that any benchmark can import it: `common.py` defines the
+CIFAR-10 benchmarks' absl flags (--quick, --global_batch_size, ...), which
+`mesh.py` and `optimizer_sharding.py` define for themselves, and absl
+refuses a flag defined twice.
+"""
+
+import os
+import platform
+
+
+def cpu_model(cpuinfo="/proc/cpuinfo"):
+  """The CPU's model name (Linux `/proc/cpuinfo`), else what `platform`
+  knows, else "unknown"."""
+  try:
+    with open(cpuinfo) as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def load_average():
+  """`load average 1.00 0.50 0.25` (1, 5 and 15 minutes): on a shared
+  machine every timing is slowed by the others' load."""
+  load = os.getloadavg()
+  return f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
