@@ -26,16 +26,15 @@ tokens:
     again, the all-reduce's gradient being an all-reduce; plus the
     vocab-parallel loss's all-gather of 4 floats per token and shard, both
     ways), the data-axis gradient all-reduce (each device's parameter
-    bytes, over the data axis; ZeRO-1: a reduce-scatter and an all-gather of
-    the same bytes) and the pipeline's activation sends (forward and
+    bytes, over the data axis; ZeRO-1: that all-reduce, then an all-gather
+    of the updated weights) and the pipeline's activation sends (forward and
     backward, per stage boundary).
 
 Local meshes run on 4 (or fewer) logical CPU devices of one process,
 built as scripts/train.py builds them (`ModelParallelConfig(mesh=...)`),
-except `data:R,pipeline:S`: `--mesh` gives that to `PipelineTrainer`,
-which cannot cut the GPT (its token embedding is called twice, by the
-lookup and the tied head), so here it is the GPT's own split with one
-shard per stage (`TensorParallelTrainer(num_shards=1, tensor_stages=S)`);
+a pipeline axis included: `--mesh` runs the GPT's pipeline as its own
+split with one shard per stage (`TensorParallelTrainer(num_shards=1,
+tensor_stages=S)`, `framework/model_parallel/routing.py`);
 `mwms:2` and `cluster:data:2,model:2` run scripts/train.py on 2 worker
 processes (scripts/launch.py --workers=2; examples/s from their logs, bytes
 from the split's logged per-device memory; MWMS logs none, so only its
@@ -191,17 +190,6 @@ def _measure():
                 shard_optimizer_state=zero)
   if mesh in ("unsplit",) or mirrored:
     trainer = framework.Trainer(model, optimizer, strategy, **kwargs)
-  elif model_axis == 1:
-    # --mesh=data:R,pipeline:S cuts a model's layers (PipelineTrainer),
-    # which the GPT's twice-called token embedding rules out; its
-    # transformer split with one shard per stage is that pipeline.
-    from framework.model_parallel import TensorParallelTrainer  # pylint: disable=g-import-not-at-top
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    trainer = TensorParallelTrainer(
-        model, optimizer, strategy, num_shards=1, tensor_stages=pipeline,
-        num_microbatches=_microbatches(mesh),
-        replica_devices=[devices[r * pipeline:(r + 1) * pipeline]
-                         for r in range(data)], **kwargs)
   else:
     config, strategy = ModelParallelConfig(
         mesh=mesh.partition("+")[0],
