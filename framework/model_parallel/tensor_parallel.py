@@ -21,6 +21,7 @@ from framework.errors import ConfigError, check_positive
 from framework.model_parallel.devices import model_parallel_devices
 from framework.model_parallel.parallel_layers import split_for
 from framework.model_parallel.split_checkpoint import unsplit_view
+from framework.model_parallel.split_layout import OptimizerLayout
 from framework.model_parallel.split_config import SplitConfig
 from framework.settings import default
 from framework.model_parallel.pipeline import model_layers
@@ -294,9 +295,11 @@ class TensorParallelTrainer(StagedTrainer):
       # Checkpoints hold the optimizer as an unsplit run's: any mesh
       # (or none) resumes from them.
       try:
-        self._unsplit_optimizer = unsplit_view(
+        # In the split's own layout while restoring an older checkpoint.
+        self._unsplit_optimizer = OptimizerLayout(unsplit_view(
             self.optimizer, model.trainable_variables,
-            placed.checkpoint_weights(model))
+            placed.checkpoint_weights(model)), self.optimizer,
+                                                  model.trainable_variables)
       except (TypeError, ValueError, NotImplementedError) as e:
         # An optimizer Keras cannot rebuild from its config: the split
         # trains, its checkpoints resume on this split only.
@@ -366,9 +369,17 @@ class TensorParallelTrainer(StagedTrainer):
     return self._unsplit if self.split_layer is None else self.model
 
   @property
+  def checkpoint_layout(self):
+    """A transformer split's `split_layout.OptimizerLayout` (None for a
+    Dense pair, or an optimizer checkpointed as this split's only)."""
+    return self._unsplit_optimizer
+
+  @property
   def checkpointed_optimizer(self):
     """What checkpoints hold as `optimizer`: for a transformer split, the
-    optimizer as an unsplit run's (`split_checkpoint.unsplit_view`)."""
+    optimizer as an unsplit run's (`split_checkpoint.unsplit_view`; as
+    this split's own while restoring an older checkpoint, see
+    `split_layout`)."""
     if self._unsplit_optimizer is not None:
       return self._unsplit_optimizer
     return super().checkpointed_optimizer

@@ -1,0 +1,79 @@
+"""A gpt split's checkpoint from before cross-mesh resume: the same split
+resumes it exactly; any other split is refused in one line.
+
+distloop before cross-mesh resume (before commit 54c2082) saved a
+transformer tensor split's optimizer under the split optimizer's own keys
+and shapes, and recorded the split model's fingerprint in run_config.json
+(now: the unsplit model's, see `split_change`). Relaunched on the same
+split, such a checkpoint is restored as that split's (weights and
+optimizer slots; every value it holds must be consumed) and the old
+fingerprint is accepted; the run's next checkpoint is in the unsplit
+layout, so from then on it resumes on any mesh. On another split (or none)
+the run stops before anything is restored or written: its optimizer
+state cannot be read there.
+"""
+
+import contextlib
+
+from absl import logging
+import tensorflow as tf
+
+from framework.app import export, split_change
+from framework.core import checkpointing, protocols
+from framework.errors import ConfigError
+from framework.model_parallel import split_layout
+
+
+def _written_by_split(previous_info, saved, unsplit_fingerprint):
+  """Whether the checkpoints' run_config.json and model_info.json say a
+  tensor split wrote them before cross-mesh resume: not the unsplit
+  model's fingerprint."""
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  fingerprint = (saved or {}).get("model_fingerprint")
+  return ((was or {}).get("mode") == "tensor" and fingerprint is not None
+          and fingerprint != unsplit_fingerprint)
+
+
+@contextlib.contextmanager
+def restoring(trainer, checkpoints, previous_info, *, whole_split):
+  """Around the run's first restore (`controller.restore()`).
+
+  Args:
+    trainer: the run's trainer.
+    checkpoints: its `CheckpointManager` (with a checkpoint to restore).
+    previous_info: the model_dir's model_info.json.
+    whole_split: whether the model has a whole-model split (`gpt`).
+
+  Raises:
+    ConfigError: the checkpoint is an older tensor split's own and this run
+      is not that split.
+  """
+  path = checkpoints.latest
+  unsplit = protocols.unsplit_model(trainer)
+  saved = checkpointing.read_run_config(checkpoints.model_dir)
+  if not (whole_split and path and _written_by_split(
+      previous_info, saved, export.model_fingerprint(unsplit))):
+    yield
+    return
+  layout = getattr(trainer, "checkpoint_layout", None)
+  split_fingerprint = export.model_fingerprint(trainer.model)
+  same = (layout is not None and saved["model_fingerprint"] ==
+          split_fingerprint and layout.layout_of(
+              tf.train.load_checkpoint(path), written_as_split=True)
+          == split_layout.SPLIT)
+  was = split_change.describe(previous_info["run_plan"]["model_parallel"])
+  if not same:
+    raise ConfigError(
+        f"checkpoint {path} predates resuming on another mesh: distloop "
+        f"saved its optimizer under the keys of its own split ({was}), "
+        "which this split cannot read; resume it with "
+        f"{was} first (its next checkpoint resumes on any mesh), or use "
+        "another model_dir")
+  logging.warning(
+      "checkpoint %s predates resuming on another mesh (its optimizer is "
+      "saved as split %s's own): restoring it as this split's; the next "
+      "checkpoint is saved as an unsplit run's and resumes on any mesh",
+      path, was)
+  with checkpoints.restoring_older(model_fingerprint=split_fingerprint), \
+      layout.restoring_split():
+    yield
