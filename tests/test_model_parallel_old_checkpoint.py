@@ -89,7 +89,8 @@ def test_another_split_refuses_an_older_checkpoint_in_one_line(
   proc = _train(model_dir, 2 * K, check=False)  # unsplit
   helpers.assert_one_line_error(
       proc, "train.py", "predates resuming on another mesh",
-      "its own split (mesh=data:2,model:2)",
+      "its own split (mesh=data:2,model:2), which this split (none) cannot "
+      "read", 
       "resume it with mesh=data:2,model:2 first", unchanged=before)
 
 

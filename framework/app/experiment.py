@@ -257,7 +257,8 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
                        model=config.model, whole_split=whole_split)
     # A gpt split's checkpoint from before cross-mesh resume.
     older = old_split_checkpoint.restoring(
-        trainer, controller.checkpoints, previous, whole_split=whole_split)
+        trainer, controller.checkpoints, previous, record["model_parallel"],
+        whole_split=whole_split)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
   with older:
     controller.restore()

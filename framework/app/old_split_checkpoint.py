@@ -35,18 +35,19 @@ def _written_by_split(previous_info, saved, unsplit_fingerprint):
 
 
 @contextlib.contextmanager
-def restoring(trainer, checkpoints, previous_info, *, whole_split):
+def restoring(trainer, checkpoints, previous_info, record, *, whole_split):
   """Around the run's first restore (`controller.restore()`).
 
   Args:
     trainer: the run's trainer.
     checkpoints: its `CheckpointManager` (with a checkpoint to restore).
     previous_info: the model_dir's model_info.json.
+    record: this run's run_plan `model_parallel` record.
     whole_split: whether the model has a whole-model split (`gpt`).
 
   Raises:
     ConfigError: the checkpoint is an older tensor split's own and this run
-      is not that split.
+      is not that split (the same split flags, model and shapes).
   """
   path = checkpoints.latest
   unsplit = protocols.unsplit_model(trainer)
@@ -55,25 +56,31 @@ def restoring(trainer, checkpoints, previous_info, *, whole_split):
       previous_info, saved, export.model_fingerprint(unsplit))):
     yield
     return
-  layout = getattr(trainer, "checkpoint_layout", None)
-  split_fingerprint = export.model_fingerprint(trainer.model)
-  same = (layout is not None and saved["model_fingerprint"] ==
-          split_fingerprint and layout.layout_of(
-              tf.train.load_checkpoint(path), written_as_split=True)
-          == split_layout.SPLIT)
-  was = split_change.describe(previous_info["run_plan"]["model_parallel"])
-  if not same:
+  was, now = (previous_info["run_plan"]["model_parallel"], record)
+  old = split_change.describe(was)
+  if split_change.changed_flags(was, now):
     raise ConfigError(
         f"checkpoint {path} predates resuming on another mesh: distloop "
-        f"saved its optimizer under the keys of its own split ({was}), "
-        "which this split cannot read; resume it with "
-        f"{was} first (its next checkpoint resumes on any mesh), or use "
-        "another model_dir")
+        f"saved its optimizer under the keys of its own split ({old}), "
+        f"which this split ({split_change.describe(now)}) cannot read; "
+        f"resume it with {old} first (its next checkpoint resumes on any "
+        "mesh), or use another model_dir")
+  layout = getattr(trainer, "checkpoint_layout", None)
+  split_fingerprint = export.model_fingerprint(trainer.model)
+  if (layout is None or saved["model_fingerprint"] != split_fingerprint
+      or layout.layout_of(tf.train.load_checkpoint(path),
+                          written_as_split=True) != split_layout.SPLIT):
+    raise ConfigError(
+        f"checkpoint {path} (saved by distloop before cross-mesh resume, "
+        f"split {old}) does not match this model or optimizer on the same "
+        f"split (model_fingerprint was {saved['model_fingerprint']}, now "
+        f"{split_fingerprint}); use the same model flags or another "
+        "model_dir")
   logging.warning(
       "checkpoint %s predates resuming on another mesh (its optimizer is "
       "saved as split %s's own): restoring it as this split's; the next "
       "checkpoint is saved as an unsplit run's and resumes on any mesh",
-      path, was)
+      path, old)
   with checkpoints.restoring_older(model_fingerprint=split_fingerprint), \
       layout.restoring_split():
     yield
