@@ -75,8 +75,18 @@ class SavedAsVariable(tf.__internal__.tracking.Trackable):
   checkpointed value computed at save time (`tf.train.experimental.
   PythonState` saves strings, not tensors of a variable's key)."""
 
-  def __init__(self, save, restore):
+  def __init__(self, save, restore, shape=None):
     self._save_value, self._restore_value = save, restore
+    self.shape = shape  # the saved value's (a sharded slot's full shape)
+
+  @property
+  def value(self):
+    """The value a checkpoint saves (as a variable's `value` reads)."""
+    return self._save_value()
+
+  def assign(self, value):
+    """Restores `value` (as a variable's `assign` sets it)."""
+    return self._restore_value(value)
 
   def _serialize_to_tensors(self):
     return {VARIABLE_VALUE_KEY: self._save_value()}

@@ -194,22 +194,38 @@ class ExperimentConfig:
         self.model, self.model_options.get("num_heads", builtin.num_heads),
         self.model_options.get("vocab_size", builtin.vocab_size),
         self.model_options.get("num_layers", builtin.num_layers))
-    if self.shard_optimizer_state and (
-        self.strategy not in SHARDING_STRATEGIES or
-        self.model_parallel.mode != "none"):
-      where = (f"strategy={self.strategy}"
-               if self.strategy not in SHARDING_STRATEGIES
-               else f"model_parallel={self.model_parallel.mode}")
-      raise ConfigError(
-          f"shard_optimizer_state=True needs the trainer's data-parallel "
-          f"update ({', '.join(SHARDING_STRATEGIES)} without model "
-          f"parallelism), not {where}")
+    if self.shard_optimizer_state:
+      self._check_sharding()
     self._check_eval_splits()
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(
           f"ema_decay and eval_tta are not supported with model_parallel="
           f"{self.model_parallel.mode}")
+
+  def _check_sharding(self):
+    """`shard_optimizer_state` needs a data axis whose update the trainer
+    owns: (multi-worker) mirrored replicas, or a split's copies (a mesh's
+    data axis, or mirrored devices cut into copies of the split)."""
+    split = self.model_parallel
+    if self.strategy not in SHARDING_STRATEGIES:
+      raise ConfigError(
+          f"shard_optimizer_state=True needs the trainer's data-parallel "
+          f"update ({', '.join(SHARDING_STRATEGIES)}, or a mesh with a data "
+          f"axis), not strategy={self.strategy}")
+    if (split.mode == "none" or split.data_axis > 1 or
+        self.strategy == "mirrored"):
+      return
+    if split.mesh:
+      where, mesh = f"mesh={split.mesh}", split.mesh
+    else:
+      where = f"model_parallel={split.mode} with strategy={self.strategy}"
+      mesh = (f"pipeline:{split.num_stages}" if split.mode == "pipeline"
+              else f"model:{split.num_shards}")
+    raise ConfigError(
+        f"shard_optimizer_state=True shards the optimizer state over a data "
+        f"axis; {where} has none (use a mesh with one, e.g. "
+        f"--mesh=data:2,{mesh}, or turn shard_optimizer_state off)")
 
   def _check_eval_splits(self):
     """`best_metric` and `stop_when` name eval sets this run has."""

@@ -72,10 +72,11 @@ def restoring(trainer, checkpoints, previous_info, record, *, whole_split):
                           written_as_split=True) != split_layout.SPLIT):
     raise ConfigError(
         f"checkpoint {path} (saved by distloop before cross-mesh resume, "
-        f"split {old}) does not match this model or optimizer on the same "
-        f"split (model_fingerprint was {saved['model_fingerprint']}, now "
-        f"{split_fingerprint}); use the same model flags or another "
-        "model_dir")
+        f"split {old}) does not match this run's model or optimizer on the "
+        f"same split (model_fingerprint was {saved['model_fingerprint']}, "
+        f"now {split_fingerprint}; an optimizer state sharded across the "
+        "data axis, --shard_optimizer_state, cannot read it either); use "
+        "the same flags as its run or another model_dir")
   logging.warning(
       "checkpoint %s predates resuming on another mesh (its optimizer is "
       "saved as split %s's own): restoring it as this split's; the next "

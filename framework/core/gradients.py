@@ -115,10 +115,23 @@ class GradientPipeline:
     context.merge_call(self._update_shards, args=(
         sharding, grad_shards, weight_shards, finite))
     weights = sharding.gather_weights(context)
-    # The weights, the step count, the EMA and the skip counters as in an
-    # unsharded update, with `assign` as the update.
-    return context.merge_call(self._update, args=(
-        weights, variables, finite), kwargs={"assign": True})
+    return self.assign_weights(weights, variables, finite)
+
+  def assign_weights(self, weights, variables, finite):
+    """Sets `variables` to `weights`, updated elsewhere (gathered from the
+    optimizer's shards), as one step: the step count, the EMA and the skip
+    counters as in `apply_gradients`, with `assign` as the update."""
+    self._applied_in_trace = True
+    return tf.distribute.get_replica_context().merge_call(
+        self._update, args=(weights, variables, finite),
+        kwargs={"assign": True})
+
+  def if_finite(self, finite, update):
+    """`update()` (it returns a bool tensor), under `nan_policy=skip` or a
+    float16 loss scale only where `finite` (else False)."""
+    if self.nan_policy != "skip" and self.loss_scale is None:
+      return update()
+    return tf.cond(finite, update, lambda: tf.constant(False))
 
   def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
                      finite):
@@ -139,10 +152,8 @@ class GradientPipeline:
                                  args=(grad, weight), group=False)
       return tf.constant(True)
 
-    if self.nan_policy != "skip" and self.loss_scale is None:
-      return update_all()
-    finite = strategy.experimental_local_results(finite)[0]
-    return tf.cond(finite, update_all, lambda: tf.constant(False))
+    return self.if_finite(strategy.experimental_local_results(finite)[0],
+                          update_all)
 
   def update_variable(self, grad, var, learning_rate):
     """One variable's optimizer step with its reduced gradient.

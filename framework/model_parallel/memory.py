@@ -40,7 +40,8 @@ def memory_by_device(model, optimizer):
 
   Parameters are all model weights (trainable or not, e.g. BatchNorm
   statistics); slots are the optimizer's per-parameter variables (Adam's
-  moments), found on whatever device they were created on.
+  moments), found on whatever device they were created on (with the state
+  sharded over a mesh's data axis, `copy_sharding`: this copy's 1/R).
   """
   report = {}
 
@@ -52,7 +53,9 @@ def memory_by_device(model, optimizer):
   for weight in model.weights:
     add(weight, "param_bytes")
   bookkeeping = _optimizer_bookkeeping(optimizer)
-  for variable in optimizer.variables:
+  # By name too: a mesh copy's optimizer keeps an unused step counter of
+  # its own (it counts in copy 0's).
+  for variable in _tf_internal.optimizer_slot_variables(optimizer):
     if id(variable) not in bookkeeping:
       add(variable, "optimizer_slot_bytes")
   return dict(sorted(report.items()))

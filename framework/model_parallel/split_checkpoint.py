@@ -48,7 +48,8 @@ def _shadow(optimizer, variables):
   return shadow
 
 
-def unsplit_view(optimizer, unsplit_variables, split_weights):
+def unsplit_view(optimizer, unsplit_variables, split_weights, *,
+                 state=None, index=None):
   """The checkpoint view of a split model's built `optimizer`.
 
   Args:
@@ -58,6 +59,10 @@ def unsplit_view(optimizer, unsplit_variables, split_weights):
       order an unsplit run builds its optimizer on.
     split_weights: for each of them, the split model's weight: a variable,
       or a `ShardedWeight` over its shard variables.
+    state, index: where the optimizer's state is checkpointed from, if not
+      `optimizer` itself: a view with its children (the data axis's ZeRO-1
+      view, `copy_sharding`, whose slots save whole), and `index(variable)`,
+      a split variable's position in its per-variable lists.
 
   Returns:
     A trackable to checkpoint as `optimizer`.
@@ -73,9 +78,11 @@ def unsplit_view(optimizer, unsplit_variables, split_weights):
   split_count = sum(len(w.shards) if isinstance(w, ShardedWeight) else 1
                     for w in split_weights)
   shadow = _shadow(optimizer, unsplit_variables)
-  mine = _tf_internal.trackable_children(optimizer)
+  mine = _tf_internal.trackable_children(
+      optimizer if state is None else state)
   theirs = _tf_internal.trackable_children(shadow)
-  index = lambda v: _tf_internal.optimizer_variable_index(optimizer, v)
+  if index is None:
+    index = lambda v: _tf_internal.optimizer_variable_index(optimizer, v)
 
   def piece(values, weight):
     if isinstance(weight, ShardedWeight):

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.errors import ConfigError, check_positive
+from framework.model_parallel.copy_sharding import CopyShardedState
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
                                              memory_by_device, memory_metrics)
@@ -84,6 +85,9 @@ class StagedTrainer(Trainer):
       batch; each stage's gradients are summed across the R copies and
       every copy applies the same update. Only `model` and `optimizer` are
       checkpointed; the copies are set from them before each `train` call.
+    shard_optimizer_state: with copies, copy r keeps and updates 1/R of
+      every variable's optimizer slots (`copy_sharding`, ZeRO-1 on the data
+      axis); checkpoints still hold the full slots. One copy: no change.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
@@ -92,7 +96,7 @@ class StagedTrainer(Trainer):
                recompute=default(SplitConfig, "recompute"),
                serial_stages=default(SplitConfig, "serial_stages"),
                input_grads_first=default(SplitConfig, "input_grads_first"),
-               copies=(), **kwargs):
+               copies=(), shard_optimizer_state=False, **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
@@ -128,6 +132,16 @@ class StagedTrainer(Trainer):
         set(staged) != {id(v) for v in model.trainable_variables}):
       raise ValueError("the stages must use each trainable variable of the "
                        "model exactly once")
+    self.copy_sharding = None
+    if shard_optimizer_state and copies:
+      # Builds every copy's optimizer on its shards; Trainer's
+      # `optimizer.build` is then a no-op (Keras builds once).
+      self.copy_sharding = CopyShardedState(
+          [optimizer] + [o for _, _, o in copies],
+          [model] + [m for _, m, _ in copies], strategy)
+    elif shard_optimizer_state:
+      logging.info("shard_optimizer_state: one copy of the split (no data "
+                   "axis), nothing to shard")
     super().__init__(model, optimizer, strategy, **kwargs)
     self._set_up_copies(copies)
     self.memory = memory_by_device(model, optimizer)
@@ -135,6 +149,14 @@ class StagedTrainer(Trainer):
                     self.recompute)
     logging.info("model-parallel memory per device: %s",
                  format_memory(self.memory))
+
+  @property
+  def checkpointed_optimizer(self):
+    """The optimizer, or with the state sharded over the copies a view of
+    it that saves each slot whole (the keys of the unsharded run)."""
+    if self.copy_sharding is None:
+      return self.optimizer
+    return self.copy_sharding.checkpointed_optimizer
 
   @property
   def variables(self):
@@ -279,6 +301,8 @@ class StagedTrainer(Trainer):
       if len(variables) != len(self.variables) or any(
           a.shape != b.shape for a, b in zip(variables, self.variables)):
         raise ValueError("a pipeline copy must have the stages' variables")
+      if self.copy_sharding is not None:
+        continue  # built on their shards, one step counter
       # One step counter: Adam's bias correction and any learning-rate
       # schedule see the same step in every copy.
       _tf_internal.share_step_counter(optimizer, self.optimizer.iterations)
@@ -286,6 +310,8 @@ class StagedTrainer(Trainer):
         optimizer.build(model.trainable_variables)
       for v in variables:
         self._copy_optimizers[id(_tf_variable(v))] = optimizer
+    if self.copy_sharding is not None:
+      self._copy_optimizers = self.copy_sharding.optimizer_of()
 
   def _copies_train_step(self, features, labels):
     per_copy, loss, accuracy = self._copies_gradients(features, labels)
@@ -298,10 +324,33 @@ class StagedTrainer(Trainer):
                                                use_norm=grad_norm)
       all_grads.extend(copy_grads)
       variables.extend(v for s in stages for v in s.trainable_variables)
-    # One optimizer step: each copy's variables updated on their device.
-    self.apply_gradients(all_grads, variables)
+    if self.copy_sharding is not None:
+      self._apply_copy_shards(all_grads, variables)
+    else:
+      # One optimizer step: each copy's variables updated on their device.
+      self.apply_gradients(all_grads, variables)
     return {"loss": loss, "accuracy": accuracy,
             "grad_norm": self.replica_share(grad_norm)}
+
+  def _apply_copy_shards(self, grads, variables):
+    """One step with the optimizer state sharded over the copies
+    (`copy_sharding`): copy r updates slice r of each of its variables,
+    then every copy's variables are joined from all copies' slices."""
+    count = len(self.variables)
+    per_copy = lambda values: [values[i:i + count]
+                               for i in range(0, len(values), count)]
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads[:count]))
+    learning_rate = self.optimizer.learning_rate
+
+    def update():
+      self.copy_sharding.update_shards(
+          self.update_variable, per_copy(grads), per_copy(variables),
+          learning_rate)
+      return tf.constant(True)
+
+    self.if_finite(finite, update)
+    weights = self.copy_sharding.gather(per_copy(variables))
+    return self.assign_weights(weights, variables, finite)
 
   def _copy_pairs(self):
     """(copy 0's variable, copy r's variable): weights, optimizer slots."""
@@ -311,7 +360,8 @@ class StagedTrainer(Trainer):
     pairs = []
     for _, model, optimizer in self.copies:
       pairs += zip(self.model.weights, model.weights)
-      pairs += zip(own(self.optimizer), own(optimizer))
+      if self.copy_sharding is None:  # sharded: each copy its own slice
+        pairs += zip(own(self.optimizer), own(optimizer))
     for a, b in pairs:
       if a.shape != b.shape:
         raise ValueError(f"pipeline copy mismatch: {a.path} {a.shape}, "
@@ -323,7 +373,9 @@ class StagedTrainer(Trainer):
 
     Copy 0 is what checkpoints save and restore (and what the weights file
     holds); the copies follow it after a restore. Equal copies stay equal:
-    they apply the same update every step.
+    they apply the same update every step. With the state sharded over the
+    copies only the weights: each copy's slots are its own slice, which a
+    restore sets directly (`copy_sharding`).
     """
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()

@@ -295,11 +295,16 @@ class TensorParallelTrainer(StagedTrainer):
       # Checkpoints hold the optimizer as an unsplit run's: any mesh
       # (or none) resumes from them.
       try:
-        # In the split's own layout while restoring an older checkpoint.
-        self._unsplit_optimizer = OptimizerLayout(unsplit_view(
+        sharding = self.copy_sharding  # ZeRO-1 on the data axis, or None
+        view = unsplit_view(
             self.optimizer, model.trainable_variables,
-            placed.checkpoint_weights(model)), self.optimizer,
-                                                  model.trainable_variables)
+            placed.checkpoint_weights(model),
+            state=sharding and sharding.checkpointed_optimizer,
+            index=sharding and sharding.checkpoint_index)
+        # Unsharded: in the split's own layout while restoring an older
+        # checkpoint (`split_layout`); ZeRO-1 never wrote one.
+        self._unsplit_optimizer = view if sharding else OptimizerLayout(
+            view, self.optimizer, model.trainable_variables)
       except (TypeError, ValueError, NotImplementedError) as e:
         # An optimizer Keras cannot rebuild from its config: the split
         # trains, its checkpoints resume on this split only.
@@ -371,8 +376,10 @@ class TensorParallelTrainer(StagedTrainer):
   @property
   def checkpoint_layout(self):
     """A transformer split's `split_layout.OptimizerLayout` (None for a
-    Dense pair, or an optimizer checkpointed as this split's only)."""
-    return self._unsplit_optimizer
+    Dense pair, a ZeRO-1 split or an optimizer checkpointed as this
+    split's only: none of them restores an older split checkpoint)."""
+    layout = self._unsplit_optimizer
+    return layout if isinstance(layout, OptimizerLayout) else None
 
   @property
   def checkpointed_optimizer(self):

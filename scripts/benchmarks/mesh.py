@@ -81,7 +81,8 @@ flags.DEFINE_spaceseplist(
     "device), a --mesh value (logical CPU devices of one process), "
     "mirrored:N (data parallel; +zero1: --shard_optimizer_state), mwms:N "
     "(N MultiWorkerMirrored processes; +zero1 too), cluster:MESH "
-    "(--model_parallel_devices=cluster on one worker process per copy).")
+    "(--model_parallel_devices=cluster on one worker process per copy); "
+    "a mesh with a data axis takes +zero1 too.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example T.")
 flags.DEFINE_integer("global_batch_size", 16, "Examples per step.")
 flags.DEFINE_integer("num_microbatches", 4, "Micro-batches of a mesh with "
@@ -113,15 +114,15 @@ def _size(text):
 
 def _axes(mesh):
   """(data, model, pipeline, zero1) of a configuration name."""
+  mesh, _, zero = mesh.partition("+")
   if mesh == "unsplit":
     return 1, 1, 1, False
   if mesh.startswith(("mirrored:", "mwms:")):
-    count, _, zero = mesh.split(":", 1)[1].partition("+")
-    return int(count), 1, 1, zero == "zero1"
+    return int(mesh.split(":", 1)[1]), 1, 1, zero == "zero1"
   from framework.model_parallel.mesh import parse_mesh  # pylint: disable=g-import-not-at-top
   sizes = parse_mesh(mesh.removeprefix("cluster:"))
   return (sizes.get("data", 1), sizes.get("model", 1),
-          sizes.get("pipeline", 1), False)
+          sizes.get("pipeline", 1), zero == "zero1")
 
 
 def _check_meshes():
@@ -186,10 +187,10 @@ def _measure():
     optimizer = keras.optimizers.Adam(1e-3)
   parameters = int(sum(v.shape.num_elements()
                        for v in model.trainable_variables))
-  kwargs = dict(global_batch_size=FLAGS.global_batch_size)
+  kwargs = dict(global_batch_size=FLAGS.global_batch_size,
+                shard_optimizer_state=zero)
   if mesh in ("unsplit",) or mirrored:
-    trainer = framework.Trainer(model, optimizer, strategy,
-                                shard_optimizer_state=zero, **kwargs)
+    trainer = framework.Trainer(model, optimizer, strategy, **kwargs)
   elif model_axis == 1:
     # --mesh=data:R,pipeline:S cuts a model's layers (PipelineTrainer),
     # which the GPT's twice-called token embedding rules out; its
@@ -203,7 +204,8 @@ def _measure():
                          for r in range(data)], **kwargs)
   else:
     config, strategy = ModelParallelConfig(
-        mesh=mesh, num_microbatches=_microbatches(mesh)).with_strategy(
+        mesh=mesh.partition("+")[0],
+        num_microbatches=_microbatches(mesh)).with_strategy(
             strategy, "default")
     trainer = config.trainer_factory()(model, optimizer, strategy, **kwargs)
   rng = np.random.default_rng(0)
@@ -281,7 +283,8 @@ def _launched(mesh, size):
   split = (["--strategy=multi_worker_mirrored",
             f"--shard_optimizer_state={str(zero).lower()}"]
            if mesh.startswith("mwms:")
-           else [f"--mesh={mesh.removeprefix('cluster:')}",
+           else [f"--mesh={mesh.partition('+')[0].removeprefix('cluster:')}",
+                 f"--shard_optimizer_state={str(zero).lower()}",
                  "--model_parallel_devices=cluster",
                  f"--cpu_devices={model_axis * pipeline}",
                  f"--num_microbatches={_microbatches(mesh)}"])
