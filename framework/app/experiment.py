@@ -6,6 +6,7 @@ train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
 data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -21,6 +22,7 @@ from framework.app import export
 from framework.app import check_run
 from framework.app import custom_inputs
 from framework.app import factory
+from framework.app import old_split_checkpoint
 from framework.app import run_plan
 from framework.app import split_change
 from framework.core import optimizers, progress, protocols, ps_training
@@ -247,13 +249,19 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
   if record["model_parallel"]["mode"] != "none":  # which trainer ran
     record["model_parallel"]["trainer"] = type(trainer).__name__
   previous = export.read_model_info_quietly(config.model_dir)
+  whole_split = split_for(protocols.unsplit_model(trainer)) is not None
+  older = contextlib.nullcontext()
   if controller.checkpoints.latest:
     # A split whose checkpoint another split cannot read: one line, first.
-    split_change.check(
-        previous, record["model_parallel"], model=config.model,
-        whole_split=split_for(protocols.unsplit_model(trainer)) is not None)
+    split_change.check(previous, record["model_parallel"],
+                       model=config.model, whole_split=whole_split)
+    # A gpt split's checkpoint from before cross-mesh resume.
+    older = old_split_checkpoint.restoring(
+        trainer, controller.checkpoints, previous, record["model_parallel"],
+        whole_split=whole_split)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
-  controller.restore()
+  with older:
+    controller.restore()
   # Only when the run has no checkpoint of its own; before anything is written.
   init = warm_start.warm_start(
       controller, config.init_checkpoint,

@@ -13,6 +13,7 @@ checkpoints (model, options, optimizer, global batch, dataset), so that
 resuming with another configuration is an error unless allowed.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -206,6 +207,7 @@ class CheckpointManager:
     model_dir = _absolute(model_dir)
     self.model_dir = model_dir
     self.is_chief = strategies.is_chief(strategy)
+    self._accepted, self._consume_all = {}, False
     self.configure(restore_policy=restore_policy, run_config=run_config,
                    allow_config_change=allow_config_change)
     if self.is_chief:
@@ -230,6 +232,17 @@ class CheckpointManager:
     self.allow_config_change = bool(allow_config_change)
     # [(key, old, new)] an allowed resume changed (see _check_run_config).
     self.config_changes = []
+
+  @contextlib.contextmanager
+  def restoring_older(self, **accepted):
+    """Within: a restore accepts the `run_config` values an older version
+    wrote (`{key: value}`, e.g. another model_fingerprint) as unchanged,
+    and fails unless it consumes every value the checkpoint holds."""
+    self._accepted, self._consume_all = dict(accepted), True
+    try:
+      yield
+    finally:
+      self._accepted, self._consume_all = {}, False
 
   def _new_manager(self):
     return tf.train.CheckpointManager(
@@ -291,6 +304,8 @@ class CheckpointManager:
     try:
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
+      if self._consume_all:
+        status.assert_consumed()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
       raise CheckpointError(
           f"checkpoint {path} does not match this model and optimizer "
@@ -336,7 +351,9 @@ class CheckpointManager:
     # version) is not a change.
     changes = [(k, saved.get(k), current.get(k))
                for k in sorted(set(saved) | set(current))
-               if k in saved and saved.get(k) != current.get(k)]
+               if k in saved and saved.get(k) != current.get(k)
+               and not (k in self._accepted and
+                        saved.get(k) == self._accepted[k])]
     if not changes:
       return
     what = "; ".join(f"{k} was {_describe(old)}, now {_describe(new)}"
