@@ -32,10 +32,11 @@ _EXPORTS = {
     ],
     "framework.model_parallel.stages": ["ParallelStage", "Stage"],
     "framework.model_parallel.streams": ["DeviceStreams"],
-    "framework.model_parallel.tensor_parallel": [
+    "framework.model_parallel.dense_pair": [
         "ColumnParallelDense", "RowParallelDense", "TensorParallelModel",
-        "TensorParallelTrainer", "split_dense_pair",
+        "split_dense_pair",
     ],
+    "framework.model_parallel.tensor_parallel": ["TensorParallelTrainer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items()
           for name in names}
