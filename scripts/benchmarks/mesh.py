@@ -69,7 +69,8 @@ cli.quiet_startup()
 
 FLAGS = flags.FLAGS
 MESHES = ("unsplit", "model:2", "model:4", "data:2,model:2",
-          "data:2,pipeline:2", "model:2,pipeline:2", "mirrored:4",
+          "data:2,model:2+zero1", "data:2,pipeline:2", "model:2,pipeline:2",
+          "mirrored:4",
           "mirrored:4+zero1", "mwms:2", "cluster:data:2,model:2")
 QUICK_MESHES = ("unsplit", "model:2", "data:2,model:2", "mirrored:4+zero1",
                 "cluster:data:2,model:2")
