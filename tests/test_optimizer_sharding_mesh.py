@@ -154,3 +154,29 @@ def test_on_two_worker_processes_sharded_equals_unsharded(tmp_path):
   assert len(slots[False]) == 2 and slots[False].keys() == slots[True].keys()
   for device, size in slots[False].items():
     assert size > 0 and 2 * slots[True][device] == size, slots
+
+
+@pytest.mark.slow
+def test_check_distribution_on_a_sharded_mesh_checks_it_unsharded(tmp_path):
+  # The probe optimizer of the check replaces copy 0's only; the check
+  # compares the split unsharded, says so, and the run then shards.
+  proc = helpers.run_script(
+      "train.py", "--model=gpt", "--dataset=text", "--num_layers=1",
+      "--num_heads=2", "--model_width=16", "--sequence_length=16",
+      "--global_batch_size=8", "--train_steps=1", "--optimizer=adam",
+      "--cpu_devices=4", "--mesh=data:2,model:2", "--shard_optimizer_state",
+      "--check_distribution", f"--model_dir={tmp_path / 'run'}",
+      check=False, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "verdict: WARN" in proc.stdout, proc.stdout[-3000:]
+  assert "WARN checked_unsharded: the run shards its optimizer state" in (
+      proc.stdout)
+  # The run itself (the last memory line; the check's unsharded trainers
+  # log theirs before): Adam's two slots, halved, weigh what the params do.
+  line = re.findall(r"model-parallel memory per device: (.*)", proc.stderr)
+  assert line, proc.stderr[-3000:]
+  pairs = re.findall(r"(\S+): params (\d+) B, optimizer slots (\d+) B",
+                     line[-1])
+  assert len(pairs) == 2, line[-1]
+  for device, params, slots in pairs:
+    assert int(slots) == int(params), (device, params, slots)
