@@ -109,11 +109,11 @@ def test_a_gpt_data_by_pipeline_mesh_runs_its_split_and_equals_unsplit(
     tmp_path, reference):
   model_dir = tmp_path / "run"
   proc = _train(model_dir, 2 * K, "data:2,pipeline:2")
-  assert ("its 2-stage pipeline runs as TensorParallelTrainerLanguageModel"
+  assert ("its 2-stage pipeline runs as TensorParallelLanguageModel"
           "Trainer(num_shards=1, tensor_stages=2)") in proc.stderr
   split = _info(model_dir)["run_plan"]["model_parallel"]
   assert (split["mode"], split["trainer"]) == (
-      "pipeline", "TensorParallelTrainerLanguageModelTrainer")
+      "pipeline", "TensorParallelLanguageModelTrainer")
   _check(_differences(proc, model_dir, reference))
 
 

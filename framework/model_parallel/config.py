@@ -247,8 +247,11 @@ class ModelParallelConfig:
             f"model_parallel={self.mode} needs a trainer derived from "
             f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
       # The split's eval_logits, the subclass's eval_sums and eval_results.
-      return type(parallel_cls.__name__ + trainer_cls.__name__,
-                  (parallel_cls, trainer_cls), {})
+      # TensorParallel + LanguageModelTrainer -> TensorParallelLanguageModel
+      # Trainer (the name logs and model_info.json show).
+      name = (parallel_cls.__name__.removesuffix("Trainer") +
+              trainer_cls.__name__)
+      return type(name, (parallel_cls, trainer_cls), {})
 
     devices = None
     if self.devices == "cluster" and not self.replica_devices:
