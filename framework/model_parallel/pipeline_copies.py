@@ -1,0 +1,152 @@
+"""Data x pipeline: R copies of a staged model, one per group of devices.
+
+Copy r runs the split's forward and backward passes on the r-th consecutive
+share of the global batch; each stage's gradients are all-reduced across
+the R copies of that stage (`replicas.all_reduce_copies`, over the data
+axis only) and every copy applies the same update, so the copies stay
+equal. Copy 0 is the model that checkpoints, summaries and the weights file
+see; the others follow it after a restore (`sync_copies`). With
+`shard_optimizer_state`, copy r keeps and updates 1/R of every optimizer
+slot (`copy_sharding`, ZeRO-1 on the data axis).
+"""
+
+import keras
+import tensorflow as tf
+
+from framework import _tf_internal
+from framework.model_parallel.replicas import all_reduce_copies
+
+
+def tf_variable(variable):
+  """The tf.Variable behind a Keras variable (a tf.Variable as it is)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+class PipelineCopies:
+  """The copies' half of `StagedTrainer` (a mixin: it reads the trainer's
+  `stages`, `variables`, `optimizer` and `_pipeline_gradients`).
+
+  Attributes:
+    copies: `(stages, model, optimizer)` of copies 1..R-1 (empty: one copy).
+  """
+
+  def _set_up_copies(self, copies):
+    """Builds the copies' optimizers, which share copy 0's step counter."""
+    self.copies = copies
+    self._copy_optimizers = {}
+    self._sync_copies_fn = None
+    for stages, model, optimizer in copies:
+      variables = [v for s in stages for v in s.trainable_variables]
+      if len(variables) != len(self.variables) or any(
+          a.shape != b.shape for a, b in zip(variables, self.variables)):
+        raise ValueError("a pipeline copy must have the stages' variables")
+      if self.copy_sharding is not None:
+        continue  # built on their shards, one step counter
+      # One step counter: Adam's bias correction and any learning-rate
+      # schedule see the same step in every copy.
+      _tf_internal.share_step_counter(optimizer, self.optimizer.iterations)
+      with self.strategy.scope():
+        optimizer.build(model.trainable_variables)
+      for v in variables:
+        self._copy_optimizers[id(tf_variable(v))] = optimizer
+    if self.copy_sharding is not None:
+      self._copy_optimizers = self.copy_sharding.optimizer_of()
+
+  def _copies_train_step(self, features, labels):
+    per_copy, loss, accuracy = self._copies_gradients(features, labels)
+    # Every copy holds the same summed gradient: one norm, one clip.
+    grads, grad_norm = self.clip_by_global_norm(per_copy[0])
+    all_grads, variables = list(grads), list(self.variables)
+    for (stages, _, _), copy_grads in zip(self.copies, per_copy[1:]):
+      if self.clip_norm is not None:
+        copy_grads, _ = tf.clip_by_global_norm(copy_grads, self.clip_norm,
+                                               use_norm=grad_norm)
+      all_grads.extend(copy_grads)
+      variables.extend(v for s in stages for v in s.trainable_variables)
+    if self.copy_sharding is not None:
+      self._apply_copy_shards(all_grads, variables)
+    else:
+      # One optimizer step: each copy's variables updated on their device.
+      self.apply_gradients(all_grads, variables)
+    return {"loss": loss, "accuracy": accuracy,
+            "grad_norm": self.replica_share(grad_norm)}
+
+  def _apply_copy_shards(self, grads, variables):
+    """One step with the optimizer state sharded over the copies
+    (`copy_sharding`): copy r updates slice r of each of its variables,
+    then every copy's variables are joined from all copies' slices."""
+    count = len(self.variables)
+    per_copy = lambda values: [values[i:i + count]
+                               for i in range(0, len(values), count)]
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads[:count]))
+    learning_rate = self.optimizer.learning_rate
+
+    def update():
+      self.copy_sharding.update_shards(
+          self.update_variable, per_copy(grads), per_copy(variables),
+          learning_rate)
+      return tf.constant(True)
+
+    self.if_finite(finite, update)
+    weights = self.copy_sharding.gather(per_copy(variables))
+    return self.assign_weights(weights, variables, finite)
+
+  def _copy_pairs(self):
+    """(copy 0's variable, copy r's variable): weights, optimizer slots."""
+    # The slots. The step counter is shared and the learning rate copy 0's
+    # (a copy's own are unused).
+    own = _tf_internal.optimizer_slot_variables
+    pairs = []
+    for _, model, optimizer in self.copies:
+      pairs += zip(self.model.weights, model.weights)
+      if self.copy_sharding is None:  # sharded: each copy its own slice
+        pairs += zip(own(self.optimizer), own(optimizer))
+    for a, b in pairs:
+      if a.shape != b.shape:
+        raise ValueError(f"pipeline copy mismatch: {a.path} {a.shape}, "
+                         f"{b.path} {b.shape}")
+    return pairs
+
+  def sync_copies(self):
+    """Sets every copy's weights and optimizer slots to copy 0's.
+
+    Copy 0 is what checkpoints save and restore (and what the weights file
+    holds); the copies follow it after a restore. Equal copies stay equal:
+    they apply the same update every step. With the state sharded over the
+    copies only the weights: each copy's slots are its own slice, which a
+    restore sets directly (`copy_sharding`).
+    """
+    if self._sync_copies_fn is None:
+      pairs = self._copy_pairs()
+
+      def sync():
+        for source, target in pairs:
+          target.assign(source)
+
+      self._sync_copies_fn = tf.function(sync)
+    self._sync_copies_fn()
+
+  def _copies_gradients(self, features, labels):
+    """(R lists of gradients, loss, accuracy): every copy's gradients.
+
+    Copy r runs the pipeline on the r-th consecutive share of the batch;
+    its micro-batch losses are still divided by the GLOBAL batch size, so
+    the sum over copies of a stage's gradients is the full-batch gradient.
+    """
+    all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
+    per_copy, losses, accuracies = [], [], []
+    for stages, x, y in zip(all_stages, tf.split(features, len(all_stages)),
+                            tf.split(labels, len(all_stages))):
+      grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
+      per_copy.append(grads)
+      losses.append(loss)
+      accuracies.append(accuracy)
+    # Stage i's gradients, all-reduced across the R copies of stage i.
+    reduced = [[] for _ in all_stages]
+    for i in range(len(self.stages)):
+      summed = all_reduce_copies([grads[i] for grads in per_copy],
+                                 [stages[i].device for stages in all_stages])
+      for r, stage_grads in enumerate(summed):
+        reduced[r].extend(stage_grads)
+    with tf.device(self.stages[-1].device):
+      return reduced, tf.add_n(losses), tf.add_n(accuracies)
