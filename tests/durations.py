@@ -30,7 +30,8 @@ def parse(lines):
   """{nodeid: seconds} summed over setup, call and teardown."""
   seconds = collections.Counter()
   for line in lines:
-    m = re.match(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S+)", line)
+    # A parametrised id may hold spaces ("[data:2,model:2 momentum]").
+    m = re.match(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S.*?)\s*$", line)
     if m:
       seconds[m.group(2)] += float(m.group(1))
   return seconds
