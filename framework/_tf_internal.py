@@ -104,6 +104,9 @@ def num_workers(strategy):
   return strategy._num_workers
 
 
+# Not converted: the model-parallel all-reduces are built on first use, which
+# can be inside a traced step, and AutoGraph cannot read importlib's source.
+@tf.autograph.experimental.do_not_convert
 def _distribute_module(name):
   return importlib.import_module(f"tensorflow.python.distribute.{name}")
 

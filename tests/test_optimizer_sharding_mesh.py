@@ -171,6 +171,9 @@ def test_check_distribution_on_a_sharded_mesh_checks_it_unsharded(tmp_path):
   assert "verdict: WARN" in proc.stdout, proc.stdout[-3000:]
   assert "WARN checked_unsharded: the run shards its optimizer state" in (
       proc.stdout)
+  # The all-reduces the check's trainers build inside a traced step are
+  # built unconverted (AutoGraph cannot read importlib's source).
+  assert "AutoGraph could not transform" not in proc.stderr, proc.stderr
   # The run itself (the last memory line; the check's unsharded trainers
   # log theirs before): Adam's two slots, halved, weigh what the params do.
   line = re.findall(r"model-parallel memory per device: (.*)", proc.stderr)
