@@ -29,6 +29,12 @@ class NonFiniteLossError(DistloopError):
   """Training produced a NaN or Inf loss (see `nan_policy`)."""
 
 
+def first_line(error):
+  """The first line of `error`'s message (its type's name if it has none)."""
+  text = str(error).strip().splitlines()
+  return text[0] if text else type(error).__name__
+
+
 def check_positive(name, value):
   """Raises ConfigError unless `value` is a positive integer."""
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

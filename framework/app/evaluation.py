@@ -28,7 +28,7 @@ import tensorflow as tf
 from framework.core import losses, precision
 from framework.app import custom_inputs, export
 from framework.app.eval_config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
-from framework.core import checkpoint_state, checkpointing
+from framework.core import checkpoint_integrity, checkpoint_state
 from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -179,14 +179,14 @@ class Evaluator:
     path = path or self.config.checkpoint
     if path is None:
       # The newest intact one; a damaged newer one is named in a warning.
-      path, _ = checkpointing.latest_intact(self.config.model_dir)
+      path, _ = checkpoint_integrity.latest_intact(self.config.model_dir)
     if path is None:
       raise CheckpointError(f"model_dir={self.config.model_dir!r} has no "
                             "checkpoint yet")
     if not tf.io.gfile.exists(path + ".index"):
       raise CheckpointError(f"checkpoint={path!r} does not exist (no "
                             f"{os.path.basename(path)}.index)")
-    problem = checkpointing.damage(path)
+    problem = checkpoint_integrity.damage(path)
     if problem is not None:
       raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     writer = self.writer  # before the work: an unwritable folder fails now
@@ -238,10 +238,10 @@ def watch(config, strategy=None):
   last = None
   while True:
     path = checkpoint_state.latest(config.model_dir)
-    if path is not None and path != last and checkpointing.damage(path):
+    if path is not None and path != last and checkpoint_integrity.damage(path):
       # Rotated away while we looked, or damaged: wait for the next one.
       logging.warning("Skipping checkpoint %s: %s", path,
-                      checkpointing.damage(path))
+                      checkpoint_integrity.damage(path))
       last = path
     elif path is not None and path != last:
       try:

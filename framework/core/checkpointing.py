@@ -5,10 +5,10 @@ only the chief's copy is kept, the others write to a temporary directory that
 is removed straight after. A checkpoint that cannot be restored is an error,
 never a silent restart from scratch.
 
-Before restoring, the newest checkpoint is read in full (index, every data
-file, every tensor's checksum). A damaged one is named in a warning and the
-newest intact one is restored instead (`restore_policy="latest_intact"`), or
-it is an error (`"error"`). The chief also keeps `run_config.json` beside the
+Before restoring, the newest checkpoint is read in full
+(`checkpoint_integrity`). A damaged one is named in a warning and the newest
+intact one is restored instead (`restore_policy="latest_intact"`), or it is
+an error (`"error"`). The chief also keeps `run_config.json` beside the
 checkpoints (model, options, optimizer, global batch, dataset), so that
 resuming with another configuration is an error unless allowed.
 """
@@ -25,10 +25,12 @@ import keras
 import tensorflow as tf
 
 from framework.core import atomic, checkpoint_state
+from framework.core.checkpoint_integrity import (absolute, damage,
+                                                 latest_intact)
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ModelDirError, check_choice,
-                              check_positive)
+                              check_positive, first_line)
 
 _WORKER_TMP = ".tmp_worker_"
 RUN_CONFIG_FILE = "run_config.json"
@@ -43,121 +45,11 @@ _ORPHAN_NAMES = re.compile(
     r"|" + atomic.ORPHAN_NAMES.pattern)
 
 
-def _first_line(error):
-  text = str(error).strip().splitlines()
-  return text[0] if text else type(error).__name__
-
-
-def damage(prefix):
-  """None if checkpoint `prefix` reads back in full, else what is wrong.
-
-  The answer names the damaged file: a missing index or data file, or a
-  data file that is short or fails its checksum when every tensor is read.
-  """
-  index = prefix + ".index"
-  if not tf.io.gfile.exists(index):
-    return f"{index} is missing"
-  data = sorted(tf.io.gfile.glob(prefix + ".data-*-of-*"))
-  shards = {int(m.group(1)) for m in (re.search(r"-of-(\d+)$", d)
-                                      for d in data) if m}
-  for count in shards:
-    for i in range(count):
-      name = f"{prefix}.data-{i:05d}-of-{count:05d}"
-      if name not in data:
-        return f"{name} is missing"
-  try:
-    reader = tf.train.load_checkpoint(prefix)
-  except Exception as e:  # pylint: disable=broad-except
-    return f"{index} cannot be read ({_first_line(e)})"
-  try:
-    for name in sorted(reader.get_variable_to_shape_map()):
-      reader.get_tensor(name)
-  except Exception as e:  # pylint: disable=broad-except
-    named = re.search(r"\S+\.data-\d{5}-of-\d{5}", str(e))
-    if named and not tf.io.gfile.exists(named.group(0)):
-      return f"{named.group(0)} is missing"
-    # The bundle reader names the shard ("shard 1") or nothing at all.
-    shard = re.search(r"shard (\d+)", str(e))
-    named = [d for d in data if shard and d.endswith(
-        f".data-{int(shard.group(1)):05d}-of-{len(data):05d}")]
-    files = " or ".join(named or data) or f"{prefix}.data-*"
-    return f"{files} is damaged ({_first_line(e)})"
-  return None
-
-
-def _listed_checkpoints(directory):
-  """The checkpoints the state file lists, oldest first (None: no state).
-
-  An unreadable state file (garbled, empty) is named in a warning and the
-  checkpoints are those found from their own files.
-
-  `get_checkpoint_state` joins relative entries onto the directory it is
-  given, so an absolute directory makes every entry absolute, whatever form
-  the state file stores.
-  """
-  directory = _absolute(directory)
-  found = checkpoint_state.recovered(directory)
-  if found is not None:  # a garbled state file: the files themselves
-    return found
-  try:
-    state = tf.train.get_checkpoint_state(directory)
-  except Exception as e:  # pylint: disable=broad-except  (a parse error)
-    raise CheckpointError(f"the checkpoint state file {directory}/checkpoint "
-                          f"is corrupt ({_first_line(e)})") from None
-  if state is None:
-    return None
-  paths = list(state.all_model_checkpoint_paths)
-  if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
-    paths.append(state.model_checkpoint_path)
-  return [p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
-          for p in paths]
-
-
-def _absolute(path):
-  """`path` made absolute, unless it is a URL (gs://, hdfs://, ...)."""
-  return path if "://" in path else os.path.abspath(path)
-
-
-def latest_intact(directory, restore_policy="latest_intact"):
-  """(newest intact checkpoint or None, [(damaged path, problem), ...]).
-
-  Reads only. Damaged checkpoints newer than the one returned are logged as
-  warnings. Raises CheckpointError if the newest is damaged and the policy
-  is "error", or if checkpoint files exist but none is intact.
-  """
-  check_choice("restore_policy", restore_policy, RESTORE_POLICIES)
-  paths = _listed_checkpoints(directory) or []
-  damaged = []
-  for path in reversed(paths):
-    problem = damage(path)
-    if problem is None:
-      for bad, why in damaged:
-        logging.warning("Checkpoint %s is damaged: %s; restoring the newest "
-                        "intact checkpoint, %s, instead", bad, why, path)
-      return path, damaged
-    if restore_policy == "error":
-      raise CheckpointError(
-          f"checkpoint {path} is damaged: {problem}; restore the file, or "
-          "use restore=latest_intact to resume from the newest intact "
-          "checkpoint")
-    damaged.append((path, problem))
-  if any(tf.io.gfile.glob(p + ".*") for p, _ in damaged):
-    raise CheckpointError(
-        "no intact checkpoint to resume from: " + "; ".join(
-            why for _, why in damaged) + "; refusing to start from scratch: "
-        "restore the files or move the ckpt-* files away")
-  if damaged:
-    logging.warning("The checkpoint state in %s lists %s but none of their "
-                    "files exist; starting from scratch", directory,
-                    ", ".join(os.path.basename(p) for p, _ in damaged))
-  return None, []
-
-
 def _save_reason(error):
   """The OS's words in a saver's error, without TensorFlow's function
   and op names ("{{function_node __wrapped__SaveV2...}} <file>; No space
   left on device [Op:SaveV2]" -> "No space left on device")."""
-  text = re.sub(r"\{\{[^}]*\}\}\s*", "", _first_line(error))
+  text = re.sub(r"\{\{[^}]*\}\}\s*", "", first_line(error))
   text = re.sub(r"\s*\[Op:\w+\]\s*$", "", text)
   return text.rsplit("; ", 1)[-1].strip() or type(error).__name__
 
@@ -204,7 +96,7 @@ class CheckpointManager:
     self.checkpoint = checkpoint
     # Resolved once: TensorFlow's state file and this class join paths onto
     # the directory, and a relative one would be joined twice.
-    model_dir = _absolute(model_dir)
+    model_dir = absolute(model_dir)
     self.model_dir = model_dir
     self.is_chief = strategies.is_chief(strategy)
     self._accepted, self._consume_all = {}, False
@@ -275,7 +167,7 @@ class CheckpointManager:
     except Exception as e:  # a corrupt text proto raises a parse error
       raise CheckpointError(
           f"the checkpoint state file {self.directory}/checkpoint is corrupt "
-          f"({_first_line(e)}); ckpt-* files exist, so refusing to start from "
+          f"({first_line(e)}); ckpt-* files exist, so refusing to start from "
           "scratch: fix or delete the state file") from None
     if has_data and (state is None or not state.model_checkpoint_path):
       raise CheckpointError(
@@ -309,7 +201,7 @@ class CheckpointManager:
     except (ValueError, AssertionError, tf.errors.OpError) as e:
       raise CheckpointError(
           f"checkpoint {path} does not match this model and optimizer "
-          f"({_first_line(e)}); use another model_dir or the same model "
+          f"({first_line(e)}); use another model_dir or the same model "
           "flags") from None
     self._check_run_config(path)
     if damaged and self.is_chief:

@@ -29,18 +29,13 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import checkpointing
+from framework.core import checkpoint_integrity
 from framework.core import protocols
-from framework.errors import CheckpointError, ConfigError
+from framework.errors import CheckpointError, ConfigError, first_line
 
 WEIGHTS_FILE_SUFFIX = ".weights.h5"
 # The root object under which `Controller` (and most users) save the model.
 _MODEL_ROOT = "model"
-
-
-def _first_line(error):
-  text = str(error).strip().splitlines()
-  return text[0] if text else type(error).__name__
 
 
 def check_exclude(exclude):
@@ -64,7 +59,7 @@ def resolve(path):
   if tf.io.gfile.isdir(path):
     if tf.io.gfile.exists(os.path.join(path, "checkpoint")):
       try:
-        prefix, _ = checkpointing.latest_intact(path)
+        prefix, _ = checkpoint_integrity.latest_intact(path)
       except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
       if prefix is not None:
@@ -99,7 +94,7 @@ def resolve(path):
 
 
 def _checked_prefix(where, prefix):
-  problem = checkpointing.damage(prefix)
+  problem = checkpoint_integrity.damage(prefix)
   if problem is not None:
     raise CheckpointError(f"{where}: checkpoint {prefix} is damaged: "
                           f"{problem}")
@@ -201,7 +196,7 @@ def _h5_restore(model, path, exclude, skip_mismatch, where):
     source = h5py.File(path, "r")
   except OSError as e:
     raise CheckpointError(f"{where}: {path} cannot be read as a Keras "
-                          f"weights file ({_first_line(e)})") from None
+                          f"weights file ({first_line(e)})") from None
   with source, tempfile.TemporaryDirectory() as tmp:
     merged = os.path.join(tmp, "merged" + WEIGHTS_FILE_SUFFIX)
     model.save_weights(merged)
@@ -220,7 +215,7 @@ def _h5_restore(model, path, exclude, skip_mismatch, where):
           dataset[...] = source[name][...]
       except OSError as e:
         raise CheckpointError(f"{where}: {path} is damaged "
-                              f"({_first_line(e)})") from None
+                              f"({first_line(e)})") from None
     model.load_weights(merged)
   return [name for _, _, name in restore], skipped, excluded
 
@@ -260,7 +255,7 @@ def restore_weights(model, path, *, skip_mismatch=False, exclude=None):
                                                             pattern)
     except tf.errors.OpError as e:
       raise CheckpointError(f"{where}: {source} cannot be read "
-                            f"({_first_line(e)})") from None
+                            f"({first_line(e)})") from None
     _check(where, restore, skipped, skip_mismatch,
            len(restore) + len(skipped) + len(excluded))
     values = []
@@ -268,7 +263,7 @@ def restore_weights(model, path, *, skip_mismatch=False, exclude=None):
       values = [read(key) for _, key, _ in restore]
     except tf.errors.OpError as e:
       raise CheckpointError(f"{where}: {source} is damaged "
-                            f"({_first_line(e)})") from None
+                            f"({first_line(e)})") from None
     for (variable, _, _), value in zip(restore, values):
       variable.assign(tf.cast(value, variable.dtype))
     restored = [name for _, _, name in restore]

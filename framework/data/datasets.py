@@ -12,7 +12,8 @@ import pickle
 import numpy as np
 
 from framework.data import splits
-from framework.errors import ConfigError, DataError, check_positive
+from framework.errors import (ConfigError, DataError, check_positive,
+                              first_line)
 
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + (
     "test_batch", "batches.meta")
@@ -33,11 +34,6 @@ class ArrayDataset(splits.ArraySplits):
   test_x: np.ndarray
   test_y: np.ndarray
   class_names: tuple
-
-
-def _first_line(error):
-  text = str(error).strip()
-  return text.splitlines()[0] if text else type(error).__name__
 
 
 def check_labels(dataset, where=""):
@@ -97,7 +93,7 @@ def load_cifar10(data_dir=None):
       except Exception as e:  # offline, proxy, disk: many types
         raise DataError(
             f"no data_dir given and Keras's CIFAR-10 cache {data_dir} is "
-            f"missing; downloading it failed ({_first_line(e)}): set data_dir "
+            f"missing; downloading it failed ({first_line(e)}): set data_dir "
             "(--data_dir) to a cifar-10-batches-py directory") from None
   missing = [f for f in CIFAR10_FILES
              if not os.path.isfile(os.path.join(data_dir, f))]
