@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from framework.distribute import launcher
+from framework.distribute import cluster_spec, launcher
 from framework.distribute import netns
 from framework.errors import ConfigError
 from tests import cluster_utils as cu
@@ -67,7 +67,7 @@ def test_the_launcher_starts_no_tensorflow():
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range():
   ports = launcher.free_ports(6)
   assert len(set(ports)) == 6
-  ephemeral = launcher._ephemeral_port_range()  # pylint: disable=protected-access
+  ephemeral = cluster_spec._ephemeral_port_range()  # pylint: disable=protected-access
   if ephemeral and ephemeral[0] > 12000:
     # Outgoing connections take ephemeral ports; a task's port must not be
     # one of them while the task is still importing TensorFlow.
