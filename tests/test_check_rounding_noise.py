@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from framework.check import distribution_diagnosis as diagnosis
+from framework.check import distribution_differences as differences
 
 
 def _outcome(delta):
-  return diagnosis.Outcome(names=["unet/conv2d_8/kernel"], trainable=[True],
-                           deltas=[delta], spreads=[0.0], opt_names=[],
-                           opt_deltas=[], metrics={})
+  return differences.Outcome(names=["unet/conv2d_8/kernel"],
+                             trainable=[True], deltas=[delta], spreads=[0.0],
+                             opt_names=[], opt_deltas=[], metrics={})
 
 
 def _compare(dist_rel, noise_rel=0.006):
@@ -29,7 +30,7 @@ def _compare(dist_rel, noise_rel=0.006):
 def test_a_difference_within_ten_times_the_noise_is_rounding():
   rows, causes = _compare(0.055)  # above the 0.05 cap, below 10 x 0.006
   [row] = [r for r in rows if r.section == "update"]
-  assert not row.ok and row.tolerance == diagnosis.MAX_TOLERANCE
+  assert not row.ok and row.tolerance == differences.MAX_TOLERANCE
   assert [c.code for c in causes] == ["rounding_noise"]
   assert "rounding noise (0.006" in causes[0].message
   assert "conv2d_8" in causes[0].message

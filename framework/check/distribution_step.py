@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework.check.distribution_diagnosis import Outcome
+from framework.check.distribution_differences import Outcome
 from framework.core import protocols
 from framework.errors import ConfigError
 
