@@ -1,11 +1,15 @@
-"""Plots train/test accuracy per epoch from a run's TensorBoard event files.
+"""Plots a run's train/test curve from its TensorBoard event files.
 
     python scripts/plot_curves.py --model_dir=runs/cifar --output=curves.png
+    python scripts/plot_curves.py --model_dir=runs/gpt --tag=perplexity \
+        --x_axis=step --baseline=23.13 --baseline_name="unigram baseline"
 
-Reads `model_dir/train` and `model_dir/eval` (written by the Controller),
-converts steps to epochs with the run's recorded `global_batch_size` and
-`--train_examples`, prints a per-epoch table and draws a PNG with PIL only
-(matplotlib is not a dependency).
+Reads `model_dir/train` and `model_dir/eval` (written by the Controller).
+Per epoch (the default): steps become epochs with the run's recorded
+`global_batch_size` and `--train_examples`, and the values of an epoch are
+averaged. Per step: the values as logged. Prints a table and draws a PNG
+with PIL only (matplotlib is not a dependency); an accuracy in percent,
+any other tag (loss, perplexity) on its own scale.
 """
 
 import json
@@ -19,9 +23,11 @@ except ImportError:  # python scripts/<app>.py
   from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
 try:
-  from .curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
+  from .curves import (draw, format_value, is_fraction, per_epoch,  # pylint: disable=g-import-not-at-top
+                       read_scalars)
 except ImportError:
-  from distloop_cli.curves import draw, per_epoch, read_scalars  # pylint: disable=g-import-not-at-top
+  from distloop_cli.curves import (draw, format_value, is_fraction,  # pylint: disable=g-import-not-at-top
+                                   per_epoch, read_scalars)
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
@@ -29,31 +35,55 @@ from absl import flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "The run's model_dir.")
 flags.DEFINE_string("output", None, "PNG path (default: "
-                    "model_dir/accuracy.png).")
+                    "model_dir/TAG.png, TAG the --tag).")
 flags.DEFINE_integer("train_examples", 50000, "Training examples per epoch.")
 flags.DEFINE_string("tag", "accuracy", "The scalar to plot.")
-flags.DEFINE_string("output_json", None, "Also write the per-epoch values.")
+flags.DEFINE_string("output_json", None, "Also write the plotted values.")
+flags.DEFINE_enum("x_axis", "epoch", ["epoch", "step"], "Per epoch (values "
+                  "averaged over each epoch) or per step (as logged).")
+flags.DEFINE_float("baseline", None, "Also draw this value as a horizontal "
+                   "line (e.g. the unigram perplexity of a language model).")
+flags.DEFINE_string("baseline_name", "baseline", "The baseline's name in the "
+                    "legend.")
 flags.mark_flag_as_required("model_dir")
 
 def main(argv):
   del argv
   train, texts = read_scalars(os.path.join(FLAGS.model_dir, "train"))
   test, _ = read_scalars(os.path.join(FLAGS.model_dir, "eval"))
-  match = re.search(r"\| global_batch_size \| (\d+) \|",
-                    texts.get("flags", ""))
-  if not match:
-    sys.exit(f"plot_curves.py: error: no recorded global_batch_size in "
-             f"{FLAGS.model_dir}/train (not a distloop run?)")
-  steps_per_epoch = FLAGS.train_examples // int(match.group(1))
-  curves = {"train": per_epoch(train.get(FLAGS.tag, []), steps_per_epoch),
-            "test": per_epoch(test.get(FLAGS.tag, []), steps_per_epoch)}
-  print(f"{'epoch':>6}{'train':>10}{'test':>10}")
-  for epoch in sorted(set(curves["train"]) | set(curves["test"])):
-    row = [curves[k].get(epoch) for k in ("train", "test")]
-    print(f"{epoch:>6}" + "".join(
-        f"{100 * v:>9.2f}%" if v is not None else f"{'-':>10}" for v in row))
-  output = FLAGS.output or os.path.join(FLAGS.model_dir, "accuracy.png")
-  draw(curves, output, f"{FLAGS.tag}: {FLAGS.model_dir}")
+  points = {"train": train.get(FLAGS.tag, []), "test": test.get(FLAGS.tag, [])}
+  if not any(points.values()):
+    sys.exit(f"plot_curves.py: error: no {FLAGS.tag!r} scalars in "
+             f"{FLAGS.model_dir}/train or /eval (its tags: "
+             f"{', '.join(sorted(set(train) | set(test))) or 'none'})")
+  if FLAGS.x_axis == "step":
+    curves = {name: dict(p) for name, p in points.items()}
+  else:
+    match = re.search(r"\| global_batch_size \| (\d+) \|",
+                      texts.get("flags", ""))
+    if not match:
+      sys.exit(f"plot_curves.py: error: no recorded global_batch_size in "
+               f"{FLAGS.model_dir}/train (not a distloop run?); "
+               "--x_axis=step needs none")
+    steps_per_epoch = FLAGS.train_examples // int(match.group(1))
+    curves = {name: per_epoch(p, steps_per_epoch)
+              for name, p in points.items()}
+  percent = is_fraction(FLAGS.tag, [v for c in curves.values()
+                                    for v in c.values()])
+  print(f"{FLAGS.x_axis:>6}{'train':>10}{'test':>10}")
+  for x in sorted(set(curves["train"]) | set(curves["test"])):
+    row = [curves[k].get(x) for k in ("train", "test")]
+    print(f"{x:>6}" + "".join(
+        f"{format_value(v, percent):>10}" if v is not None else f"{'-':>10}"
+        for v in row))
+  if FLAGS.baseline is not None:
+    xs = [x for c in curves.values() for x in c]
+    curves[FLAGS.baseline_name] = {0: FLAGS.baseline,
+                                   max(xs): FLAGS.baseline}
+    print(f"{FLAGS.baseline_name}: {format_value(FLAGS.baseline, percent)}")
+  output = FLAGS.output or os.path.join(FLAGS.model_dir, f"{FLAGS.tag}.png")
+  draw(curves, output, f"{FLAGS.tag}: {FLAGS.model_dir}",
+       x_label=FLAGS.x_axis, percent=percent)
   print(f"wrote {output}")
   if FLAGS.output_json:
     with open(FLAGS.output_json, "w") as f:

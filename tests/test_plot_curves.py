@@ -41,3 +41,53 @@ def test_plot_curves_reads_events_and_writes_png(tmp_path):
   for color in ((31, 119, 180), (255, 127, 14)):
     assert np.all(image == color, axis=-1).sum() > 50, color
   assert os.path.getsize(png) > 1000
+
+
+def test_a_falling_curve_per_step_on_its_own_scale_with_a_baseline(tmp_path):
+  # A language model's perplexity: no batch size recorded, values far
+  # above 1 (an accuracy plot would cap them at 100 %), a baseline line.
+  model_dir = str(tmp_path / "gpt")
+  train = framework.core.summaries.SummaryWriter(model_dir, "train")
+  test = framework.core.summaries.SummaryWriter(model_dir, "eval")
+  for step, ppl in ((50, 20.0), (100, 14.0), (150, 10.0), (200, 8.0)):
+    train.scalars(step, {"perplexity": ppl})
+  for step, ppl in ((100, 15.0), (200, 9.5)):
+    test.scalars(step, {"perplexity": ppl})
+  train.close()
+  test.close()
+  values = tmp_path / "ppl.json"
+  proc = run_script("plot_curves.py", f"--model_dir={model_dir}",
+                    "--tag=perplexity", "--x_axis=step", "--baseline=23.13",
+                    "--baseline_name=unigram", f"--output_json={values}",
+                    cwd=str(tmp_path))
+  curves = json.loads(values.read_text())
+  assert curves["train"] == {"50": 20.0, "100": 14.0, "150": 10.0,
+                             "200": 8.0}
+  assert curves["test"] == {"100": 15.0, "200": 9.5}
+  assert curves["unigram"] == {"0": 23.13, "200": 23.13}
+  assert "%" not in proc.stdout and "9.5" in proc.stdout, proc.stdout
+  png = os.path.join(model_dir, "perplexity.png")
+  image = np.asarray(Image.open(png).convert("RGB"))
+  # Train, test and the baseline are drawn inside the plot's frame: the
+  # values are on their own scale, not clipped at 1.
+  for color in ((31, 119, 180), (255, 127, 14), (44, 160, 44)):
+    rows = np.flatnonzero(np.all(image == color, axis=-1).any(axis=1))
+    assert len(rows) > 0, color
+    assert 40 <= rows.min() and rows.max() <= image.shape[0] - 60, color
+  # The train curve spans most of the height (20 -> 8 on a ~8..24 axis).
+  train_rows = np.flatnonzero(
+      np.all(image == (31, 119, 180), axis=-1)[:, 100:-200].any(axis=1))
+  assert train_rows.max() - train_rows.min() > 200, train_rows
+
+
+def test_a_tag_the_run_never_logged_is_one_line(tmp_path):
+  model_dir = str(tmp_path)
+  train = framework.core.summaries.SummaryWriter(model_dir, "train")
+  train.scalars(10, {"loss": 1.0})
+  train.close()
+  proc = run_script("plot_curves.py", f"--model_dir={model_dir}",
+                    "--tag=perplexity", check=False)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"plot_curves.py: error: no 'perplexity' scalars in {model_dir}/train "
+      "or /eval (its tags: loss)"), proc.stderr[-500:]
