@@ -15,7 +15,6 @@ any other tag (loss, perplexity) on its own scale.
 import json
 import os
 import re
-import sys
 
 try:  # Installed: the package distloop_cli.
   from . import cli  # pylint: disable=g-import-not-at-top
@@ -49,22 +48,33 @@ flags.mark_flag_as_required("model_dir")
 
 def main(argv):
   del argv
+  with cli.one_line_errors():
+    plot()
+
+
+def plot():
+  """Reads the flags' run, prints its table, writes the PNG (and JSON)."""
+  # Here, not at the top: TensorFlow's own flags must not become this app's.
+  from framework.core import atomic  # pylint: disable=g-import-not-at-top
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(FLAGS.model_dir):
+    raise ConfigError(f"model_dir={FLAGS.model_dir!r} is not a folder")
   train, texts = read_scalars(os.path.join(FLAGS.model_dir, "train"))
   test, _ = read_scalars(os.path.join(FLAGS.model_dir, "eval"))
   points = {"train": train.get(FLAGS.tag, []), "test": test.get(FLAGS.tag, [])}
   if not any(points.values()):
-    sys.exit(f"plot_curves.py: error: no {FLAGS.tag!r} scalars in "
-             f"{FLAGS.model_dir}/train or /eval (its tags: "
-             f"{', '.join(sorted(set(train) | set(test))) or 'none'})")
+    raise ConfigError(
+        f"no {FLAGS.tag!r} scalars in {FLAGS.model_dir}/train or /eval (its "
+        f"tags: {', '.join(sorted(set(train) | set(test))) or 'none'})")
   if FLAGS.x_axis == "step":
     curves = {name: dict(p) for name, p in points.items()}
   else:
     match = re.search(r"\| global_batch_size \| (\d+) \|",
                       texts.get("flags", ""))
     if not match:
-      sys.exit(f"plot_curves.py: error: no recorded global_batch_size in "
-               f"{FLAGS.model_dir}/train (not a distloop run?); "
-               "--x_axis=step needs none")
+      raise ConfigError(f"no recorded global_batch_size in "
+                        f"{FLAGS.model_dir}/train (not a distloop run?); "
+                        "--x_axis=step needs none")
     steps_per_epoch = FLAGS.train_examples // int(match.group(1))
     curves = {name: per_epoch(p, steps_per_epoch)
               for name, p in points.items()}
@@ -82,13 +92,14 @@ def main(argv):
                                    max(xs): FLAGS.baseline}
     print(f"{FLAGS.baseline_name}: {format_value(FLAGS.baseline, percent)}")
   output = FLAGS.output or os.path.join(FLAGS.model_dir, f"{FLAGS.tag}.png")
-  draw(curves, output, f"{FLAGS.tag}: {FLAGS.model_dir}",
-       x_label=FLAGS.x_axis, percent=percent)
+  # Complete or as before: the PNG may land in the run's own folder.
+  atomic.write_atomically(output, lambda tmp: draw(
+      curves, tmp, f"{FLAGS.tag}: {FLAGS.model_dir}", x_label=FLAGS.x_axis,
+      percent=percent))
   print(f"wrote {output}")
   if FLAGS.output_json:
-    with open(FLAGS.output_json, "w") as f:
-      json.dump(curves, f, indent=2)
+    atomic.write_text(FLAGS.output_json, json.dumps(curves, indent=2))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

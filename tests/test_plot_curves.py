@@ -5,9 +5,11 @@ import os
 
 import numpy as np
 from PIL import Image
+import pytest
 
 import framework
 import framework.core.summaries  # noqa: F401  (the attribute chain below)
+from tests import disk_faults
 from tests.helpers import run_script
 
 
@@ -91,3 +93,29 @@ def test_a_tag_the_run_never_logged_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       f"plot_curves.py: error: no 'perplexity' scalars in {model_dir}/train "
       "or /eval (its tags: loss)"), proc.stderr[-500:]
+
+
+def test_a_full_disk_is_one_line_and_the_old_png_stays(tmp_path):
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  with disk_faults.mounted(model_dir, "size=2m") as mounted:
+    if not mounted:
+      pytest.skip("mounting a tmpfs is not permitted here")
+    train = framework.core.summaries.SummaryWriter(str(model_dir), "train")
+    train.scalars(10, {"loss": 2.0})
+    train.close()
+    png = str(model_dir / "loss.png")
+    run_script("plot_curves.py", f"--model_dir={model_dir}", "--tag=loss",
+               "--x_axis=step")
+    before = open(png, "rb").read()
+    disk_faults.fill(str(model_dir), 0)
+    proc = run_script("plot_curves.py", f"--model_dir={model_dir}",
+                      "--tag=loss", "--x_axis=step", check=False)
+    after = open(png, "rb").read()
+    leftovers = sorted(os.listdir(model_dir))
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last == (f"plot_curves.py: error: cannot write {png} (No space left "
+                  "on device); the previous version is unchanged"), last
+  assert after == before
+  assert leftovers == ["filler", "loss.png", "train"], leftovers

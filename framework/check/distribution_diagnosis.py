@@ -93,7 +93,7 @@ def _step_causes(found, n):
 def _gradient_cause(dist, ref, rows, found, n, reg_grads, clip_norm, probe,
                     other):
   """The cause of updates that differ while the replicas agree: the
-  gradient's scale against the single-device one (the table above)."""
+  gradient's scale against the single-device one (the module's table)."""
   trainable = [i for i, t in enumerate(dist.trainable)
                if t and dist.deltas[i] is not None]
   reg_full = _full(reg_grads, dist)
@@ -152,10 +152,10 @@ def _gradient_cause(dist, ref, rows, found, n, reg_grads, clip_norm, probe,
         f"the gradient is {a:.3g}x (data loss) and {b:.3g}x "
         "(regularisation) the single-device one: check the loss divisor "
         "and the reduction")
-  if other is not None and _data_independent(
-      dist, ref, other, trainable) is not None:
-    return _penalty_finding(
-        _data_independent(dist, ref, other, trainable), n)
+  offset = (None if other is None else
+            _data_independent(dist, ref, other, trainable))
+  if offset is not None:
+    return _penalty_finding(offset, n)
   if found.tolerance < found.uncapped and max(
       (r.rel_l2 for r in rows if r.section == "update" and not r.ok),
       default=0.0) <= found.uncapped:
@@ -165,8 +165,8 @@ def _gradient_cause(dist, ref, rows, found, n, reg_grads, clip_norm, probe,
         "rounding_noise",
         f"the updates differ by up to {largest.rel_l2:.3g} (relative L2, "
         f"{largest.name}), within {NOISE_FACTOR:g}x this model's float32 "
-        f"rounding noise ({found.noise:.3g}, the same step on one device with the "
-        "batch reordered) but above the check's "
+        f"rounding noise ({found.noise:.3g}, the same step on one device "
+        "with the batch reordered) but above the check's "
         f"{MAX_TOLERANCE:g} cap: rounding amplified by the model (deep "
         "BatchNorm stacks do), not a distribution error of a known kind "
         "(those move an update by a factor); check at a smaller size to "

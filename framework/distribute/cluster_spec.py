@@ -66,12 +66,17 @@ def _bindable(host, port):
       return False
 
 
+def _task_counts(workers, ps, chief):
+  """{role: count}; a chief by default only beside parameter servers."""
+  chief = ps > 0 if chief is None else chief
+  return {"chief": int(chief), "worker": workers, "ps": ps}
+
+
 def cluster_on_hosts(hosts, workers, ps=_default("ps"), *,
                      chief=_default("chief"), port=2222):
   """Like `local_cluster`, with one address of `hosts` per task (in
   `tasks_of` order) and the same `port` on each."""
-  chief = ps > 0 if chief is None else chief
-  counts = {"chief": int(chief), "worker": workers, "ps": ps}
+  counts = _task_counts(workers, ps, chief)
   if sum(counts.values()) > len(hosts):
     raise ConfigError(f"{sum(counts.values())} tasks need as many hosts; "
                       f"got {len(hosts)}")
@@ -93,8 +98,7 @@ def local_cluster(workers, ps=_default("ps"), *, chief=_default("chief"),
   check_positive("workers", workers)
   if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
     raise ConfigError(f"ps={ps!r} must be an integer >= 0")
-  chief = ps > 0 if chief is None else chief
-  counts = {"chief": int(chief), "worker": workers, "ps": ps}
+  counts = _task_counts(workers, ps, chief)
   ports = iter(free_ports(sum(counts.values()), host))
   return {role: [f"{host}:{next(ports)}" for _ in range(n)]
           for role, n in counts.items() if n}
