@@ -36,6 +36,9 @@ from absl import flags
 from absl import logging
 import numpy as np
 
+from framework.data.config import InputConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("dataset", None, ["cifar10", "oxford_pets", "shapes",
                                     "synthetic", "image_folder"],
@@ -57,7 +60,8 @@ flags.DEFINE_integer("synthetic_test", 512, "synthetic: test examples.")
 flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: image "
                   "shape H,W,C.")
 flags.DEFINE_integer("synthetic_classes", 10, "synthetic: classes.")
-flags.DEFINE_integer("seed", 0, "synthetic and shapes: generator seed; all: "
+flags.DEFINE_integer("seed", default(InputConfig, "seed"), "synthetic and "
+                     "shapes: generator seed; all: "
                      "the order examples are dealt to shards.")
 flags.DEFINE_string("verify", None, "Instead of converting: check every "
                     "shard of this TFRecord folder against the sha256 its "

@@ -1,20 +1,73 @@
-"""One default per setting.
+"""One home per setting: each setting's default is written once.
 
-Every keyword argument that stands for a setting (a field of a config
-dataclass) defaults to that field's default read from the field
-(`framework.settings.default`), or has no default; never to a literal
-written again. Config dataclasses that share a setting declare it once
-(`settings.same_as`), and the apps' flags are made from the fields
-(`scripts/config_flags.py`), never written by hand.
+A setting is a field of a config dataclass declared with
+`framework.settings.setting` (or `settings.same_as`, the same declaration
+again); its default is written there, once, and read everywhere else
+(`settings.default(Config, "name")`). This test does not check a list of
+callables: it parses every .py file of framework/, models/ and scripts/
+(scripts/benchmarks/ and scripts/examples/ included) and looks at every
+place that could write a setting's default again:
+
+  * every keyword default of a function signature or lambda (`seed=0`);
+  * every field default in a plain class body (`seed: int = 0`);
+  * every absl flag definition (`flags.DEFINE_integer("seed", 0, ...)`);
+  * every attribute or key fallback: `getattr(x, "seed", 0)`,
+    `d.get("seed", 0)`, `d.pop("seed", 0)`, `d.setdefault("seed", 0)`.
+
+Each place is named for the setting whose field name or flag name it
+names (the parameter, flag, attribute or key). It fails when:
+
+  1. its default is a literal equal to the setting's declared default:
+     the default written again (read it: `settings.default(...)`);
+  2. it is a signature keyword named as a setting with another literal
+     default: two concepts share one setting name (rename one);
+  3. it reads `settings.default(Config, "other")` under a setting's name:
+     the keyword says one setting and defaults to another's.
+
+And the declarations fail when:
+
+  4. two config dataclasses each write a default for one setting name
+     (one declares it; another declares it with `settings.same_as`, or
+     defaults it to `settings.default(...)`).
+
+Exclusions, and why:
+
+  * `None`, and a field without a default: "not given", the absence of a
+    value, not a value written twice (what None stands for is decided
+    once, where it is resolved).
+  * A setting whose default is made by a factory (`default_factory=dict`:
+    `model_options`, `dataset_options`): `settings.default` cannot hand
+    out one shared mutable value, and an empty `{}` fallback is "none
+    given", as None is.
+  * A default that is not a literal (a name, a call, an attribute): it
+    reads a value from somewhere, so it is not the value written again;
+    (3) checks the `settings.default` calls.
+  * (2) only for signature keywords named as a setting's field whose flag
+    has that same name: a field whose flag is called otherwise
+    (`OptimizerConfig.name` is `--optimizer`, `ModelOptions.width` is
+    `--unet_width`) has a generic name that other code may use for other
+    things (`name=`, `width=`), so it is matched for (1) only.
+  * (2) not for flags and key/attribute fallbacks: a program's own flag
+    for a run setting may choose another default (a benchmark's
+    `--global_batch_size=256`), and a dict key is named by whatever wrote
+    the dict (a mesh's `{"model": 2}` axis sizes); neither may write the
+    setting's own default again (1).
+  * Private helpers are not excluded: `_f(seed=0)` writes the default
+    again as much as `f(seed=0)` does.
+
+`PENDING` lists, by file and setting, places known to fail that live in
+modules being merged elsewhere at the time of writing (framework/core,
+framework/model_parallel, framework/app): a temporary allow-list, to be
+emptied once those modules have their final homes. An entry that no
+longer matches anything fails too, so the list only shrinks.
 """
 
 import ast
 import dataclasses
-import inspect
+import importlib
 import os
 import subprocess
 import sys
-import textwrap
 
 from absl import flags
 import pytest
@@ -22,7 +75,6 @@ import pytest
 from framework import settings
 from framework.app.config import ExperimentConfig
 from framework.core.config import TrainerConfig
-from framework.distribute import launcher, netns
 from framework.distribute.launch_config import LaunchConfig
 from framework.model_parallel.config import ModelParallelConfig
 from framework.model_parallel.split_config import SplitConfig
@@ -30,111 +82,341 @@ from models.options import ModelOptions
 from scripts import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCANNED = ("framework", "models", "scripts")
+
+# TEMPORARY (see the docstring): (file, setting) -> why it still fails.
+# Each is to be fixed in the module's final home, then removed here.
+PENDING = {
+    # 1: the default written again.
+    ("framework/app/evaluation.py", "eval_tta"): "read TrainerConfig's",
+    ("framework/app/evaluation.py", "seed"): "read InputConfig's",
+    ("framework/app/export.py", "eval_tta"): "read TrainerConfig's",
+    ("framework/app/export.py", "label_smoothing"): "read ExperimentConfig's",
+    ("framework/app/export.py", "mixed_precision"): "read ExperimentConfig's",
+    ("framework/app/prediction.py", "seed"): "read InputConfig's",
+    ("framework/app/run_info.py", "seed"): "read InputConfig's",
+    ("framework/app/split_change.py", "mode"): "read ModelParallelConfig's",
+    ("framework/app/run_plan.py", "best_mode"): "read LoopConfig's",
+    ("framework/core/checkpointing.py", "allow_config_change"):
+        "read ExperimentConfig's (or no default)",
+    ("framework/core/ps_training.py", "seed"): "read InputConfig's",
+    ("framework/model_parallel/graph.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/memory.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/stages.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/staged_trainer.py", "shard_optimizer_state"):
+        "read TrainerConfig's",
+    # 2: two concepts under one setting name.
+    ("framework/app/check_run.py", "model_parallel"):
+        "a bool (split or not) under --model_parallel's name (a mode)",
+    ("framework/app/factory.py", "model_parallel"):
+        "a bool (split or not) under --model_parallel's name (a mode)",
+    ("framework/core/controller.py", "checkpoint"):
+        "Controller's checkpoint=True (whether to) vs EvalConfig's (a path)",
+    ("framework/model_parallel/config.py", "num_layers"):
+        "check_model's num_layers=0 (unknown) vs ModelOptions' 2",
+    ("framework/model_parallel/replicas.py", "strategy"):
+        "replica_groups' strategy='mirrored' (a name for messages)",
+    ("framework/model_parallel/transformer_split.py", "num_stages"):
+        "a tensor split's stages: tensor_stages (and pass it so to the "
+        "registered split, models/gpt_parallel.split)",
+    ("models/gpt_parallel.py", "num_stages"):
+        "split()'s keyword, named by its caller transformer_split.py: "
+        "rename both to tensor_stages",
+    # 4: a setting's default declared twice.
+    ("framework/app/config.py", "seed"): "same_as(InputConfig, 'seed')",
+    ("framework/app/config.py", "input_mode"):
+        "same_as(InputConfig, 'input_mode')",
+    ("framework/app/predict_config.py", "seed"):
+        "the sampling seed: default(InputConfig, 'seed') or its own name",
+    ("framework/app/eval_config.py", "strategy"):
+        "default(ExperimentConfig, 'strategy')",
+}
 
 
-def _callables():
-  """(name, function, config class, {keyword: field} where they differ)."""
-  # pylint: disable=g-import-not-at-top
-  from framework.core.trainer import Trainer
-  from framework.model_parallel import costs, graph, pipeline
-  from framework.model_parallel.staged_trainer import StagedTrainer
-  from framework.model_parallel.tensor_parallel import TensorParallelTrainer
-  from models import cifar_cnn, gpt, mlp, unet
-  # pylint: enable=g-import-not-at-top
-  cuts = {"boundaries": "stage_boundaries", "balance": "stage_balance"}
-  return [
-      ("Trainer", Trainer.__init__, TrainerConfig, {}),
-      ("StagedTrainer", StagedTrainer.__init__, SplitConfig, {}),
-      ("PipelineTrainer", pipeline.PipelineTrainer.__init__, SplitConfig, {}),
-      ("TensorParallelTrainer", TensorParallelTrainer.__init__, SplitConfig,
-       {}),
-      ("split_layers", pipeline.split_layers, SplitConfig, cuts),
-      ("split_graph", graph.split_graph, SplitConfig, cuts),
-      ("node_costs", costs.node_costs, SplitConfig, cuts),
-      ("layer_costs", costs.layer_costs, SplitConfig, cuts),
-      ("local_cluster", launcher.local_cluster, LaunchConfig, {}),
-      ("cluster_on_hosts", launcher.cluster_on_hosts, LaunchConfig, {}),
-      ("free_ports", launcher.free_ports, LaunchConfig, {}),
-      ("Launcher", launcher.Launcher.__init__, LaunchConfig, {}),
-      ("HostNetwork", netns.HostNetwork.__init__, LaunchConfig,
-       {"mtu": "netns_mtu"}),
-      ("mlp", mlp.build, ModelOptions, {}),
-      ("cifar_cnn", cifar_cnn.build, ModelOptions, {}),
-      ("unet", unet.build, ModelOptions, {}),
-      ("gpt", gpt.build, ModelOptions, {}),
-  ] + _app_callables()
-
-
-def _app_callables():
-  # pylint: disable=g-import-not-at-top
-  from framework.app import export, generation, prediction
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
-  # pylint: enable=g-import-not-at-top
-  return [("generate", generation.generate, PredictConfig, {}),
-          ("generate_text", generation.generate_text, PredictConfig, {}),
-          ("build_inference_model", export.build_inference_model, EvalConfig,
-           {}),
-          ("check_model_code", export.check_model_code, EvalConfig, {}),
-          ("export_saved_model", export.export_saved_model, EvalConfig, {}),
-          ("load_model", prediction.load_model, EvalConfig, {})]
-
-
-def _default_expressions(function):
-  """{keyword: the source expression of its default} of `function`."""
-  tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-  node = next(n for n in ast.walk(tree)
-              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-  args = node.args
-  positional = args.posonlyargs + args.args
-  found = dict(zip([a.arg for a in positional[len(positional)
-                                              - len(args.defaults):]],
-                   args.defaults))
-  found.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults)
-                if d is not None})
+def _files():
+  """The .py files scanned, relative to ROOT, in a stable order."""
+  found = []
+  for top in SCANNED:
+    for folder, subfolders, names in os.walk(os.path.join(ROOT, top)):
+      subfolders[:] = sorted(d for d in subfolders
+                             if not d.startswith((".", "__pycache__")))
+      found += [os.path.relpath(os.path.join(folder, n), ROOT)
+                for n in sorted(names) if n.endswith(".py")]
   return found
 
 
-def _written_again(expression, field):
-  """Why the default `expression` of a keyword for `field` writes the
-  default again (None: it reads the field)."""
-  constants = [n.value for n in ast.walk(expression)
-               if isinstance(n, ast.Constant)]
-  if not isinstance(expression, ast.Call) or constants != [field]:
-    return f"the literal {ast.unparse(expression)}"
+def _parse(path):
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    return ast.parse(f.read(), filename=path)
+
+
+def _called(call):
+  """The name a call calls (`f` of `f(...)` and of `x.f(...)`)."""
+  function = call.func
+  if isinstance(function, ast.Name):
+    return function.id
+  if isinstance(function, ast.Attribute):
+    return function.attr
   return None
 
 
-def _checked():
-  rows = []
-  for name, function, config, renamed in _callables():
-    fields = {f.name for f in dataclasses.fields(config)}
-    expressions = _default_expressions(function)
-    for keyword, parameter in inspect.signature(function).parameters.items():
-      field = renamed.get(keyword, keyword)
-      if field in fields:
-        rows.append((name, keyword, config, field, parameter,
-                     expressions.get(keyword)))
-  return rows
+def _declares_settings(node):
+  """Whether class `node` has fields declared with setting/same_as."""
+  return isinstance(node, ast.ClassDef) and any(
+      isinstance(s, ast.AnnAssign) and isinstance(s.value, ast.Call)
+      and _called(s.value) in ("setting", "same_as") for s in node.body)
 
 
-@pytest.mark.parametrize("row", _checked(),
-                         ids=lambda r: f"{r[0]}.{r[1]}")
-def test_each_keyword_reads_its_settings_default(row):
-  name, keyword, config, field, parameter, expression = row
-  if parameter.default is inspect.Parameter.empty:
-    return  # no default of its own
-  where = f"{name}({keyword}=...): {config.__name__}.{field}"
-  assert expression is not None, where
-  problem = _written_again(expression, field)
-  assert problem is None, (f"{where} is written again as {problem}; use "
-                           f"settings.default({config.__name__}, {field!r})")
-  assert parameter.default is settings.default(config, field), where
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+  """One setting field of a config dataclass."""
+  path: str
+  line: int
+  config: str
+  field: str
+  flag: str | None
+  default: object  # dataclasses.MISSING: none, or made by a factory
+  home: bool  # writes its default here (not same_as / settings.default)
 
 
-def test_every_listed_callable_has_a_setting_keyword():
-  named = {row[0] for row in _checked()}
-  assert named == {c[0] for c in _callables()}
+def _declared_default_expression(value):
+  """The expression a `setting(...)` call gives as default (None: none)."""
+  if value.args:
+    return value.args[0]
+  return next((k.value for k in value.keywords if k.arg == "default"), None)
+
+
+def _declarations(path, tree):
+  found = []
+  for node in ast.walk(tree):
+    if not _declares_settings(node):
+      continue
+    module = importlib.import_module(path[:-len(".py")].replace("/", "."))
+    config = getattr(module, node.name)
+    lines = {s.target.id: s for s in node.body if isinstance(s, ast.AnnAssign)
+             and isinstance(s.target, ast.Name)}
+    for field in dataclasses.fields(config):
+      if settings.info(field) is None:
+        continue
+      statement = lines[field.name]
+      expression = (_declared_default_expression(statement.value)
+                    if _called(statement.value) == "setting" else None)
+      home = expression is not None and _literal(expression)[0]
+      found.append(Declaration(path, statement.lineno, node.name, field.name,
+                               settings.flag_name(field),
+                               field.default,
+                               home))
+  return found
+
+
+def _literal(node):
+  """(True, value) when `node` is a literal, else (False, None)."""
+  try:
+    return True, ast.literal_eval(node)
+  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+    return False, None
+
+
+def _equal(a, b):
+  """Whether two defaults are the same value (True is not 1; a flag's
+  list of strings equals a tuple of the values they spell)."""
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(
+        _equal(x, y) or str(x) == str(y) for x, y in zip(a, b))
+  if isinstance(a, bool) or isinstance(b, bool):
+    return type(a) is type(b) and a == b
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return a == b
+  return type(a) is type(b) and a == b
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+  """A default written for a name: a keyword, field, flag or fallback."""
+  path: str
+  line: int
+  kind: str  # "keyword", "field", "flag" or "fallback"
+  name: str
+  expression: ast.AST
+
+  def __str__(self):
+    return (f"{self.path}:{self.line}: {self.kind} {self.name}="
+            f"{ast.unparse(self.expression)}")
+
+
+def _places(path, tree):
+  """Every default written for a name in `tree`."""
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args
+      positional = args.posonlyargs + args.args
+      pairs = list(zip(positional[len(positional) - len(args.defaults):],
+                       args.defaults))
+      pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults)
+                if d is not None]
+      found += [Place(path, d.lineno, "keyword", a.arg, d) for a, d in pairs]
+    elif isinstance(node, ast.ClassDef) and not _declares_settings(node):
+      found += [Place(path, s.lineno, "field", s.target.id, s.value)
+                for s in node.body if isinstance(s, ast.AnnAssign)
+                and isinstance(s.target, ast.Name) and s.value is not None]
+    elif isinstance(node, ast.Call):
+      found += _call_places(path, node)
+  return found
+
+
+def _call_places(path, call):
+  called = _called(call)
+  named = (call.args and isinstance(call.args[0], ast.Constant)
+           and isinstance(call.args[0].value, str))
+  if called and called.startswith("DEFINE") and named:
+    default = (call.args[1] if len(call.args) > 1 else next(
+        (k.value for k in call.keywords if k.arg == "default"), None))
+    if default is not None:
+      return [Place(path, call.lineno, "flag", call.args[0].value, default)]
+  if (called == "getattr" and len(call.args) == 3
+      and isinstance(call.args[1], ast.Constant)
+      and isinstance(call.args[1].value, str)):
+    return [Place(path, call.lineno, "fallback", call.args[1].value,
+                  call.args[2])]
+  if (called in ("get", "pop", "setdefault") and named
+      and isinstance(call.func, ast.Attribute) and len(call.args) == 2):
+    return [Place(path, call.lineno, "fallback", call.args[0].value,
+                  call.args[1])]
+  return []
+
+
+def _scan():
+  """(declarations, places) of every scanned file."""
+  declarations, places = [], []
+  for path in _files():
+    tree = _parse(path)
+    declarations += _declarations(path, tree)
+    places += _places(path, tree)
+  return declarations, places
+
+
+_SCAN = []
+
+
+def _scanned():
+  if not _SCAN:
+    _SCAN.append(_scan())
+  return _SCAN[0]
+
+
+def _by_name(declarations):
+  """{setting name: its declarations}; a field is named by its field name
+  and its flag name."""
+  named = {}
+  for d in declarations:
+    for name in {d.field, d.flag} - {None}:
+      named.setdefault(name, []).append(d)
+  return named
+
+
+def _has_value(value):
+  return value is not None and value is not dataclasses.MISSING
+
+
+def _default_call(expression):
+  """(config name, field) of a `settings.default(Config, "field")`."""
+  if (isinstance(expression, ast.Call) and _called(expression) == "default"
+      and len(expression.args) == 2
+      and isinstance(expression.args[1], ast.Constant)):
+    return ast.unparse(expression.args[0]), expression.args[1].value
+  return None
+
+
+def problems(declarations, places, pending=()):
+  """[(path, setting, what is wrong)] of the scan; a setting declared
+  twice counts the homes that are not `pending` (but reports them all)."""
+  found = []
+  named = _by_name(declarations)
+  for place in places:
+    if place.name not in named:
+      continue
+    defaults = [d.default for d in named[place.name] if _has_value(d.default)]
+    read = _default_call(place.expression)
+    if read is not None:
+      fields = {d.field for d in named[place.name]}
+      if place.kind == "keyword" and read[1] not in fields:
+        found.append((place.path, place.name,
+                      f"{place} reads another setting's default"))
+      continue
+    is_literal, value = _literal(place.expression)
+    if not is_literal or value is None:
+      continue
+    if any(_equal(value, d) for d in defaults):
+      found.append((place.path, place.name,
+                    f"{place} writes the default of setting {place.name} "
+                    f"again; read it with settings.default"))
+    elif place.kind == "keyword" and any(
+        d.flag == place.name for d in named[place.name]):
+      found.append((place.path, place.name,
+                    f"{place}: another concept under the name of setting "
+                    f"{place.name} (default {defaults}); rename one"))
+  for name, where in sorted(_by_name(declarations).items()):
+    homes = [d for d in where if d.home and _has_value(d.default)]
+    homes = list({(d.path, d.config, d.field): d for d in homes}.values())
+    if len(homes) < 2:
+      continue
+    mine = [d for d in homes if (d.path, name) not in pending]
+    reported = [d for d in homes if d not in mine] + (
+        mine if len(mine) > 1 else [])
+    found += [(d.path, name,
+               f"{d.path}:{d.line}: {d.config}.{d.field} writes the "
+               f"default of setting {name} again (also: "
+               f"{', '.join(h.config for h in homes if h is not d)})")
+              for d in reported]
+  return found
+
+
+def test_every_setting_default_is_written_once():
+  wrong = [p for p in problems(*_scanned(), PENDING) if p[:2] not in PENDING]
+  assert not wrong, "\n".join(sorted({p[2] for p in wrong}))
+
+
+def test_pending_entries_still_fail():
+  failing = {p[:2] for p in problems(*_scanned(), PENDING)}
+  stale = sorted(set(PENDING) - failing)
+  assert not stale, f"fixed, remove from PENDING: {stale}"
+
+
+def test_the_scan_finds_every_kind_of_place():
+  code = '''
+import dataclasses
+from absl import flags
+from framework import settings
+flags.DEFINE_integer("seed", 0, "")
+flags.DEFINE_integer("global_batch_size", 7, "")
+def f(x, seed=0, *, clip_norm=None, recompute=False, num_stages=1,
+      num_shards=settings.default(SplitConfig, "num_stages"),
+      grad_accum_steps=settings.default(TrainerConfig, "grad_accum_steps")):
+  return getattr(x, "eval_tta", "none"), x.get("input_mode", "global")
+g = lambda image_size=128: image_size
+@dataclasses.dataclass
+class Plain:
+  nan_policy: str = "stop"
+'''
+  declarations, _ = _scanned()
+  places = _places("example.py", ast.parse(code))
+  found = sorted((p[1], p[2].split(": ")[1].split(" ")[0])
+                 for p in problems(declarations, places)
+                 if p[0] == "example.py")
+  assert found == [
+      ("eval_tta", "fallback"), ("image_size", "keyword"),
+      ("input_mode", "fallback"), ("nan_policy", "field"),
+      ("num_shards", "keyword"), ("num_stages", "keyword"),
+      ("recompute", "keyword"), ("seed", "flag"), ("seed", "keyword")], found
+
+
+def test_the_scan_sees_a_setting_declared_twice():
+  declarations, _ = _scanned()
+  twice = [d for d in declarations if d.field == "num_shards" and d.home][0]
+  again = dataclasses.replace(twice, path="example.py", config="Other")
+  assert [p[:2] for p in problems([twice, again], [])] == [
+      (twice.path, "num_shards"), ("example.py", "num_shards")]
 
 
 def _shared():
@@ -159,15 +441,6 @@ def test_configs_declare_a_shared_setting_once(outer, inner, names):
     assert copy.metadata.get("setting") is field.metadata.get("setting"), (
         f"{outer.__name__}.{field.name} declares {inner.__name__}."
         f"{field.name} again; use settings.same_as")
-
-
-def test_the_check_sees_a_literal():
-  def written_twice(*, clip_norm=None, nan_policy=settings.default(
-      TrainerConfig, "nan_policy")):
-    del clip_norm, nan_policy
-  expressions = _default_expressions(written_twice)
-  assert _written_again(expressions["clip_norm"], "clip_norm")
-  assert _written_again(expressions["nan_policy"], "nan_policy") is None
 
 
 # The apps and the config each makes its flags from.

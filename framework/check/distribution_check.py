@@ -85,8 +85,11 @@ from framework.check.distribution_diagnosis import compare
 from framework.check.distribution_report import (  # pylint: disable=unused-import
     FAIL, PASS, WARN, CheckReport, DistributionCheckError, verdict_of)
 from framework.check.distribution_step import PROBE_MOMENTUM  # pylint: disable=unused-import
+from framework.core.config import TrainerConfig
+from framework.data.config import InputConfig
 from framework.distribute import strategies
 from framework.errors import ConfigError
+from framework.settings import default
 
 
 def _check_supported(strategy):
@@ -167,7 +170,8 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     # The reference also runs on the batch in reverse order: the same math
     # with another float summation order, which measures the rounding noise
     # of this model (BatchNorm's backward pass, for one, amplifies it).
-    micro_batches = getattr(trainer, "grad_accum_steps", 1)
+    micro_batches = getattr(trainer, "grad_accum_steps",
+                            default(TrainerConfig, "grad_accum_steps"))
     one_device = lambda b: steps.as_one_device(b, replicas, micro_batches)
     reversed_batch = tf.nest.map_structure(lambda x: tf.reverse(x, [0]),
                                            one_device(batch))
@@ -208,8 +212,8 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
 
 
 def check_trainer_class(trainer_cls, build_model, make_optimizer, strategy,
-                        batch, *, reference_strategy=None, seed=0,
-                        **kwargs):
+                        batch, *, reference_strategy=None,
+                        seed=default(InputConfig, "seed"), **kwargs):
   """`check_distribution` for `trainer_cls` built under `strategy`.
 
   Args:

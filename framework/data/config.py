@@ -24,6 +24,24 @@ _TFDS = TFDS_PREFIX + "*"
 
 
 @dataclasses.dataclass(frozen=True)
+class InputConfig:
+  """How the training batches are drawn: the run's seed and input mode.
+
+  Declared here, in the lowest layer that reads them: the data layer's
+  keywords (`inputs.distribute_train`, `datasets.load_dataset`, ...)
+  default to these fields (`settings.default(InputConfig, "seed")`), and
+  the run's config declares the same settings.
+  """
+  seed: int = setting(0, "Seed for weights, data order and augmentation.")
+  input_mode: str = setting(
+      "global", "global: experimental_distribute_dataset; per_replica: "
+      "distribute_datasets_from_function.", choices=INPUT_MODES)
+
+  def __post_init__(self):
+    check_settings(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class DatasetOptions:
   """The options `datasets.load_dataset` passes to the dataset loaders.
 

@@ -12,8 +12,10 @@ import pickle
 import numpy as np
 
 from framework.data import splits
+from framework.data.config import DatasetOptions, InputConfig
 from framework.errors import (ConfigError, DataError, check_positive,
                               first_line)
+from framework.settings import default
 
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + (
     "test_batch", "batches.meta")
@@ -134,7 +136,7 @@ def write_cifar10(data_dir, train_x, train_y, test_x, test_y):
 
 
 def synthetic(num_train=2048, num_test=512, image_shape=(32, 32, 3),
-              num_classes=10, seed=0):
+              num_classes=10, seed=default(InputConfig, "seed")):
   """Learnable random images: a class prototype plus noise, as uint8."""
   check_positive("num_train", num_train)
   check_positive("num_test", num_test)
@@ -154,8 +156,8 @@ def synthetic(num_train=2048, num_test=512, image_shape=(32, 32, 3),
 
 
 DATASETS = {"cifar10": lambda data_dir=None, **_: load_cifar10(data_dir),
-            "synthetic": lambda data_dir=None, seed=0, **_: synthetic(
-                seed=seed)}
+            "synthetic": lambda data_dir=None, seed=default(
+                InputConfig, "seed"), **_: synthetic(seed=seed)}
 
 
 # Modules that add their datasets to DATASETS when imported.
@@ -169,7 +171,8 @@ _REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file
 _SPEC_LOADERS = ("tfds",)
 
 
-def load_dataset(name, data_dir=None, seed=0, **options):
+def load_dataset(name, data_dir=None, seed=default(InputConfig, "seed"),
+                 **options):
   """Loads a dataset by name (see DATASETS); `options` (e.g. image_size) go
   to the loaders that take them."""
   for module in _REGISTERING_MODULES:
@@ -185,7 +188,8 @@ def load_dataset(name, data_dir=None, seed=0, **options):
   if key in _SPEC_LOADERS:
     options["spec"] = spec
   dataset = DATASETS[key](data_dir=data_dir, seed=seed, **options)
-  if (options.get("file_shuffle", "shards") != "shards" and
+  shuffle = default(DatasetOptions, "file_shuffle")
+  if (options.get("file_shuffle", shuffle) != shuffle and
       hasattr(dataset, "train_y")):
     raise ConfigError(f"file_shuffle={options['file_shuffle']} is for "
                       "datasets streamed from files (tfrecord, image_folder, "

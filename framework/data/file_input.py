@@ -51,6 +51,8 @@ from framework.data.shard_order import (global_epoch_records as
 from framework.data.shard_order import plan as _plan
 from framework.data.shard_order import shards_text as _shards_text
 from framework.errors import ConfigError, DataError, check_positive
+from framework.data.config import DatasetOptions, InputConfig
+from framework.settings import default
 
 _MAX_EPOCHS = 1 << 40
 DEFAULT_SHARDS_PER_GROUP = 4
@@ -75,7 +77,7 @@ class FileDataset:
 
   def __init__(self, name, train, test, *, class_names, image_shape,
                label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP,
-               shuffle="shards", generation=None):
+               shuffle=default(DatasetOptions, "file_shuffle"), generation=None):
     check_positive("shards_per_group", shards_per_group)
     if shuffle not in SHUFFLES:
       raise ConfigError(f"file_shuffle={shuffle!r} is not one of "
@@ -173,7 +175,8 @@ class FileDataset:
     ds = ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(_options())
 
-  def train_dataset(self, global_batch_size, *, seed=0, start_step=0,
+  def train_dataset(self, global_batch_size, *,
+                    seed=default(InputConfig, "seed"), start_step=0,
                     augment=None):
     """Endless global batches from step `start_step` on (one pipeline)."""
     check_positive("global_batch_size", global_batch_size)
@@ -181,7 +184,8 @@ class FileDataset:
     return self._train_pipeline(plan, global_batch_size, seed, start_step,
                                 augment)
 
-  def train_dataset_fn(self, global_batch_size, *, seed=0, start_step=0,
+  def train_dataset_fn(self, global_batch_size, *,
+                       seed=default(InputConfig, "seed"), start_step=0,
                        augment=None):
     """A `distribute_datasets_from_function` argument (per-replica batches)."""
     check_positive("global_batch_size", global_batch_size)
@@ -195,15 +199,18 @@ class FileDataset:
 
     return dataset_fn
 
-  def distribute_train(self, strategy, global_batch_size, *, seed=0,
-                       start_step=0, augment=None, input_mode="global"):
+  def distribute_train(self, strategy, global_batch_size, *,
+                       seed=default(InputConfig, "seed"), start_step=0,
+                       augment=None,
+                       input_mode=default(InputConfig, "input_mode")):
     """The distributed training dataset (both input modes read by file)."""
     del input_mode  # Files are always read per input pipeline.
     return strategy.distribute_datasets_from_function(self.train_dataset_fn(
         global_batch_size, seed=seed, start_step=start_step, augment=augment))
 
   def per_worker_train_dataset_fn(self, num_workers, global_batch_size, *,
-                                  seed=0, start_step=0, augment=None):
+                                  seed=default(InputConfig, "seed"),
+                                  start_step=0, augment=None):
     """A `ClusterCoordinator.create_per_worker_dataset` argument (PS).
 
     Under `ParameterServerStrategy` the `InputContext` always says one
@@ -324,7 +331,7 @@ def tfrecord_split(data_dir, sidecar, split="split"):
 
 
 def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP,
-                  shuffle="shards"):
+                  shuffle=default(DatasetOptions, "file_shuffle")):
   """The `FileDataset` of a directory written by scripts/make_tfrecords.py
   (its current generation, resolved once: see framework/data/tfrecord_set.py).
   """
@@ -353,8 +360,9 @@ def load_tfrecord(data_dir, shards_per_group=DEFAULT_SHARDS_PER_GROUP,
 def _register():
   from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["tfrecord"] = (
-      lambda data_dir=None, file_shuffle="shards", **_: load_tfrecord(
-          data_dir, shuffle=file_shuffle))
+      lambda data_dir=None, file_shuffle=default(
+          DatasetOptions, "file_shuffle"), **_: load_tfrecord(
+              data_dir, shuffle=file_shuffle))
 
 
 _register()

@@ -16,6 +16,8 @@ import os
 import numpy as np
 
 from framework.errors import ConfigError, DataError, check_positive
+from framework.data.config import DatasetOptions, InputConfig
+from framework.settings import default
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 DEFAULT_TEST_FRACTION = 0.2
@@ -41,7 +43,8 @@ def _class_files(split_dir):
   return classes, files
 
 
-def scan(root, test_fraction=DEFAULT_TEST_FRACTION, seed=0):
+def scan(root, test_fraction=DEFAULT_TEST_FRACTION,
+         seed=default(InputConfig, "seed")):
   """(class_names, {"train": [(path, label)], "test": [...]}) of `root`.
 
   With `root/train` and `root/test`, those are the splits (their class
@@ -144,7 +147,8 @@ def _check_complete(contents, path):
 
 
 def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
-                      test_fraction=DEFAULT_TEST_FRACTION, shuffle="shards"):
+                      test_fraction=DEFAULT_TEST_FRACTION,
+                      shuffle=default(DatasetOptions, "file_shuffle")):
   """A `FileDataset` streaming an image folder (all images one shape);
   `shuffle` as for `FileDataset`."""
   from framework.data import file_input  # pylint: disable=g-import-not-at-top
@@ -173,8 +177,9 @@ def load_image_folder(data_dir, files_per_shard=FILES_PER_SHARD,
 def _register():
   from framework.data import datasets  # pylint: disable=g-import-not-at-top
   datasets.DATASETS["image_folder"] = (
-      lambda data_dir=None, file_shuffle="shards", **_: load_image_folder(
-          data_dir, shuffle=file_shuffle))
+      lambda data_dir=None, file_shuffle=default(
+          DatasetOptions, "file_shuffle"), **_: load_image_folder(
+              data_dir, shuffle=file_shuffle))
 
 
 _register()

@@ -18,8 +18,9 @@ import collections
 
 import tensorflow as tf
 
-from framework.data.config import INPUT_MODES
+from framework.data.config import INPUT_MODES, InputConfig
 from framework.errors import ConfigError, check_choice, check_positive
+from framework.settings import default
 
 _MAX_EPOCHS = 1 << 40
 
@@ -86,7 +87,8 @@ def _gather_fn(dataset, seed, augment):
   return gather
 
 
-def train_dataset(dataset, global_batch_size, *, seed=0, start_step=0,
+def train_dataset(dataset, global_batch_size, *,
+                  seed=default(InputConfig, "seed"), start_step=0,
                   augment=None):
   """Infinite dataset of global batches, starting at global step `start_step`.
 
@@ -106,7 +108,8 @@ def train_dataset(dataset, global_batch_size, *, seed=0, start_step=0,
   return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
 
-def per_replica_train_fn(dataset, global_batch_size, *, seed=0, start_step=0,
+def per_replica_train_fn(dataset, global_batch_size, *,
+                         seed=default(InputConfig, "seed"), start_step=0,
                          augment=None):
   """A `distribute_datasets_from_function` argument giving the same batches."""
 
@@ -197,8 +200,10 @@ def eval_dataset(images, labels, global_batch_size, *, pad=True):
   return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
 
-def distribute_train(strategy, dataset, global_batch_size, *, seed=0,
-                     start_step=0, augment=None, input_mode="global"):
+def distribute_train(strategy, dataset, global_batch_size, *,
+                     seed=default(InputConfig, "seed"), start_step=0,
+                     augment=None,
+                     input_mode=default(InputConfig, "input_mode")):
   """The distributed training dataset for `strategy` (see INPUT_MODES)."""
   check_choice("input_mode", input_mode, INPUT_MODES)
   kwargs = dict(seed=seed, start_step=start_step, augment=augment)

@@ -25,7 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 from framework.data import inputs, splits
+from framework.data.config import InputConfig
 from framework.errors import DataError, check_positive
+from framework.settings import default
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 CLASS_NAMES_KEY = "class_names"
@@ -199,7 +201,8 @@ class NumpyDataset(splits.ArraySplits):
 
     return gather
 
-  def train_dataset_fn(self, global_batch_size, *, seed=0, start_step=0,
+  def train_dataset_fn(self, global_batch_size, *,
+                       seed=default(InputConfig, "seed"), start_step=0,
                        augment=None):
     """A `distribute_datasets_from_function` argument: each pipeline reads
     only its replicas' rows of every global batch."""
@@ -225,7 +228,8 @@ class NumpyDataset(splits.ArraySplits):
 
     return dataset_fn
 
-  def train_dataset(self, global_batch_size, *, seed=0, start_step=0,
+  def train_dataset(self, global_batch_size, *,
+                    seed=default(InputConfig, "seed"), start_step=0,
                     augment=None):
     """Endless global batches from step `start_step` on (one pipeline)."""
     check_positive("global_batch_size", global_batch_size)
@@ -235,8 +239,10 @@ class NumpyDataset(splits.ArraySplits):
                 num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
 
-  def distribute_train(self, strategy, global_batch_size, *, seed=0,
-                       start_step=0, augment=None, input_mode="global"):
+  def distribute_train(self, strategy, global_batch_size, *,
+                       seed=default(InputConfig, "seed"), start_step=0,
+                       augment=None,
+                       input_mode=default(InputConfig, "input_mode")):
     """Per input pipeline in both input modes (the same global batches)."""
     del input_mode
     return strategy.distribute_datasets_from_function(self.train_dataset_fn(

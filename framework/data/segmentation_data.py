@@ -11,7 +11,9 @@ import os
 import numpy as np
 
 from framework.data import datasets
+from framework.data.config import DatasetOptions, InputConfig
 from framework.errors import ConfigError, DataError, check_positive
+from framework.settings import default
 
 SHAPES_CLASSES = ("background", "rectangle", "ellipse")
 # Trimap values 1, 2, 3 become classes 0, 1, 2.
@@ -43,7 +45,9 @@ def _shapes_split(rng, num_images, size):
   return images, masks
 
 
-def shapes(num_train=1024, num_test=256, image_size=128, seed=0):
+def shapes(num_train=1024, num_test=256,
+           image_size=default(DatasetOptions, "image_size"),
+           seed=default(InputConfig, "seed")):
   """A generated segmentation task: background, rectangles and ellipses."""
   check_positive("num_train", num_train)
   check_positive("num_test", num_test)
@@ -92,7 +96,7 @@ def _read_pair(data_dir, name, image_size):
   return image, trimap.astype(np.int32) - 1
 
 
-def load_oxford_pet(data_dir, image_size=128):
+def load_oxford_pet(data_dir, image_size=default(DatasetOptions, "image_size")):
   """Reads the Oxford-IIIT Pet layout: images/*.jpg, annotations/trimaps/*.png.
 
   Images are resized bilinearly and trimaps by nearest neighbour to
@@ -132,8 +136,9 @@ def load_oxford_pet(data_dir, image_size=128):
 
 
 datasets.DATASETS["shapes"] = (
-    lambda data_dir=None, seed=0, image_size=128, **_: shapes(
+    lambda data_dir=None, seed=default(InputConfig, "seed"),
+    image_size=default(DatasetOptions, "image_size"), **_: shapes(
         image_size=image_size, seed=seed))
 datasets.DATASETS["oxford_pet"] = (
-    lambda data_dir=None, seed=0, image_size=128, **_: load_oxford_pet(
-        data_dir, image_size=image_size))
+    lambda data_dir=None, image_size=default(DatasetOptions, "image_size"),
+    **_: load_oxford_pet(data_dir, image_size=image_size))

@@ -28,9 +28,11 @@ import numpy as np
 import tensorflow as tf
 
 from framework.data import file_input, integrity
+from framework.data.config import DatasetOptions
 from framework.errors import DataError, check_positive
+from framework.settings import default
 
-DEFAULT_SEQUENCE_LENGTH = 128
+DEFAULT_SEQUENCE_LENGTH = default(DatasetOptions, "sequence_length")
 TEST_EVERY = 10
 FILES_PER_SHARD = 4
 VOCAB_SIZE = 256
@@ -194,7 +196,8 @@ class TextDataset(file_input.FileDataset):
 
 
 def load_text(data_dir=None, sequence_length=DEFAULT_SEQUENCE_LENGTH,
-              files_per_shard=FILES_PER_SHARD, shuffle="shards"):
+              files_per_shard=FILES_PER_SHARD,
+              shuffle=default(DatasetOptions, "file_shuffle")):
   """The `FileDataset` of byte sequences of `data_dir` (None: the built-in
   corpus); `tokens` int32 [sequence_length], targets the next bytes."""
   check_positive("sequence_length", sequence_length)
@@ -221,7 +224,7 @@ def _register():
   from framework.data import datasets  # pylint: disable=g-import-not-at-top
 
   def load(data_dir=None, sequence_length=DEFAULT_SEQUENCE_LENGTH,
-           file_shuffle="shards", **_):
+           file_shuffle=default(DatasetOptions, "file_shuffle"), **_):
     return load_text(data_dir, sequence_length, shuffle=file_shuffle)
 
   datasets.DATASETS["text"] = load

@@ -28,6 +28,8 @@ import os
 import re
 
 from framework.errors import ConfigError, DataError
+from framework.data.config import DatasetOptions
+from framework.settings import default
 
 INSTALL = 'pip install -e ".[tfds]"'
 _VERSION = re.compile(r"\d+\.\d+\.\d+")
@@ -170,9 +172,11 @@ def _decoder(tfds, features, name, image_key, label_key, image_size,
   return decode, size + (channels,), label_shape, classes
 
 
-def load_tfds(spec, data_dir, *, image_key="image", label_key="label",
+def load_tfds(spec, data_dir, *, image_key=default(DatasetOptions, "image_key"),
+              label_key=default(DatasetOptions, "label_key"),
               image_size=None, mask_classes=None, train_split="train",
-              test_split=None, shards_per_group=None, file_shuffle="shards"):
+              test_split=None, shards_per_group=None,
+              file_shuffle=default(DatasetOptions, "file_shuffle")):
   """The `FileDataset` of TFDS dataset `spec` prepared under `data_dir`."""
   from framework.data import file_input  # pylint: disable=g-import-not-at-top
   if not spec:

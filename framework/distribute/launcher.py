@@ -246,7 +246,7 @@ class Launcher:
       self._readers.append(reader)
     return {task: p.pid for task, p in self.processes.items()}
 
-  def wait(self, poll_seconds=0.1):
+  def wait(self, poll_interval=0.1):
     """Waits for the run to end; returns its exit status (0: success)."""
     finishing = [t for t in self.processes
                  if not is_server(self.cluster, t[0], self.serving_workers)]
@@ -263,7 +263,7 @@ class Launcher:
       if all(self.processes[t].poll() == 0 for t in finishing):
         self.stop()
         return 0
-      time.sleep(poll_seconds)
+      time.sleep(poll_interval)
 
   def _error_file(self, role, index):
     return os.path.join(self._error_dir, f"{role}_{index}")

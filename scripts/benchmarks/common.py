@@ -15,6 +15,9 @@ import time
 
 from absl import flags
 
+from framework.app.config import ExperimentConfig
+from framework.core.config import TrainerConfig
+from framework.settings import default
 from scripts.benchmarks import matmul_peak  # pylint: disable=unused-import  (--peak_matmul_size)
 
 FLAGS = flags.FLAGS
@@ -102,7 +105,7 @@ class Setup:
   """Model, optimizer and pipeline for one side of a comparison."""
 
   def __init__(self, strategy, dataset, precision="float32",
-               grad_accum_steps=1):
+               grad_accum_steps=default(TrainerConfig, "grad_accum_steps")):
     import keras  # pylint: disable=g-import-not-at-top
     import models  # pylint: disable=g-import-not-at-top
     from framework.core import precision as precision_lib  # pylint: disable=g-import-not-at-top
@@ -144,7 +147,8 @@ def recipe_precision():
     return "float32"
   from framework.core import precision as precision_lib  # pylint: disable=g-import-not-at-top
   return precision_lib.resolve_precision(
-      _fast_recipe().get("mixed_precision", "float32"))
+      _fast_recipe().get("mixed_precision",
+                         default(ExperimentConfig, "mixed_precision")))
 
 
 def _optimizer():

@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from framework.data.config import InputConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()
 
@@ -69,7 +71,8 @@ def run():
   # As evaluate.py: the run's data, seed (synthetic data) and options.
   dataset = datasets.load_dataset(
       info["dataset"], FLAGS.data_dir or info.get("data_dir"),
-      seed=info.get("seed", 0), **info.get("dataset_options", {}))
+      seed=info.get("seed", default(InputConfig, "seed")),
+      **info.get("dataset_options", {}))
   if not hasattr(dataset, "test_x"):
     raise ConfigError(f"dataset={info['dataset']}: only in-memory datasets "
                       "(cifar10, synthetic)")

@@ -23,9 +23,14 @@ from scripts import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()
 from absl import flags
 
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", None, "A directory from make_tfrecords.py.")
-flags.DEFINE_integer("global_batch_size", 128, "Examples per step.")
+flags.DEFINE_integer("global_batch_size",
+                     default(ExperimentConfig, "global_batch_size"),
+                     "Examples per step.")
 flags.DEFINE_integer("input_steps", 300, "Batches timed, input only.")
 flags.DEFINE_integer("train_steps", 60, "Steps timed, training.")
 flags.DEFINE_enum("augment", "crop_flip", ["none", "flip", "crop_flip"],

@@ -59,7 +59,11 @@ sys.path.insert(0, ROOT)
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-flags.DEFINE_integer("num_stages", 2, "Pipeline stages S.")
+from framework.model_parallel.split_config import SplitConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_integer("num_stages", default(SplitConfig, "num_stages"),
+                     "Pipeline stages S.")
 flags.DEFINE_list("num_microbatches", ["4", "8"], "Micro-batch counts M to "
                   "measure; recomputation is compared at the largest.")
 # A narrow first layer, then 5 equal ones: [flatten, d0, d1, d2, d3 | d4,
@@ -73,14 +77,17 @@ flags.DEFINE_list("hidden_units", ["16"] + ["1024"] * 5, "MLP hidden layers "
 flags.DEFINE_integer("global_batch_size", 1024, "Examples per step "
                      "(M=8: micro-batches of 128 rows; at 256 the 32-row "
                      "matmuls take about as long as dispatching them).")
-flags.DEFINE_enum("stage_balance", "flops", ["flops", "time", "params"],
+flags.DEFINE_enum("stage_balance", default(SplitConfig, "stage_balance"),
+                  ["flops", "time", "params"],
                   "How the cut is chosen: counted FLOPs (the framework's "
                   "default), each layer's forward + backward time measured "
                   "here on one micro-batch, or parameter counts.")
 flags.DEFINE_bool("serial_stages", True, "Each stage device runs one op at "
                   "a time, in program order, as a GPU stream does "
                   "(PipelineTrainer(serial_stages=True)); see the docstring.")
-flags.DEFINE_bool("input_grads_first", True, "With --serial_stages, each "
+flags.DEFINE_bool("input_grads_first",
+                  default(SplitConfig, "input_grads_first"), "With "
+                  "--serial_stages, each "
                   "stage computes the input gradient it sends back before "
                   "its weight gradients (StagedTrainer(input_grads_first)): "
                   "B before W, as zero-bubble pipelines do; false: GPipe's "
@@ -337,7 +344,7 @@ def main(argv):
     return models.build_model("mlp", INPUT_SHAPE, NUM_CLASSES,
                               hidden_units=hidden)
 
-  def pipeline(m, boundaries, recompute=False):
+  def pipeline(m, boundaries, recompute=default(SplitConfig, "recompute")):
     return PipelineTrainer(model(), keras.optimizers.Adam(1e-4), strategy,
                            global_batch_size=FLAGS.global_batch_size,
                            num_stages=s, num_microbatches=m,

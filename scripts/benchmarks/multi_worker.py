@@ -36,12 +36,16 @@ sys.path.insert(0, _ROOT)
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "cifar_cnn", "Model name.")
-flags.DEFINE_integer("global_batch_size", 128, "Examples per step, all "
-                     "workers together.")
+flags.DEFINE_string("model", default(ExperimentConfig, "model"),
+                    "Model name.")
+flags.DEFINE_integer("global_batch_size",
+                     default(ExperimentConfig, "global_batch_size"),
+                     "Examples per step, all workers together.")
 flags.DEFINE_integer("train_steps", 60, "Steps per run.")
 flags.DEFINE_integer("steps_per_loop", 10, "Steps per tf.function call.")
 flags.DEFINE_string("cores", "0,1", "The two CPU cores to use.")

@@ -44,8 +44,11 @@ sys.path.insert(0, _ROOT)
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
+from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rates", ["unshaped", "25gbit", "10gbit", "1gbit"],
@@ -58,14 +61,18 @@ flags.register_validator(
 flags.DEFINE_bool("knobs", True, "Also MWMS at --knob_rates with bfloat16 "
                   "reduction, with 1 MiB packs, with overlap, and with "
                   "overlap and bfloat16.")
-flags.DEFINE_string("model", "cifar_cnn", "Model for mwms and ps.")
-flags.DEFINE_integer("global_batch_size", 128, "Examples per step.")
+flags.DEFINE_string("model", default(ExperimentConfig, "model"),
+                    "Model for mwms and ps.")
+flags.DEFINE_integer("global_batch_size",
+                     default(ExperimentConfig, "global_batch_size"),
+                     "Examples per step.")
 flags.DEFINE_integer("train_steps", 40, "Steps per run.")
 flags.DEFINE_integer("measure_from", 10, "First logged step of the window "
                      "(the loops before it trace and warm up).")
 flags.DEFINE_integer("steps_per_loop", 5, "Steps per tf.function call.")
 flags.DEFINE_list("knob_rates", ["10gbit"], "Rates of the --knobs runs.")
-flags.DEFINE_integer("mtu", 1500, "Every link's MTU (9000: jumbo frames).")
+flags.DEFINE_integer("mtu", default(LaunchConfig, "netns_mtu"),
+                     "Every link's MTU (9000: jumbo frames).")
 flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
                   "train.py --malloc of every run and the baseline.")
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "

@@ -21,17 +21,22 @@ import tempfile
 import threading
 import time
 
-from absl import app
-from absl import flags
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+from framework.core.config import LoopConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_string("repo", ROOT, "Checkout whose scripts/train.py to run.")
 flags.DEFINE_string("data_dir", os.path.join(
     ROOT, "..", "shared", "data", "cifar10", "cifar-10-batches-py"),
                     "CIFAR-10 python directory.")
-flags.DEFINE_integer("steps_per_loop", 100, "--steps_per_loop of the run.")
+flags.DEFINE_integer("steps_per_loop", default(LoopConfig, "steps_per_loop"),
+                     "--steps_per_loop of the run.")
 flags.DEFINE_integer("global_batch_size", 256, "--global_batch_size.")
 flags.DEFINE_float("delay", 3.0, "Seconds after the first loop's log line "
                    "before the SIGTERM.")
