@@ -66,7 +66,8 @@ def default(cls, name):
   """The default of setting `name` of config dataclass `cls`: what a
   keyword argument standing for that setting defaults to, so that each
   setting has one default (`def f(*, clip_norm=default(TrainerConfig,
-  "clip_norm"))`; tests/test_one_default.py checks the keywords).
+  "clip_norm"))`; tests/test_one_default.py scans framework/, models/
+  and scripts/ for a default written again).
 
   Raises:
     ValueError: `cls` has no such field, or it has no default.

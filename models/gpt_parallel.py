@@ -10,7 +10,7 @@ residual stream is one copy per device:
     x   = block.split_call(x)                             per block
     logits_d = head_d(ln_f(x_d))                          [B, T, V/D]
 
-Tensor x pipeline (`num_stages=P`): `devices` is P groups of D, stage p
+Tensor x pipeline (`tensor_stages=P`): `devices` is P groups of D, stage p
 holding blocks `p * L/P ...` cut across its own D devices (their
 all-reduces within that group only); the embedding and positions live on
 stage 0, the last layer norm and the head on stage P-1 (a tied head
@@ -27,6 +27,8 @@ import tensorflow as tf
 
 from framework.errors import ConfigError
 from framework.model_parallel import parallel_layers, parallel_ops
+from framework.model_parallel.split_config import SplitConfig
+from framework.settings import default
 from models import gpt
 
 
@@ -76,19 +78,20 @@ class _Operations(parallel_layers.CheckpointNode):
 
 class ShardedGPT(keras.Model):
   """A GPT whose blocks, embedding and head are cut across `devices`
-  (`num_stages` consecutive groups of them: tensor x pipeline)."""
+  (`tensor_stages` consecutive groups of them: tensor x pipeline)."""
 
   def __init__(self, *, sequence_length, vocab_size, width, num_heads,
-               hidden, num_layers, tied, devices, num_stages=1, **kwargs):
+               hidden, num_layers, tied, devices,
+               tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
     super().__init__(name="gpt", **kwargs)
     self.devices = tuple(devices)
-    self.num_stages = num_stages
+    self.tensor_stages = tensor_stages
     self.options = dict(sequence_length=sequence_length,
                         vocab_size=vocab_size, width=width,
                         num_heads=num_heads, hidden=hidden,
                         num_layers=num_layers, tied=tied,
-                        num_stages=num_stages)
-    self.stage_devices = stage_groups(self.devices, num_stages)
+                        tensor_stages=tensor_stages)
+    self.stage_devices = stage_groups(self.devices, tensor_stages)
     first, last = self.stage_devices[0], self.stage_devices[-1]
     self.embedding = parallel_layers.VocabParallelEmbedding(
         vocab_size, width, first, tied=tied, name="token_embedding")
@@ -96,7 +99,7 @@ class ShardedGPT(keras.Model):
                                           name="position_embedding")
     self.blocks = [gpt.Block(width, num_heads, hidden,
                              self.stage_devices[stage_of(i, num_layers,
-                                                         num_stages)],
+                                                         tensor_stages)],
                              name=f"block_{i}") for i in range(num_layers)]
     self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")
     # Built eagerly, piece by piece: a device scope inside a symbolic call
@@ -163,23 +166,26 @@ class ShardedGPT(keras.Model):
     return ShardedGPT(**self.options, devices=devices).load_weights_from(self)
 
 
-def stage_groups(devices, num_stages):
-  """`devices` cut into `num_stages` consecutive groups of equal size."""
-  size = len(devices) // num_stages
-  return [tuple(devices[p * size:(p + 1) * size]) for p in range(num_stages)]
+def stage_groups(devices, tensor_stages):
+  """`devices` cut into `tensor_stages` consecutive groups of equal size."""
+  size = len(devices) // tensor_stages
+  return [tuple(devices[p * size:(p + 1) * size])
+          for p in range(tensor_stages)]
 
 
-def stage_of(block, num_layers, num_stages):
+def stage_of(block, num_layers, tensor_stages):
   """The stage of block `block`: contiguous, as equal as the count allows."""
-  return block * num_stages // num_layers
+  return block * tensor_stages // num_layers
 
 
 @parallel_layers.register_split("gpt")
-def split(model, devices, num_stages=1):
+def split(model, devices, num_stages=default(SplitConfig, "tensor_stages")):
   """The ShardedGPT of the unsplit GPT `model` on `devices`, its weights.
 
-  With `num_stages` > 1, `devices` is that many groups of shard devices
-  (tensor x pipeline): stage p's blocks are cut across group p.
+  With `num_stages` (a tensor split's stages, `tensor_stages`; the
+  keyword its caller `transformer_split.split_setup` passes) > 1,
+  `devices` is that many groups of shard devices (tensor x pipeline):
+  stage p's blocks are cut across group p.
 
   Raises:
     ConfigError: the shard count does not divide the heads or the vocabulary,
@@ -204,4 +210,4 @@ def split(model, devices, num_stages=1):
       vocab_size=embedding.vocab_size, width=head.width,
       num_heads=head.num_heads, hidden=head.hidden, num_layers=len(blocks),
       tied=embedding.tied, devices=devices,
-      num_stages=num_stages).load_weights_from(model)
+      tensor_stages=num_stages).load_weights_from(model)

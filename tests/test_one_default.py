@@ -42,11 +42,11 @@ Exclusions, and why:
   * A default that is not a literal (a name, a call, an attribute): it
     reads a value from somewhere, so it is not the value written again;
     (3) checks the `settings.default` calls.
-  * (2) only for signature keywords named as a setting's field whose flag
-    has that same name: a field whose flag is called otherwise
-    (`OptimizerConfig.name` is `--optimizer`, `ModelOptions.width` is
-    `--unet_width`) has a generic name that other code may use for other
-    things (`name=`, `width=`), so it is matched for (1) only.
+  * (2) only for signature keywords named as a setting's flag: a field
+    whose flag is called otherwise (`OptimizerConfig.name` is
+    `--optimizer`, `ModelOptions.width` is `--unet_width`) has a generic
+    field name that other code uses for other things (`name=`, `width=`),
+    so by its field name it is matched for (1) only.
   * (2) not for flags and key/attribute fallbacks: a program's own flag
     for a run setting may choose another default (a benchmark's
     `--global_batch_size=256`), and a dict key is named by whatever wrote
@@ -120,8 +120,9 @@ PENDING = {
         "a tensor split's stages: tensor_stages (and pass it so to the "
         "registered split, models/gpt_parallel.split)",
     ("models/gpt_parallel.py", "num_stages"):
-        "split()'s keyword, named by its caller transformer_split.py: "
-        "rename both to tensor_stages",
+        "split()'s keyword (a tensor split's stages, default tensor_stages), "
+        "named by its caller transformer_split.py: rename both to "
+        "tensor_stages",
     # 4: a setting's default declared twice.
     ("framework/app/config.py", "seed"): "same_as(InputConfig, 'seed')",
     ("framework/app/config.py", "input_mode"):

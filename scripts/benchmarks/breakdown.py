@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 from scripts.benchmarks import common  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -138,12 +140,16 @@ def run():
   return common.child(__file__, FLAGS.strategies[0])
 
 
+# A record without one measured the default compute dtype.
+PRECISION = default(ExperimentConfig, "mixed_precision")
+
+
 def report(breakdown):
   """Prints the stages, the layers' kernels and the op types of a step."""
   print(f"\nwhere a step's time goes ({breakdown['strategy']}, batch "
         f"{breakdown['global_batch_size']}, recipe "
         f"{breakdown.get('recipe', 'reference')}, "
-        f"{breakdown.get('precision', 'float32')}), ms per step")
+        f"{breakdown.get('precision', PRECISION)}), ms per step")
   full = breakdown["ms_per_step"]["full Trainer step"]
   for name, ms in breakdown["ms_per_step"].items():
     print(f"  {name:<20}{ms:>9.1f}{100 * ms / full:>7.1f}%")

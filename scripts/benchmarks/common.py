@@ -104,7 +104,8 @@ def load():
 class Setup:
   """Model, optimizer and pipeline for one side of a comparison."""
 
-  def __init__(self, strategy, dataset, precision="float32",
+  def __init__(self, strategy, dataset,
+               precision=default(ExperimentConfig, "mixed_precision"),
                grad_accum_steps=default(TrainerConfig, "grad_accum_steps")):
     import keras  # pylint: disable=g-import-not-at-top
     import models  # pylint: disable=g-import-not-at-top
