@@ -24,6 +24,7 @@ try:  # No TensorFlow in it: the flags come first.
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
 from framework.distribute import cluster_options  # pylint: disable=g-import-not-at-top
+from framework.perf import allocator  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 _FLAGS_BEFORE = set(FLAGS)
@@ -43,7 +44,8 @@ flags.DEFINE_enum("onednn", "default", ["default", "on", "off"],
                   "CPUs with AVX512_VNNI/BF16 or AMX); on: ~1.5x faster "
                   "conv training steps on an AVX2-only CPU, results differ "
                   "from Eigen's kernels by rounding. Logged.")
-flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
+flags.DEFINE_enum("malloc", allocator.DEFAULT_ALLOCATOR,
+                  list(allocator.ALLOCATORS),
                   "Memory allocator: default keeps the one the process "
                   "started with (glibc's malloc unless LD_PRELOAD says "
                   "otherwise); tcmalloc starts the run again with it "

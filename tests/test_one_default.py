@@ -28,7 +28,11 @@ And the declarations fail when:
 
   4. two config dataclasses each write a default for one setting name
      (one declares it; another declares it with `settings.same_as`, or
-     defaults it to `settings.default(...)`).
+     defaults it to `settings.default(...)`);
+  5. two programs hand-write a flag of one name (not a config setting)
+     with the same literal default: one setting of both (`--malloc` of
+     train.py and of a benchmark that passes it on) written twice; its
+     default belongs in one constant both read.
 
 Exclusions, and why:
 
@@ -52,6 +56,8 @@ Exclusions, and why:
     `--global_batch_size=256`), and a dict key is named by whatever wrote
     the dict (a mesh's `{"model": 2}` axis sizes); neither may write the
     setting's own default again (1).
+  * (5) not for the defaults that say "off" or "none" (False, "", [],
+    None): a switch or an empty list is off by default in every program.
   * Private helpers are not excluded: `_f(seed=0)` writes the default
     again as much as `f(seed=0)` does.
 
@@ -357,6 +363,7 @@ def problems(declarations, places, pending=()):
       found.append((place.path, place.name,
                     f"{place}: another concept under the name of setting "
                     f"{place.name} (default {defaults}); rename one"))
+  found += _flags_written_twice(named, places)
   for name, where in sorted(_by_name(declarations).items()):
     homes = [d for d in where if d.home and _has_value(d.default)]
     homes = list({(d.path, d.config, d.field): d for d in homes}.values())
@@ -370,6 +377,27 @@ def problems(declarations, places, pending=()):
                f"default of setting {name} again (also: "
                f"{', '.join(h.config for h in homes if h is not d)})")
               for d in reported]
+  return found
+
+
+def _flags_written_twice(named, places):
+  """(5): hand-written flags of one name and default in several files."""
+  flags_by_default = {}
+  for place in places:
+    is_literal, value = _literal(place.expression)
+    if (place.kind != "flag" or place.name in named or not is_literal
+        or value in (None, False, "") or value == [] or value == ()):
+      continue
+    key = (place.name, repr(tuple(value) if isinstance(value, list)
+                            else value))
+    flags_by_default.setdefault(key, []).append(place)
+  found = []
+  for (name, _), where in sorted(flags_by_default.items()):
+    if len({p.path for p in where}) > 1:
+      found += [(p.path, name, f"{p}: the flag --{name} of "
+                 f"{', '.join(q.path for q in where if q.path != p.path)} "
+                 "written again; read its default from one constant")
+                for p in where]
   return found
 
 
@@ -401,12 +429,18 @@ class Plain:
   nan_policy: str = "stop"
 '''
   declarations, _ = _scanned()
-  places = _places("example.py", ast.parse(code))
+  places = _places("example.py", ast.parse(code)) + _places(
+      "other.py", ast.parse('flags.DEFINE_string("cores", "0,1", "")\n'
+                            'flags.DEFINE_bool("quick", False, "")')) + (
+                                _places("another.py", ast.parse(
+                                    'flags.DEFINE_string("cores", "0,1", "")'
+                                    '\nflags.DEFINE_bool("quick", False, "")'
+                                )))
   found = sorted((p[1], p[2].split(": ")[1].split(" ")[0])
                  for p in problems(declarations, places)
-                 if p[0] == "example.py")
+                 if p[0] in ("example.py", "other.py", "another.py"))
   assert found == [
-      ("eval_tta", "fallback"), ("image_size", "keyword"),
+      ("cores", "flag"), ("cores", "flag"), ("eval_tta", "fallback"), ("image_size", "keyword"),
       ("input_mode", "fallback"), ("nan_policy", "field"),
       ("num_shards", "keyword"), ("num_stages", "keyword"),
       ("recompute", "keyword"), ("seed", "flag"), ("seed", "keyword")], found

@@ -19,6 +19,8 @@ from framework.errors import ConfigError
 
 # default: whatever the process was started with (LD_PRELOAD included).
 ALLOCATORS = ("default", "tcmalloc")
+# What an app's --malloc is unless set.
+DEFAULT_ALLOCATOR = ALLOCATORS[0]
 # Debian/Ubuntu: apt-get install libtcmalloc-minimal4 (or google-perftools).
 _TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 # Set on the re-executed process, so that a preload that did not take

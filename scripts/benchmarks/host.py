@@ -9,6 +9,10 @@ refuses a flag defined twice.
 import os
 import platform
 
+# The CPU cores the two-core benchmarks pin their processes to (taskset
+# -c; multi_worker.py and network.py --cores).
+PINNED_CORES = "0,1"
+
 
 def cpu_model(cpuinfo="/proc/cpuinfo"):
   """The CPU's model name (Linux `/proc/cpuinfo`), else what `platform`

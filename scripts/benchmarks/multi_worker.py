@@ -39,6 +39,7 @@ from absl import flags
 from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.settings import default  # pylint: disable=g-import-not-at-top
+from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", default(ExperimentConfig, "model"),
@@ -48,7 +49,7 @@ flags.DEFINE_integer("global_batch_size",
                      "Examples per step, all workers together.")
 flags.DEFINE_integer("train_steps", 60, "Steps per run.")
 flags.DEFINE_integer("steps_per_loop", 10, "Steps per tf.function call.")
-flags.DEFINE_string("cores", "0,1", "The two CPU cores to use.")
+flags.DEFINE_string("cores", host.PINNED_CORES, "The two CPU cores to use.")
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for every "
                           "run, repeatable.")
 flags.DEFINE_integer("repeats", 2, "Runs of each setup, interleaved; the "

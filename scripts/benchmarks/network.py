@@ -48,7 +48,9 @@ from framework.app.config import ExperimentConfig  # pylint: disable=g-import-no
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
 from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
+from framework.perf import allocator  # pylint: disable=g-import-not-at-top
 from framework.settings import default  # pylint: disable=g-import-not-at-top
+from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rates", ["unshaped", "25gbit", "10gbit", "1gbit"],
@@ -73,7 +75,8 @@ flags.DEFINE_integer("steps_per_loop", 5, "Steps per tf.function call.")
 flags.DEFINE_list("knob_rates", ["10gbit"], "Rates of the --knobs runs.")
 flags.DEFINE_integer("mtu", default(LaunchConfig, "netns_mtu"),
                      "Every link's MTU (9000: jumbo frames).")
-flags.DEFINE_enum("malloc", "default", ["default", "tcmalloc"],
+flags.DEFINE_enum("malloc", allocator.DEFAULT_ALLOCATOR,
+                  list(allocator.ALLOCATORS),
                   "train.py --malloc of every run and the baseline.")
 flags.DEFINE_multi_string("extra", [], "One more train.py flag for the mwms "
                           "and ps runs and the baseline, repeatable (e.g. "
@@ -87,8 +90,8 @@ flags.DEFINE_float("socket_seconds", 3.0, "Before the runs, one TCP stream "
                    "between 2 hosts for this long at each rate: what the "
                    "link itself carries, without TensorFlow (0: skip).",
                    lower_bound=0)
-flags.DEFINE_string("cores", "0,1", "CPU cores; task i is pinned to core "
-                    "i mod len (taskset), one thread each.")
+flags.DEFINE_string("cores", host.PINNED_CORES, "CPU cores; task i is "
+                    "pinned to core i mod len (taskset), one thread each.")
 flags.DEFINE_integer("inter_op_threads", 1, "TF_NUM_INTEROP_THREADS of every "
                      "task and of the baseline: with 1 a worker's collectives "
                      "and its compute take turns on one thread; more lets "
