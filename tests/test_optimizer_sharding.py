@@ -1,6 +1,6 @@
 """Optimizer-state sharding (ZeRO-1) on 2 mirrored replicas: the same
-weights as the unsharded update, 1/N of the slots per device, and
-checkpoints that either layout restores."""
+weights as the unsharded update (XLA-compiled too), 1/N of the slots per
+device, and checkpoints that either layout restores."""
 
 import tempfile
 
@@ -82,6 +82,23 @@ def test_sharded_weights_and_slots_equal_the_unsharded_run(
   # The weights moved.
   assert max_diff(weights, train(make_trainer(
       "mirrored", optimizer=optimizer), data, steps=0)[0]) > 1e-4
+
+
+@pytest.mark.parametrize("optimizer,learning_rate",
+                         [("momentum", 0.05), ("adam", 1e-3)])
+def test_jit_compiled_sharded_update_equals_the_plain_one(
+    data, unsharded, optimizer, learning_rate):
+  # `jit_compile` and `shard_optimizer_state` together: the XLA-compiled
+  # sharded update gives the unsharded, uncompiled run's weights.
+  _, plain_weights, plain_metrics = unsharded(optimizer, learning_rate)
+  both = make_trainer("mirrored", optimizer=optimizer,
+                      learning_rate=learning_rate,
+                      shard_optimizer_state=True, jit_compile=True)
+  assert both.optimizer_sharding is not None and both.jit_compile
+  weights, metrics = train(both, data, steps=STEPS)
+  # XLA fuses differently: equal to float32 rounding, not bit for bit.
+  assert max_diff(plain_weights, weights) < 1e-5
+  assert metrics["loss"] == pytest.approx(plain_metrics["loss"], abs=1e-5)
 
 
 def test_each_device_holds_half_of_the_slots(data):
