@@ -1,7 +1,7 @@
 """Data x pipeline: R = 2 copies of a 2-stage pipeline on 4 CPU devices.
 
 In-process tests have 2 logical CPU devices (conftest), so the 4-device runs
-happen in subprocesses.
+happen in subprocesses (the two in-process comparisons in one, shared).
 """
 
 import json
@@ -27,59 +27,65 @@ import keras
 from framework import model_parallel as mp
 from tests.model_parallel_reference import STRATEGY, build, data, skip_model
 
-BATCH, STEPS, KIND = 16, int(sys.argv[1]), sys.argv[2]
+BATCH, STEPS = 16, int(sys.argv[1])
 
 
-make = {"mlp": lambda: build("mlp", (12,), 5, hidden_units=(16, 16)),
-        "skip": lambda: skip_model(12, 5, units=16)}[KIND]
-x, y = data(BATCH * STEPS, (12,), 5)
-reference = framework.Trainer(make(), keras.optimizers.Adam(1e-2), STRATEGY,
-                              global_batch_size=BATCH)
-pipeline = mp.PipelineTrainer(
-    make(), keras.optimizers.Adam(1e-2), STRATEGY, global_batch_size=BATCH,
-    num_stages=2, num_microbatches=2,
-    **({"stage_boundaries": ("c",)} if KIND == "skip" else {}),
-    replica_devices=[["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]])
-batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-ref_it, mp_it = iter(batches), iter(batches)
-(copy_stages, copy_model, _), = pipeline.copies
-out = {"weights": [], "loss": [], "copies": [], "devices": []}
-for step in range(STEPS):
-  ref_loss = float(reference.train(ref_it, 1)["loss"])
-  mp_loss = float(pipeline.train(mp_it, 1)["loss"])
-  out["loss"].append(abs(ref_loss - mp_loss))
-  out["weights"].append(max(
-      float(np.max(np.abs(a.numpy() - b.numpy())))
-      for a, b in zip(pipeline.model.weights, reference.model.weights)))
-  # Read before the next train() call re-syncs the copies.
-  out["copies"].append(max(
-      float(np.max(np.abs(a.numpy() - b.numpy())))
-      for a, b in zip(pipeline.model.weights, copy_model.weights)))
-out["devices"] = [[mp.variable_device(v) for v in s.trainable_variables]
-                  for s in pipeline.stages + copy_stages]
-out["moved"] = float(np.max(np.abs(
-    pipeline.model.weights[0].numpy() - make().weights[0].numpy())))
-out["names"] = [s.name for s in pipeline.stages + copy_stages]
-graph = tf.function(pipeline.gradients).get_concrete_function(
-    tf.TensorSpec((BATCH, 12), tf.float32),
-    tf.TensorSpec((BATCH,), tf.int32)).graph
-out["collectives"] = sorted(
-    op.device.split("device:")[-1] for op in graph.get_operations()
-    if op.type == "CollectiveReduceV2")
-print("RESULT " + json.dumps(out))
+def compare(kind):
+  make = {"mlp": lambda: build("mlp", (12,), 5, hidden_units=(16, 16)),
+          "skip": lambda: skip_model(12, 5, units=16)}[kind]
+  x, y = data(BATCH * STEPS, (12,), 5)
+  reference = framework.Trainer(make(), keras.optimizers.Adam(1e-2), STRATEGY,
+                                global_batch_size=BATCH)
+  pipeline = mp.PipelineTrainer(
+      make(), keras.optimizers.Adam(1e-2), STRATEGY, global_batch_size=BATCH,
+      num_stages=2, num_microbatches=2,
+      **({"stage_boundaries": ("c",)} if kind == "skip" else {}),
+      replica_devices=[["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]])
+  batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+  ref_it, mp_it = iter(batches), iter(batches)
+  (copy_stages, copy_model, _), = pipeline.copies
+  out = {"weights": [], "loss": [], "copies": [], "devices": []}
+  for step in range(STEPS):
+    ref_loss = float(reference.train(ref_it, 1)["loss"])
+    mp_loss = float(pipeline.train(mp_it, 1)["loss"])
+    out["loss"].append(abs(ref_loss - mp_loss))
+    out["weights"].append(max(
+        float(np.max(np.abs(a.numpy() - b.numpy())))
+        for a, b in zip(pipeline.model.weights, reference.model.weights)))
+    # Read before the next train() call re-syncs the copies.
+    out["copies"].append(max(
+        float(np.max(np.abs(a.numpy() - b.numpy())))
+        for a, b in zip(pipeline.model.weights, copy_model.weights)))
+  out["devices"] = [[mp.variable_device(v) for v in s.trainable_variables]
+                    for s in pipeline.stages + copy_stages]
+  out["moved"] = float(np.max(np.abs(
+      pipeline.model.weights[0].numpy() - make().weights[0].numpy())))
+  out["names"] = [s.name for s in pipeline.stages + copy_stages]
+  graph = tf.function(pipeline.gradients).get_concrete_function(
+      tf.TensorSpec((BATCH, 12), tf.float32),
+      tf.TensorSpec((BATCH,), tf.int32)).graph
+  out["collectives"] = sorted(
+      op.device.split("device:")[-1] for op in graph.get_operations()
+      if op.type == "CollectiveReduceV2")
+  return out
+
+
+print("RESULT " + json.dumps({kind: compare(kind) for kind in sys.argv[2:]}))
 """
 
 
-def _compare(kind="mlp", steps=STEPS):
-  proc = helpers.run_code(_COMPARE, str(steps), kind, timeout=600)
+@pytest.fixture(scope="module")
+def compared():
+  """{kind: what the test checks}, both kinds in one 4-device process."""
+  proc = helpers.run_code(_COMPARE, str(STEPS), "mlp", "skip", timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   return json.loads(line[-1][len("RESULT "):])
 
 
 @pytest.mark.parametrize("kind", ["mlp", "skip"])
-def test_two_by_two_equals_single_device_training(kind):
-  result = _compare(kind)
+def test_two_by_two_equals_single_device_training(compared, kind):
+  result = compared[kind]
   assert result["moved"] > 1e-3  # the weights did train
   # Copy 0 (the model) equals the unsplit model after every step ...
   assert max(result["weights"]) < 1e-5, result["weights"]

@@ -1,8 +1,9 @@
 """Tensor parallelism of a whole transformer: the tiny GPT split by heads,
 MLP columns/rows and vocabulary equals the unsplit GPT.
 
-In-process tests have 2 logical CPU devices (conftest); the 4-device
-splits (tensor 4-way, data 2 x tensor 2) run in a fresh process.
+In-process tests have 2 logical CPU devices (conftest); the 4- and
+8-device splits (tensor 4-way, data 2 x tensor 2, tensor x pipeline, all
+three axes) run in one fresh process of 8, shared by the module's tests.
 """
 
 import collections
@@ -152,44 +153,21 @@ def test_a_shard_count_that_does_not_divide_is_one_line(devices, message):
   assert "\n" not in str(error.value)
 
 
-_FOUR_DEVICES = """
-import json, sys
-import framework
-framework.configure_cpu_devices(4)
-from tests.model_parallel_reference import unsplit_gradients
-from tests.transformer_split_reference import compare
-groups = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
-out = {"tensor4": compare(3, 4), "data2_tensor2": compare(
-    3, 2, replica_devices=groups), "tensor2_untied": compare(3, 2, tied=False)}
-for value in out.values():
-  value.pop("trainer")
-print("RESULT " + json.dumps(out))
-"""
-
-
-@pytest.mark.slow
-def test_four_way_and_data_two_by_tensor_two_equal_unsplit():
-  proc = helpers.run_code(_FOUR_DEVICES, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  out = json.loads(line[-1][len("RESULT "):])
-  for name, result in out.items():
-    _check(result)
-  assert out["tensor4"]["devices"] == [f"/CPU:{i}" for i in range(4)]
-  assert out["data2_tensor2"]["devices"] == ["/CPU:0", "/CPU:1"]
-
-
-_EIGHT_DEVICES = """
+# The 4- and 8-device splits in one fresh process of 8 devices (a split
+# on 4 names its 4 devices): its splits compare against one unsplit run.
+_MANY_DEVICES = """
 import json
 import framework
 framework.configure_cpu_devices(8)
 from framework import model_parallel as mp
-from tests.model_parallel_reference import unsplit_gradients
 from tests.transformer_split_reference import compare
+groups = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
+out = {"tensor4": compare(3, 4), "data2_tensor2": compare(
+    3, 2, replica_devices=groups), "tensor2_untied": compare(3, 2, tied=False)}
 groups = [[f"/CPU:{i}" for i in range(4)], [f"/CPU:{i}" for i in range(4, 8)]]
-out = {"tensor2_pipeline2": compare(3, 2, num_stages=2),
-       "data2_tensor2_pipeline2": compare(3, 2, num_stages=2,
-                                          replica_devices=groups)}
+out["tensor2_pipeline2"] = compare(3, 2, num_stages=2)
+out["data2_tensor2_pipeline2"] = compare(3, 2, num_stages=2,
+                                         replica_devices=groups)
 placed = out["tensor2_pipeline2"]["trainer"].model
 out["stages"] = [list(b.devices) for b in placed.blocks]
 out["block_devices"] = [sorted({mp.variable_device(v)
@@ -197,18 +175,33 @@ out["block_devices"] = [sorted({mp.variable_device(v)
                         for b in placed.blocks]
 copy = out["data2_tensor2_pipeline2"]["trainer"].copies[0][1]
 out["copy_stages"] = [list(b.devices) for b in copy.blocks]
-for name in ("tensor2_pipeline2", "data2_tensor2_pipeline2"):
+for name in ("tensor4", "data2_tensor2", "tensor2_untied",
+             "tensor2_pipeline2", "data2_tensor2_pipeline2"):
   out[name].pop("trainer")
 print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.slow
-def test_tensor_by_pipeline_and_all_three_axes_equal_unsplit():
-  proc = helpers.run_code(_EIGHT_DEVICES, timeout=900)
+@pytest.fixture(scope="module")
+def many_devices():
+  proc = helpers.run_code(_MANY_DEVICES, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  out = json.loads(line[-1][len("RESULT "):])
+  return json.loads(line[-1][len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_four_way_and_data_two_by_tensor_two_equal_unsplit(many_devices):
+  out = many_devices
+  for name in ("tensor4", "data2_tensor2", "tensor2_untied"):
+    _check(out[name])
+  assert out["tensor4"]["devices"] == [f"/CPU:{i}" for i in range(4)]
+  assert out["data2_tensor2"]["devices"] == ["/CPU:0", "/CPU:1"]
+
+
+@pytest.mark.slow
+def test_tensor_by_pipeline_and_all_three_axes_equal_unsplit(many_devices):
+  out = many_devices
   _check(out["tensor2_pipeline2"])
   _check(out["data2_tensor2_pipeline2"])
   # Stage p's blocks are split across its own 2 devices.

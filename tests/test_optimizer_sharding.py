@@ -1,6 +1,6 @@
 """Optimizer-state sharding (ZeRO-1) on 2 mirrored replicas: the same
-weights as the unsharded update, 1/N of the slots per device, and
-checkpoints that either layout restores."""
+weights as the unsharded update (XLA-compiled too), 1/N of the slots per
+device, and checkpoints that either layout restores."""
 
 import tempfile
 
@@ -40,17 +40,33 @@ def device_bytes(variables, strategy):
   return total
 
 
+@pytest.fixture(scope="module")
+def unsharded(data):
+  """(optimizer, learning_rate) -> (trainer, weights, metrics) of STEPS
+  unsharded mirrored steps, each trained once: Adam's is also the
+  checkpoint tests' continuous run."""
+  runs = {}
+
+  def run(optimizer, learning_rate):
+    if (optimizer, learning_rate) not in runs:
+      trainer = make_trainer("mirrored", optimizer=optimizer,
+                             learning_rate=learning_rate)
+      runs[optimizer, learning_rate] = (trainer,
+                                        *train(trainer, data, steps=STEPS))
+    return runs[optimizer, learning_rate]
+
+  return run
+
+
 @pytest.mark.parametrize("optimizer,learning_rate", CASES)
 def test_sharded_weights_and_slots_equal_the_unsharded_run(
-    data, optimizer, learning_rate):
-  plain = make_trainer("mirrored", optimizer=optimizer,
-                       learning_rate=learning_rate)
+    data, unsharded, optimizer, learning_rate):
+  plain, plain_weights, plain_metrics = unsharded(optimizer, learning_rate)
   sharded = make_trainer("mirrored", optimizer=optimizer,
                          learning_rate=learning_rate,
                          shard_optimizer_state=True)
   assert sharded.optimizer_sharding is not None
-  (plain_weights, plain_metrics), (weights, metrics) = [
-      train(t, data, steps=STEPS) for t in (plain, sharded)]
+  weights, metrics = train(sharded, data, steps=STEPS)
   assert max_diff(plain_weights, weights) < 1e-6
   for name in ("loss", "grad_norm"):
     assert metrics[name] == pytest.approx(plain_metrics[name], abs=1e-6)
@@ -66,6 +82,23 @@ def test_sharded_weights_and_slots_equal_the_unsharded_run(
   # The weights moved.
   assert max_diff(weights, train(make_trainer(
       "mirrored", optimizer=optimizer), data, steps=0)[0]) > 1e-4
+
+
+@pytest.mark.parametrize("optimizer,learning_rate",
+                         [("momentum", 0.05), ("adam", 1e-3)])
+def test_jit_compiled_sharded_update_equals_the_plain_one(
+    data, unsharded, optimizer, learning_rate):
+  # `jit_compile` and `shard_optimizer_state` together: the XLA-compiled
+  # sharded update gives the unsharded, uncompiled run's weights.
+  _, plain_weights, plain_metrics = unsharded(optimizer, learning_rate)
+  both = make_trainer("mirrored", optimizer=optimizer,
+                      learning_rate=learning_rate,
+                      shard_optimizer_state=True, jit_compile=True)
+  assert both.optimizer_sharding is not None and both.jit_compile
+  weights, metrics = train(both, data, steps=STEPS)
+  # XLA fuses differently: equal to float32 rounding, not bit for bit.
+  assert max_diff(plain_weights, weights) < 1e-5
+  assert metrics["loss"] == pytest.approx(plain_metrics["loss"], abs=1e-5)
 
 
 def test_each_device_holds_half_of_the_slots(data):
@@ -96,10 +129,9 @@ def test_clipping_uses_the_full_gradient_norm(data):
 
 
 @pytest.mark.parametrize("first,second", [(True, False), (False, True)])
-def test_a_checkpoint_resumes_with_sharding_toggled(data, tmp_path, first,
-                                                    second):
-  reference = make_trainer("mirrored", optimizer="adam", learning_rate=1e-3)
-  expected, _ = train(reference, data, steps=STEPS)
+def test_a_checkpoint_resumes_with_sharding_toggled(data, unsharded, tmp_path,
+                                                    first, second):
+  _, expected, _ = unsharded("adam", 1e-3)
   trainer = make_trainer("mirrored", optimizer="adam", learning_rate=1e-3,
                          shard_optimizer_state=first)
   iterator = iter(framework.data.inputs.distribute_train(

@@ -2,6 +2,8 @@
 on 127.0.0.1 end with the unsharded run's weights and slots, and a sharded
 run resumes on another replica count and unsharded on one device."""
 
+import shutil
+
 import pytest
 
 from tests import cluster_utils as cu
@@ -42,10 +44,13 @@ def test_sharded_run_resumes_on_four_replicas_and_on_one_device(tmp_path):
   reference = str(tmp_path / "reference")
   _train(reference, "--strategy=mirrored", "--cpu_devices=2",
          f"--train_steps={2 * STEPS}")
-  # Half sharded over 2 replicas, the rest sharded over 4.
-  resumed = str(tmp_path / "two_then_four")
-  _train(resumed, "--strategy=mirrored", "--cpu_devices=2",
+  # Half sharded over 2 replicas (one run, copied for both second halves),
+  # the rest sharded over 4.
+  half = str(tmp_path / "two")
+  _train(half, "--strategy=mirrored", "--cpu_devices=2",
          "--shard_optimizer_state", f"--train_steps={STEPS}")
+  resumed = str(tmp_path / "two_then_four")
+  shutil.copytree(half, resumed)
   proc = _train(resumed, "--strategy=mirrored", "--cpu_devices=4",
                 "--shard_optimizer_state", f"--train_steps={2 * STEPS}")
   assert f"Restored checkpoint {resumed}/ckpt-{STEPS}" in proc.stderr
@@ -55,8 +60,7 @@ def test_sharded_run_resumes_on_four_replicas_and_on_one_device(tmp_path):
   assert four <= 1e-5
   # Half sharded over 2 replicas, the rest unsharded on one device.
   single = str(tmp_path / "two_then_one")
-  _train(single, "--strategy=mirrored", "--cpu_devices=2",
-         "--shard_optimizer_state", f"--train_steps={STEPS}")
+  shutil.copytree(half, single)
   _train(single, "--strategy=one_device", f"--train_steps={2 * STEPS}")
   one = cu.max_weight_difference(reference, single)
   print(f"resumed on 4 replicas: max |diff| {four:.3g}; on one device: "

@@ -35,34 +35,55 @@ def flat(weights):
   return np.concatenate([np.ravel(w.numpy()) for w in weights])
 
 
+# (steps, tied) -> the unsplit run: every split of a process compares
+# against the same one, trained once (op determinism: each run would give
+# the same numbers).
+_UNSPLIT = {}
+
+
+def unsplit_run(steps, tied=True):
+  """(forward on the first batch, loss per step, flat logical weights after
+  each step) of the unsplit GPT on token_batches(steps), once per
+  process."""
+  key = (steps, tied)
+  if key not in _UNSPLIT:
+    x, y = token_batches(steps)
+    reference = framework.Trainer(
+        tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9), STRATEGY,
+        global_batch_size=BATCH)
+    forward = reference.model(x[:BATCH]).numpy()
+    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    losses, weights = [], []
+    for _ in range(steps):
+      losses.append(float(reference.train(iterator, 1)["loss"]))
+      weights.append(flat(gpt_parallel.logical_weights(reference.model)))
+    _UNSPLIT[key] = forward, losses, weights
+  return _UNSPLIT[key]
+
+
 def compare(steps, num_shards, replica_devices=None, tied=True,
             num_stages=1):
   """Relative differences (forward, per-step loss, weights after each step)
   of the split GPT against the unsplit one, on the same batches."""
   x, y = token_batches(steps)
-  reference = framework.Trainer(tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9),
-                                STRATEGY, global_batch_size=BATCH)
+  ref_forward, ref_losses, ref_weights = unsplit_run(steps, tied)
   split = mp.TensorParallelTrainer(
       tiny_gpt(tied), keras.optimizers.SGD(0.5, momentum=0.9), STRATEGY,
       global_batch_size=BATCH, num_shards=num_shards,
       devices=[f"/CPU:{i}" for i in range(num_shards * num_stages)],
       replica_devices=replica_devices, tensor_stages=num_stages)
   forward = relative(np.concatenate(
-      [t.numpy() for t in split.model(x[:BATCH])], -1),
-                     reference.model(x[:BATCH]).numpy())
-  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-  ref_it, split_it = iter(data), iter(data)
+      [t.numpy() for t in split.model(x[:BATCH])], -1), ref_forward)
+  split_it = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
   out = {"forward": forward, "loss": [], "weights": []}
-  for _ in range(steps):
-    ref_loss = float(reference.train(ref_it, 1)["loss"])
+  for step in range(steps):
     out["loss"].append(relative(float(split.train(split_it, 1)["loss"]),
-                                ref_loss))
+                                ref_losses[step]))
     # Over all weights at once: the key biases have an exactly zero true
     # gradient (softmax ignores a shift shared by all keys), so they stay
     # at their zero start plus float noise and have no scale of their own.
     out["weights"].append(relative(flat(split.model.logical_weights()),
-                                   flat(gpt_parallel.logical_weights(
-                                       reference.model))))
+                                   ref_weights[step]))
   out["moved"] = relative(split.model.logical_weights()[0].numpy(),
                           gpt_parallel.logical_weights(tiny_gpt(tied))[0].numpy())
   out["devices"] = sorted({mp.variable_device(v)
