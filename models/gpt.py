@@ -23,7 +23,8 @@ import keras
 from keras import ops
 
 from framework.errors import ConfigError
-from framework.model_parallel import parallel_layers, parallel_ops
+from framework.model_parallel import parallel_layers
+from framework.model_parallel import parallel_layers as parallel_ops
 from framework.settings import default
 from models.options import ModelOptions
 from models.registry import register

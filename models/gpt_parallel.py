@@ -26,7 +26,8 @@ import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError
-from framework.model_parallel import parallel_layers, parallel_ops
+from framework.model_parallel import parallel_layers
+from framework.model_parallel import parallel_layers as parallel_ops
 from models import gpt
 
 

@@ -22,7 +22,7 @@ from framework import settings
 from framework.app.config import BUILTIN_MODELS, ExperimentConfig
 from framework.data.config import DATASET_NAMES
 from framework.errors import ConfigError
-from framework.model_parallel import mesh
+from framework.model_parallel import config as mesh
 
 # Fields without a flag that the flags' config must still fill: the run's
 # length, replaced by experiment.build_model_and_optimizer.

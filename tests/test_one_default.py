@@ -25,7 +25,7 @@ from framework.core.config import TrainerConfig
 from framework.distribute import launcher, netns
 from framework.distribute.launch_config import LaunchConfig
 from framework.model_parallel.config import ModelParallelConfig
-from framework.model_parallel.split_config import SplitConfig
+from framework.model_parallel.config import SplitConfig
 from models.options import ModelOptions
 from scripts import config_flags
 
@@ -36,7 +36,9 @@ def _callables():
   """(name, function, config class, {keyword: field} where they differ)."""
   # pylint: disable=g-import-not-at-top
   from framework.core.trainer import Trainer
-  from framework.model_parallel import costs, graph, pipeline
+  from framework.model_parallel import pipeline
+  from framework.model_parallel import pipeline as costs
+  from framework.model_parallel import pipeline as graph
   from framework.model_parallel.staged_trainer import StagedTrainer
   from framework.model_parallel.tensor_parallel import TensorParallelTrainer
   from models import cifar_cnn, gpt, mlp, unet

@@ -324,8 +324,8 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from framework.model_parallel import PipelineTrainer  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.boundaries import balanced_boundaries  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.costs import layer_costs  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.pipeline import balanced_boundaries  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.pipeline import layer_costs  # pylint: disable=g-import-not-at-top
 
   strategy = tf.distribute.get_strategy()
   hidden = tuple(int(u) for u in FLAGS.hidden_units)
