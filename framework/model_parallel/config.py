@@ -212,6 +212,34 @@ class SplitConfig:
     check_settings(self)
 
 
+# The models that carry their own whole-model split (a tensor split of every
+# block, e.g. models/gpt_parallel.py registers `gpt`), by model name: known
+# without loading a split (the split itself loads TensorFlow).
+_SPLITS = {}
+
+
+def register_split(model_name):
+  """Decorator: `split(model, devices) -> split model` for models named
+  `model_name` (`keras.Model.name`), used by `TensorParallelTrainer`.
+
+  The split model's `call(features)` returns the logit shards; it has
+  `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
+  unsplit model's weights), `checkpoint_weights(model)` (its own weight,
+  a variable or `ShardedWeight`, for each of the unsplit model's trainable
+  variables) and `replicate(devices)` (a copy on other devices, same
+  weights).
+  """
+  def wrap(split):
+    _SPLITS[model_name] = split
+    return split
+  return wrap
+
+
+def split_for(model):
+  """The registered split of `model`, or None (no transformer split)."""
+  return _SPLITS.get(getattr(model, "name", None))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelParallelConfig:
   """Model parallelism for one run.

@@ -68,6 +68,9 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.errors import ConfigError
+# split_for: app/experiment.py's import; its home is config.py (import it
+# from there, and this line goes).
+from framework.model_parallel.config import split_for  # pylint: disable=unused-import
 from framework.model_parallel.copies import SUM, collective_all_reduce
 from framework.model_parallel.devices import short_device
 
@@ -432,31 +435,6 @@ def sharded_sparse_categorical_loss(labels, logits):
 
 # Model name -> `split(model, devices)` (a model package registers its own:
 # framework code never imports models/).
-_SPLITS = {}
-
-
-def register_split(model_name):
-  """Decorator: `split(model, devices) -> split model` for models named
-  `model_name` (`keras.Model.name`), used by `TensorParallelTrainer`.
-
-  The split model's `call(features)` returns the logit shards; it has
-  `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
-  unsplit model's weights), `checkpoint_weights(model)` (its own weight,
-  a variable or `ShardedWeight`, for each of the unsplit model's trainable
-  variables) and `replicate(devices)` (a copy on other devices, same
-  weights).
-  """
-  def wrap(split):
-    _SPLITS[model_name] = split
-    return split
-  return wrap
-
-
-def split_for(model):
-  """The registered split of `model`, or None (no transformer split)."""
-  return _SPLITS.get(getattr(model, "name", None))
-
-
 def _is_variable(value):
   return isinstance(value, (keras.Variable, tf.Variable))
 

@@ -15,7 +15,7 @@ the partial products are summed. This equals the unsplit pair exactly (up to
 the order of a float sum), e.g. a hidden layer of 10 units as 5 + 5.
 
 A whole transformer (a model with a registered split,
-`parallel_layers.register_split`, e.g. models/gpt_parallel.py): the split
+`config.register_split`, e.g. models/gpt_parallel.py): the split
 model trains as one device-pinned `Stage` (the split places its own ops and
 gradients, `parallel_layers.on_device`), with the vocab-parallel
 cross-entropy as its loss. With `replica_devices` (data x tensor) there is
@@ -46,13 +46,13 @@ import tensorflow as tf
 
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
-from framework.model_parallel.config import SplitConfig
+from framework.model_parallel.config import SplitConfig, split_for
 from framework.model_parallel.copies import all_reduce_copies
 from framework.model_parallel.devices import (cluster_devices,
                                               model_parallel_devices,
                                               short_device, variable_device)
 from framework.model_parallel.parallel_layers import (
-    sharded_sparse_categorical_loss, split_for, unsplit_view,
+    sharded_sparse_categorical_loss, unsplit_view,
     vocab_parallel_statistics)
 from framework.model_parallel.pipeline import PipelineTrainer, model_layers
 from framework.model_parallel.split_layout import OptimizerLayout
