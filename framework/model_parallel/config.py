@@ -5,7 +5,9 @@
 take as keyword arguments, declared once (`settings.same_as`), so each has
 one default, help and check. This module imports no TensorFlow at load
 time: the flags are made from it before TensorFlow loads, and the devices
-and trainers are imported where they are used.
+and trainers are imported where they are used. Which models carry their
+own whole-model split (`register_split`, `split_for`) is known here too,
+without loading the split.
 
 `--mesh=data:2,model:2`: one device mesh for every split. Axes: `data`
 (copies of the model, each on its own devices, gradients all-reduced across
@@ -260,7 +262,7 @@ class ModelParallelConfig:
     recompute: keep only each stage's inputs per micro-batch and recompute
       its forward pass in the backward pass (GPipe's re-materialisation).
     serial_stages: each stage device runs its ops one at a time, in program
-      order, as a GPU stream does (`streams.DeviceStreams`).
+      order, as a GPU stream does (`devices.DeviceStreams`).
     input_grads_first: with serial_stages, each stage computes the input
       gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:

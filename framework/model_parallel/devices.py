@@ -1,5 +1,5 @@
 """The devices of a split: where its pieces go, what each holds, where its
-ops ran.
+ops ran, and each running one op at a time.
 
 Where: stage or shard `i` goes on `/GPU:i` when there are enough GPUs,
 else on the logical CPU device `/CPU:i` (split the host with
@@ -28,14 +28,36 @@ silently (an unplaced op runs on device 0 and the step is still correct,
 only slower and bigger). `misplaced_ops` reads the traced graph: every op
 named under a piece's name scope (forward `stage_1/...`, backward
 `gradient_tape/stage_1/...`) must carry that piece's device.
+
+One op at a time (`DeviceStreams`): a GPU runs a stage's kernels on one
+stream, one after another. Logical CPU devices have no streams:
+TensorFlow's executor runs any ready op on any inter-op thread, so one
+stage may run two ops at once (a layer's input and weight gradients) and
+hold both cores while the other stage's ready op waits. The pipeline then
+has a bubble of its own making, on top of GPipe's. `DeviceStreams`
+restores stream semantics inside a `tf.function`: every op created inside
+`streams.on(key)` gets a control input from the op created before it on the
+same key, so the ops of one key form a single chain in program order.
+Program (creation) order is a topological order of the whole graph, so
+chains drawn along it never make a cycle; the ops of different keys stay
+free to overlap, as two streams do. Within a block, `first` can move the
+ops some outputs need ahead of the rest (any order of a block's ops that
+keeps its data dependencies, and comes after every earlier block, is still
+acyclic: see `_urgent_first`). The cost: a control input on the first op
+of a fusable pattern can stop Grappler from fusing it (say MatMul +
+BiasAdd), so results may differ from the unchained model in the last bits
+(1e-7), and kernels can be a little slower. Off by default;
+`PipelineTrainer(serial_stages=True)` turns it on.
 """
 
 import contextlib
-import keras
-import numpy as np
 import os
 import re
+
+import keras
+import numpy as np
 import tensorflow as tf
+
 from framework import _tf_internal
 from framework.errors import ConfigError, check_positive
 

@@ -293,7 +293,7 @@ def update_scope(device):
 
 
 class StagedTrainer(PipelineCopies, Trainer):
-  """Trains a model given as device-pinned stages (`stages.Stage`).
+  """Trains a model given as device-pinned stages (`Stage`).
 
   Args:
     model: the Keras model whose variables the stages use (checkpointed).
@@ -307,7 +307,7 @@ class StagedTrainer(PipelineCopies, Trainer):
       forward pass again in the backward pass (GPipe's re-materialisation:
       less activation memory, one more forward pass per step).
     serial_stages: each stage device runs its ops one at a time, in program
-      order, as a GPU stream would (`streams.DeviceStreams`); by default
+      order, as a GPU stream would (`devices.DeviceStreams`); by default
       TensorFlow may run several ops of one logical CPU device at once.
     input_grads_first: with serial_stages, each stage's backward pass
       computes the gradient it sends to the stage before it first and its
