@@ -23,7 +23,7 @@ import keras
 from keras import ops
 
 from framework.errors import ConfigError
-from framework.model_parallel import parallel_layers, parallel_ops
+from framework.model_parallel import parallel_layers
 from framework.settings import default
 from models.options import ModelOptions
 from models.registry import register
@@ -165,7 +165,7 @@ class Block(keras.layers.Layer):
   def build(self, input_shape):
     for layer in (self.ln1, self.attention, self.ln2, self.mlp):
       # Split: the layer norms (replicated) live on the first device.
-      with parallel_ops.maybe_device(self.devices[:1]):
+      with parallel_layers.maybe_device(self.devices[:1]):
         layer.build(input_shape)
 
   def call(self, x):
@@ -177,12 +177,12 @@ class Block(keras.layers.Layer):
     values); each sub-layer's shards, one all-reduce, the residual add."""
     for norm, layer, output in ((self.ln1, self.attention, self.attention.out),
                                 (self.ln2, self.mlp, self.mlp.proj)):
-      partials = [parallel_ops.on_device(
+      partials = [parallel_layers.on_device(
           device, lambda x, d=d, norm=norm, layer=layer: layer.shard(
               d, norm(x)), x) for d, (device, x) in enumerate(
                   zip(self.devices, xs))]
-      sums = parallel_ops.all_reduce(partials, self.devices)
-      xs = [parallel_ops.on_device(
+      sums = parallel_layers.all_reduce(partials, self.devices)
+      xs = [parallel_layers.on_device(
           device, lambda x, s, output=output: x + output.add_bias(s), x, s)
             for device, x, s in zip(self.devices, xs, sums)]
     return xs

@@ -26,8 +26,8 @@ import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError
-from framework.model_parallel import parallel_layers, parallel_ops
-from framework.model_parallel.split_config import SplitConfig
+from framework.model_parallel import parallel_layers
+from framework.model_parallel.config import SplitConfig, register_split
 from framework.settings import default
 from models import gpt
 
@@ -128,15 +128,15 @@ class ShardedGPT(keras.Model):
 
   def call(self, tokens, training=False):
     devices = self.stage_devices[0]
-    looked_up = [parallel_ops.on_device(
+    looked_up = [parallel_layers.on_device(
         device, lambda d=d: self.embedding.lookup(d, tokens))
                  for d, device in enumerate(devices)]
-    xs = [parallel_ops.on_device(device, self.position, x) for device, x in
-          zip(devices, parallel_ops.all_reduce(looked_up, devices))]
+    xs = [parallel_layers.on_device(device, self.position, x) for device, x in
+          zip(devices, parallel_layers.all_reduce(looked_up, devices))]
     for block in self.blocks:
       xs = block.split_call(xs)  # on_device moves xs to the block's stage
     devices = self.stage_devices[-1]
-    return [parallel_ops.on_device(
+    return [parallel_layers.on_device(
         device, lambda x, d=d: self.embedding.logits(d, self.ln_f(x)), x)
             for d, (device, x) in enumerate(zip(devices, xs))]
 
@@ -178,7 +178,7 @@ def stage_of(block, num_layers, tensor_stages):
   return block * tensor_stages // num_layers
 
 
-@parallel_layers.register_split("gpt")
+@register_split("gpt")
 def split(model, devices, num_stages=default(SplitConfig, "tensor_stages")):
   """The ShardedGPT of the unsplit GPT `model` on `devices`, its weights.
 

@@ -28,15 +28,17 @@ TASKS = ("classification", "segmentation", "language_model")
 # gpt split), imported at the first look-up: `import models` stays free of
 # TensorFlow.
 BUILTIN_MODULES = ("cifar_cnn", "gpt", "gpt_parallel", "mlp", "unet")
-_loaded = []
+# The modules that register each built-in name: a run of one model imports
+# only its own (an mlp run no tensor-parallel layers).
+_BUILTIN_NAMES = {"cifar_cnn": ("cifar_cnn",), "gpt": ("gpt", "gpt_parallel"),
+                  "mlp": ("mlp",), "unet": ("unet",)}
 
 
-def load_builtin():
-  """Imports the built-in builders' modules once (they register here)."""
-  if not _loaded:
-    _loaded.append(True)
-    for module in BUILTIN_MODULES:
-      importlib.import_module(f"models.{module}")
+def load_builtin(name=None):
+  """Imports the modules that register built-in model `name` (any other
+  name or None: every built-in module); Python imports each once."""
+  for module in _BUILTIN_NAMES.get(name, BUILTIN_MODULES):
+    importlib.import_module(f"models.{module}")
 
 
 def register(name, task=None):
@@ -116,7 +118,7 @@ def get_builder(name, search_dir=None):
   """
   if not isinstance(name, str) or not name:
     raise ConfigError(_valid(name))
-  load_builtin()
+  load_builtin(name)
   if not is_import_path(name):
     if name not in _BUILDERS:
       raise ConfigError(f"model={name!r} is unknown; known models: "
@@ -332,7 +334,7 @@ def check_task(name, per_pixel, dataset, model=None):
     model: the built model, if any: its output rank decides for a model
       registered without a task.
   """
-  load_builtin()
+  load_builtin(name)
   if isinstance(per_pixel, str):
     want = per_pixel
   else:

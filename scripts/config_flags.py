@@ -22,7 +22,7 @@ from framework import settings
 from framework.app.config import BUILTIN_MODELS, ExperimentConfig
 from framework.data.config import DATASET_NAMES
 from framework.errors import ConfigError
-from framework.model_parallel import mesh
+from framework.model_parallel.config import parse_mesh
 
 # Fields without a flag that the flags' config must still fill: the run's
 # length, replaced by experiment.build_model_and_optimizer.
@@ -324,7 +324,7 @@ def _mesh_mode(final, flag_values):
   if final.get("model_parallel") != "none" or "mesh" not in flag_values:
     return
   try:
-    sizes = mesh.parse_mesh(flag_values["mesh"].value or "")
+    sizes = parse_mesh(flag_values["mesh"].value or "")
   except ConfigError:
     return  # no mesh, or a bad one: the run says why
   final["model_parallel"] = ("tensor" if sizes.get("model", 1) > 1

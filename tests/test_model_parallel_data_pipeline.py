@@ -10,7 +10,7 @@ import os
 import pytest
 
 from framework.errors import ConfigError
-from framework.model_parallel import replicas
+from framework.model_parallel import copies
 from tests import helpers
 
 STEPS = 4
@@ -108,11 +108,11 @@ def test_two_by_two_equals_single_device_training(compared, kind):
 
 
 def test_replica_groups_cut_consecutive_devices():
-  assert replicas.replica_groups(
+  assert copies.replica_groups(
       [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(6)],
       3) == [["/CPU:0", "/CPU:1", "/CPU:2"], ["/CPU:3", "/CPU:4", "/CPU:5"]]
   with pytest.raises(ConfigError, match=r"3 devices.*num_stages=2"):
-    replicas.replica_groups(["/CPU:0", "/CPU:1", "/CPU:2"], 2)
+    copies.replica_groups(["/CPU:0", "/CPU:1", "/CPU:2"], 2)
 
 
 _FLAGS = ["--model=mlp", "--hidden_units=16", "--dataset=synthetic",

@@ -9,7 +9,7 @@ import pytest
 
 from framework.errors import ConfigError
 from framework.model_parallel import ModelParallelConfig
-from framework.model_parallel.mesh import check_device_count, parse_mesh
+from framework.model_parallel.config import check_device_count, parse_mesh
 from tests import helpers
 
 GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=8",

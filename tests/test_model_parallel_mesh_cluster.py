@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from framework.errors import ConfigError
-from framework.model_parallel import mesh_cluster
-from framework.model_parallel.mesh import parse_mesh
+from framework.model_parallel import config
+from framework.model_parallel.config import parse_mesh
 from tests import helpers
 from tests.cluster_utils import ENV, LAUNCH, ROOT, train_command
 
@@ -44,13 +44,13 @@ def _names(tasks, cpus=2, gpus=0):
 
 def test_copy_r_is_on_worker_r_its_shards_on_that_tasks_devices():
   sizes = parse_mesh("data:2,model:2")
-  assert mesh_cluster.worker_count(sizes) == 2
-  assert mesh_cluster.devices_per_task(sizes) == 2
-  assert mesh_cluster.cluster_groups("data:2,model:2", sizes, _names(2)) == [
+  assert config.worker_count(sizes) == 2
+  assert config.devices_per_task(sizes) == 2
+  assert config.cluster_groups("data:2,model:2", sizes, _names(2)) == [
       [f"/job:worker/replica:0/task:{r}/device:CPU:{d}" for d in range(2)]
       for r in range(2)]
   # A task with enough GPUs gives them; a third task is not used.
-  groups = mesh_cluster.cluster_groups("data:2,model:2", sizes,
+  groups = config.cluster_groups("data:2,model:2", sizes,
                                        _names(3, gpus=2))
   assert [g[1] for g in groups] == [
       "/job:worker/replica:0/task:0/device:GPU:1",
@@ -59,7 +59,7 @@ def test_copy_r_is_on_worker_r_its_shards_on_that_tasks_devices():
 
 def test_a_worker_with_too_few_devices_is_one_line():
   with pytest.raises(ConfigError) as error:
-    mesh_cluster.cluster_groups("data:2,model:2",
+    config.cluster_groups("data:2,model:2",
                                 parse_mesh("data:2,model:2"), _names(2, 1))
   message = str(error.value)
   assert "\n" not in message

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from framework import model_parallel as mp
 from framework.errors import ConfigError
-from framework.model_parallel.costs import layer_costs
+from framework.model_parallel.pipeline import layer_costs
 from tests.model_parallel_reference import (DEVICES, STRATEGY, assert_close,
                                             build, data)
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from framework import model_parallel as mp
 from framework.errors import ConfigError
-from framework.model_parallel.streams import DeviceStreams
+from framework.model_parallel.devices import DeviceStreams
 from tests.helpers import run_script
 from tests.model_parallel_reference import (DEVICES, STRATEGY, assert_close,
                                             batches, build, data, skip_model)

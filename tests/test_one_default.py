@@ -83,7 +83,7 @@ from framework.app.config import ExperimentConfig
 from framework.core.config import TrainerConfig
 from framework.distribute.launch_config import LaunchConfig
 from framework.model_parallel.config import ModelParallelConfig
-from framework.model_parallel.split_config import SplitConfig
+from framework.model_parallel.config import SplitConfig
 from models.options import ModelOptions
 from scripts import config_flags
 
@@ -106,9 +106,9 @@ PENDING = {
     ("framework/core/checkpointing.py", "allow_config_change"):
         "read ExperimentConfig's (or no default)",
     ("framework/core/ps_training.py", "seed"): "read InputConfig's",
-    ("framework/model_parallel/graph.py", "recompute"): "read SplitConfig's",
-    ("framework/model_parallel/memory.py", "recompute"): "read SplitConfig's",
-    ("framework/model_parallel/stages.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/pipeline.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/devices.py", "recompute"): "read SplitConfig's",
+    ("framework/model_parallel/staged_trainer.py", "recompute"): "read SplitConfig's",
     ("framework/model_parallel/staged_trainer.py", "shard_optimizer_state"):
         "read TrainerConfig's",
     # 2: two concepts under one setting name.
@@ -120,9 +120,9 @@ PENDING = {
         "Controller's checkpoint=True (whether to) vs EvalConfig's (a path)",
     ("framework/model_parallel/config.py", "num_layers"):
         "check_model's num_layers=0 (unknown) vs ModelOptions' 2",
-    ("framework/model_parallel/replicas.py", "strategy"):
+    ("framework/model_parallel/copies.py", "strategy"):
         "replica_groups' strategy='mirrored' (a name for messages)",
-    ("framework/model_parallel/transformer_split.py", "num_stages"):
+    ("framework/model_parallel/tensor_parallel.py", "num_stages"):
         "a tensor split's stages: tensor_stages (and pass it so to the "
         "registered split, models/gpt_parallel.split)",
     ("models/gpt_parallel.py", "num_stages"):
@@ -414,9 +414,6 @@ def test_pending_entries_still_fail():
 
 def test_the_scan_finds_every_kind_of_place():
   code = '''
-import dataclasses
-from absl import flags
-from framework import settings
 flags.DEFINE_integer("seed", 0, "")
 flags.DEFINE_integer("global_batch_size", 7, "")
 def f(x, seed=0, *, clip_norm=None, recompute=False, num_stages=1,

@@ -1,42 +1,35 @@
 """Model parallelism: pipeline (layer split) and tensor (unit split).
 
-Names are imported on first use (PEP 562), so that `ModelParallelConfig`
-loads without TensorFlow (the flags are made from it).
+Names are imported on first use (PEP 562): `ModelParallelConfig` loads
+without TensorFlow (the flags are made from it), and a run that splits
+nothing loads no trainer, device or layer module.
 """
 
 import importlib
 import importlib.util
 
 _EXPORTS = {
-    "framework.model_parallel.choices": ["MODES", "PLACEMENTS"],
-    "framework.model_parallel.config": ["ModelParallelConfig"],
+    "framework.model_parallel.config": [
+        "MODES", "PLACEMENTS", "ModelParallelConfig",
+    ],
     "framework.model_parallel.devices": [
-        "check_cluster", "cluster_devices", "connect_cluster",
-        "model_parallel_devices", "short_device", "start_cluster",
-        "variable_device",
-    ],
-    "framework.model_parallel.graph": [
-        "GraphStage", "graph_nodes", "graph_stages", "place_variables",
-        "split_graph",
-    ],
-    "framework.model_parallel.memory": [
+        "DeviceStreams", "check_cluster", "cluster_devices", "connect_cluster",
         "format_memory", "memory_by_device", "memory_metrics",
+        "misplaced_ops", "model_parallel_devices", "ops_by_scope",
+        "short_device", "start_cluster", "variable_device",
     ],
-    "framework.model_parallel.placement": ["misplaced_ops", "ops_by_scope"],
-    "framework.model_parallel.boundaries": ["balanced_boundaries"],
     "framework.model_parallel.pipeline": [
-        "PipelineTrainer", "place_sequential", "split_layers",
+        "GraphStage", "PipelineTrainer", "balanced_boundaries", "graph_nodes",
+        "graph_stages", "place_sequential", "place_variables", "split_graph",
+        "split_layers",
     ],
     "framework.model_parallel.staged_trainer": [
-        "StagedTrainer", "update_scope",
+        "ParallelStage", "Stage", "StagedTrainer", "update_scope",
     ],
-    "framework.model_parallel.stages": ["ParallelStage", "Stage"],
-    "framework.model_parallel.streams": ["DeviceStreams"],
-    "framework.model_parallel.dense_pair": [
+    "framework.model_parallel.tensor_parallel": [
         "ColumnParallelDense", "RowParallelDense", "TensorParallelModel",
-        "split_dense_pair",
+        "TensorParallelTrainer", "split_dense_pair", "trainer_factory",
     ],
-    "framework.model_parallel.tensor_parallel": ["TensorParallelTrainer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items()
           for name in names}

@@ -1,17 +1,245 @@
-"""How a run splits its model: the config that `scripts/train.py` fills."""
+"""How a run splits its model: its settings and its device mesh.
+
+`ModelParallelConfig` is what `scripts/train.py` fills (`--model_parallel`,
+`--mesh`, ...); `SplitConfig` holds the settings the split trainers also
+take as keyword arguments, declared once (`settings.same_as`), so each has
+one default, help and check. This module imports no TensorFlow at load
+time: the flags are made from it before TensorFlow loads, and the devices
+and trainers are imported where they are used. Which models carry their
+own whole-model split (`register_split`, `split_for`) is known here too,
+without loading the split.
+
+`--mesh=data:2,model:2`: one device mesh for every split. Axes: `data`
+(copies of the model, each on its own devices, gradients all-reduced across
+them), `model` (tensor parallelism: the devices one copy's layers are cut
+across) and `pipeline` (stages). The product of the sizes is the number of
+devices the run uses. `--model_parallel=tensor --num_shards=S` is the
+one-axis mesh `model:S`, `--model_parallel=pipeline --num_stages=S` is
+`pipeline:S`, and `--strategy=mirrored` with R * S devices adds `data:R`.
+
+A mesh over the tasks of a cluster puts its data axis across processes:
+
+    scripts/launch.py --workers=2 -- python scripts/train.py --model=gpt \\
+        --mesh=data:2,model:2 --model_parallel_devices=cluster --cpu_devices=2
+
+      worker 0  /job:worker/task:0/CPU:0  /CPU:1    copy 0 (checkpointed)
+      worker 1  /job:worker/task:1/CPU:0  /CPU:1    copy 1
+      chief     the training loop, the input, the checkpoints (launch.py
+                adds it; it holds no variable)
+
+Copy r of the split lives on worker task r, one process: the tensor
+split's all-reduces (the model axis, two per block and step) never leave
+it, and only the gradient all-reduce (the data axis: shard d of copy 0
+with shard d of copy 1) crosses processes, once per step. The other way
+round (a copy's shards on different tasks) would send every block's
+activations over the network twice per pass. Each worker task offers the
+devices of one copy: `--cpu_devices` of them (its gRPC server's CPU
+devices), or its GPUs. The chief drives every task from one program
+(TensorFlow's distributed runtime); the all-reduces are TensorFlow's
+collectives over the remote devices.
+"""
 
 import dataclasses
-import functools
 
 from framework.errors import ConfigError
-from framework.model_parallel.choices import BALANCES, MODES, PLACEMENTS  # pylint: disable=unused-import
-from framework.model_parallel.mesh import check_device_count, parse_mesh
-from framework.model_parallel.split_config import SPLIT_READ_BY, SplitConfig
-from framework.settings import check_settings, same_as, setting
+from framework.settings import POSITIVE, check_settings, same_as, setting
 
-# This module imports no TensorFlow at load time (the flags are made from
-# ModelParallelConfig before TensorFlow loads): the trainers and devices are
-# imported where they are used.
+MODES = ("none", "pipeline", "tensor")
+# Pipeline cut points without explicit boundaries (see `pipeline`).
+BALANCES = ("flops", "params")
+# Where the pieces of a split model run (see `devices`).
+PLACEMENTS = ("local", "cluster")
+# The axes of a `--mesh`.
+AXES = ("data", "model", "pipeline")
+
+
+def parse_mesh(text):
+  """`"data:2,model:2"` -> {"data": 2, "model": 2} (every axis named once).
+
+  Raises:
+    ConfigError: an unknown axis, a size that is not a positive integer,
+      an axis named twice, or no model or pipeline axis > 1.
+  """
+  sizes = {}
+  for part in str(text).split(","):
+    name, colon, size = part.strip().partition(":")
+    if not colon or not name:
+      raise ConfigError(f"mesh={text!r}: {part.strip()!r} must be axis:size, "
+                        "e.g. --mesh=data:2,model:2")
+    if name not in AXES:
+      raise ConfigError(f"mesh={text!r}: unknown axis {name!r}; the axes "
+                        f"are {', '.join(AXES)}")
+    if name in sizes:
+      raise ConfigError(f"mesh={text!r} names the axis {name!r} twice")
+    if not size.strip().isdigit() or int(size) < 1:
+      raise ConfigError(f"mesh={text!r}: the size of {name!r} must be a "
+                        f"positive integer, got {size!r}")
+    sizes[name] = int(size)
+  if sizes.get("model", 1) == 1 and sizes.get("pipeline", 1) == 1:
+    raise ConfigError(f"mesh={text!r} splits no model (a model or pipeline "
+                      "axis > 1); data parallelism alone is "
+                      "--strategy=mirrored")
+  return sizes
+
+
+def mesh_size(sizes):
+  """The number of devices of a parsed mesh."""
+  total = 1
+  for size in sizes.values():
+    total *= size
+  return total
+
+
+def check_device_count(text, sizes, gpus, cpus):
+  """Raises ConfigError unless the mesh's devices are exactly the local
+  devices it runs on (the GPUs when there are enough, else the logical
+  CPUs)."""
+  total = mesh_size(sizes)
+  available = gpus if gpus >= total else cpus
+  kind = "GPU(s)" if gpus >= total else "logical CPU device(s)"
+  if available != total:
+    raise ConfigError(
+        f"mesh={text} has {total} devices (the product of its axes) but "
+        f"this process has {available} {kind}; make them equal (e.g. "
+        f"--cpu_devices={total}) or change the mesh")
+
+
+def worker_count(sizes):
+  """Worker tasks a parsed mesh needs on a cluster: its data axis."""
+  return sizes.get("data", 1)
+
+
+def devices_per_task(sizes):
+  """Devices of one copy (every axis but data): one worker task's."""
+  count = 1
+  for axis, size in sizes.items():
+    if axis != "data":
+      count *= size
+  return count
+
+
+def _index(name):
+  return int(name.rsplit(":", 1)[1])
+
+
+def task_devices(names, task):
+  """{"GPU": [...], "CPU": [...]}: worker `task`'s devices in `names`
+  (the chief's `tf.config.list_logical_devices()` names), by index."""
+  prefix = f"/job:worker/replica:0/task:{task}/device:"
+  found = {"GPU": [], "CPU": []}
+  for name in names:
+    kind = name[len(prefix):].split(":")[0] if name.startswith(prefix) else ""
+    if kind in found:
+      found[kind].append(name)
+  return {kind: sorted(found[kind], key=_index) for kind in found}
+
+
+def cluster_groups(text, sizes, names):
+  """R lists of a copy's devices, list r on worker task r.
+
+  Each task's first GPUs when it has enough of them, else its CPUs.
+
+  Args:
+    text: the `--mesh` value (named in errors).
+    sizes: the parsed mesh.
+    names: the device names the chief sees once connected.
+  Raises:
+    ConfigError: a worker task with too few devices for one copy.
+  """
+  count = devices_per_task(sizes)
+  groups = []
+  for task in range(worker_count(sizes)):
+    devices = task_devices(names, task)
+    kind = "GPU" if len(devices["GPU"]) >= count else "CPU"
+    if len(devices[kind]) < count:
+      raise ConfigError(
+          f"mesh={text} on a cluster puts one copy of the split on each "
+          f"worker task: {count} devices (the axes other than data) each; "
+          f"worker {task} has {len(devices['CPU'])} CPU device(s) and "
+          f"{len(devices['GPU'])} GPU(s); start the tasks with "
+          f"--cpu_devices={count}")
+    groups.append(devices[kind][:count])
+  return groups
+
+
+# What only a split model reads (`setting(read_by=...)`).
+SPLIT_READ_BY = {"model_parallel": ("pipeline", "tensor")}
+PIPELINE_READ_BY = {"model_parallel": ("pipeline",)}
+TENSOR_READ_BY = {"model_parallel": ("tensor",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+  """How a split trainer cuts and schedules the model (each field as in
+  `ModelParallelConfig`)."""
+  num_stages: int = setting(2, "Pipeline stages (devices).",
+                            minimum=POSITIVE, read_by=PIPELINE_READ_BY)
+  num_microbatches: int = setting(
+      1, "Micro-batches per global batch (GPipe schedule); must divide "
+      "--global_batch_size.", minimum=POSITIVE, read_by=SPLIT_READ_BY)
+  stage_boundaries: tuple[int | str, ...] = setting(
+      (), "Pipeline cut points between layers, e.g. '3', '2,5' or layer "
+      "names (a name starts a stage); default: balanced by "
+      "--stage_balance.", read_by=PIPELINE_READ_BY)
+  num_shards: int = setting(2, "Tensor parallel: devices the hidden units "
+                            "are split across.", minimum=POSITIVE,
+                            read_by=TENSOR_READ_BY)
+  split_layer: int | None = setting(
+      None, "Tensor parallel: index of the Dense layer to split (default: "
+      "the last Dense followed by a Dense).", read_by=TENSOR_READ_BY)
+  recompute: bool = setting(
+      False, "Model parallel: keep only each stage's inputs per micro-batch "
+      "and recompute its forward pass in the backward pass (less "
+      "activation memory, one more forward pass per step).", read_by=SPLIT_READ_BY)
+  serial_stages: bool = setting(
+      False, "Model parallel: each stage device runs its ops one at a time, "
+      "in program order, as a GPU stream does (logical CPU devices "
+      "otherwise run several of a stage's ops at once on the shared "
+      "cores).")
+  input_grads_first: bool = setting(
+      True, "Model parallel, with --serial_stages: each stage computes the "
+      "input gradient it sends back before its weight gradients (B before "
+      "W, as zero-bubble pipelines do: a smaller bubble); false: the "
+      "backward pass in creation order.", read_by=SPLIT_READ_BY)
+  tensor_stages: int = setting(
+      1, "Tensor x pipeline: the stages of a tensor split, each split "
+      "across its own devices (set from --mesh's pipeline axis).",
+      flag=False, minimum=POSITIVE)
+  stage_balance: str = setting(
+      "flops", "Pipeline cut points without --stage_boundaries: equal "
+      "forward+backward conv/matmul FLOPs per stage, or equal parameter "
+      "counts.", choices=BALANCES, read_by=PIPELINE_READ_BY)
+
+  def __post_init__(self):
+    check_settings(self)
+
+
+# The models that carry their own whole-model split (a tensor split of every
+# block, e.g. models/gpt_parallel.py registers `gpt`), by model name: known
+# without loading a split (the split itself loads TensorFlow).
+_SPLITS = {}
+
+
+def register_split(model_name):
+  """Decorator: `split(model, devices) -> split model` for models named
+  `model_name` (`keras.Model.name`), used by `TensorParallelTrainer`.
+
+  The split model's `call(features)` returns the logit shards; it has
+  `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
+  unsplit model's weights), `checkpoint_weights(model)` (its own weight,
+  a variable or `ShardedWeight`, for each of the unsplit model's trainable
+  variables) and `replicate(devices)` (a copy on other devices, same
+  weights).
+  """
+  def wrap(split):
+    _SPLITS[model_name] = split
+    return split
+  return wrap
+
+
+def split_for(model):
+  """The registered split of `model`, or None (no transformer split)."""
+  return _SPLITS.get(getattr(model, "name", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +262,7 @@ class ModelParallelConfig:
     recompute: keep only each stage's inputs per micro-batch and recompute
       its forward pass in the backward pass (GPipe's re-materialisation).
     serial_stages: each stage device runs its ops one at a time, in program
-      order, as a GPU stream does (`streams.DeviceStreams`).
+      order, as a GPU stream does (`devices.DeviceStreams`).
     input_grads_first: with serial_stages, each stage computes the input
       gradient it sends back before its weight gradients (B before W).
     stage_balance: pipeline cut points without `stage_boundaries`:
@@ -174,7 +402,7 @@ class ModelParallelConfig:
       raise ConfigError(
           f"model_parallel_devices=cluster with strategy={name} is not "
           "supported; use strategy=default (one pipeline over the workers)")
-    from framework.model_parallel.replicas import split_strategy  # pylint: disable=g-import-not-at-top
+    from framework.model_parallel.copies import split_strategy  # pylint: disable=g-import-not-at-top
     count, argument = self.device_count
     strategy, groups = split_strategy(strategy, count, name=name,
                                       argument=argument)
@@ -185,7 +413,7 @@ class ModelParallelConfig:
     """(config, one-replica strategy) of a `mesh` run: its data axis cut
     from this process's devices (no data-parallel strategy needed)."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from framework.model_parallel.replicas import replica_groups  # pylint: disable=g-import-not-at-top
+    from framework.model_parallel.copies import replica_groups  # pylint: disable=g-import-not-at-top
     from framework.model_parallel.devices import model_parallel_devices  # pylint: disable=g-import-not-at-top
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
@@ -205,81 +433,25 @@ class ModelParallelConfig:
 
   def _cluster_mesh_strategy(self, strategy, name):
     """(config, one-replica strategy) of a mesh on a cluster: copy r of the
-    split on worker task r's devices (`mesh_cluster`); call after
+    split on worker task r's devices (`cluster_groups`); call after
     `devices.start_cluster` connected this chief."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from framework.model_parallel import mesh_cluster  # pylint: disable=g-import-not-at-top
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
           f"mesh={self.mesh} makes its own data axis; use strategy=default "
           f"(not {name})")
-    groups = mesh_cluster.cluster_groups(
+    groups = cluster_groups(
         self.mesh, parse_mesh(self.mesh),
         [d.name for d in tf.config.list_logical_devices()])
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 
   def trainer_factory(self, trainer_cls=None):
-    """`trainer_cls`, or the model-parallel trainer bound to this config.
-
-    A plain `Trainer` subclass (e.g. the segmentation trainer, for its
-    evaluation metrics) is combined with the model-parallel trainer: the
-    split trains, the subclass evaluates the (whole) model.
-    """
-    # pylint: disable=g-import-not-at-top
-    from framework.core.trainer import Trainer
-    from framework.model_parallel.devices import cluster_devices
-    from framework.model_parallel.pipeline import PipelineTrainer
-    from framework.model_parallel.routing import pipeline_trainer
-    from framework.model_parallel.staged_trainer import StagedTrainer
-    from framework.model_parallel.tensor_parallel import TensorParallelTrainer
-    # pylint: enable=g-import-not-at-top
-    trainer_cls = trainer_cls or Trainer
+    """`trainer_cls` (default `Trainer`) when nothing is split, else the
+    split's trainer bound to this config (`tensor_parallel.trainer_factory`,
+    which loads the trainers; this module builds none)."""
     if self.mode == "none":
-      return trainer_cls
-
-    def combined(parallel_cls):
-      if trainer_cls is Trainer or issubclass(trainer_cls, parallel_cls):
-        return parallel_cls if trainer_cls is Trainer else trainer_cls
-      if not issubclass(trainer_cls, Trainer) or issubclass(
-          trainer_cls, StagedTrainer):
-        raise ConfigError(
-            f"model_parallel={self.mode} needs a trainer derived from "
-            f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
-      # The split's eval_logits, the subclass's eval_sums and eval_results.
-      # TensorParallel + LanguageModelTrainer -> TensorParallelLanguageModel
-      # Trainer (the name logs and model_info.json show).
-      name = (parallel_cls.__name__.removesuffix("Trainer") +
-              trainer_cls.__name__)
-      return type(name, (parallel_cls, trainer_cls), {})
-
-    devices = None
-    if self.devices == "cluster" and not self.replica_devices:
-      devices = cluster_devices(self.device_count[0])
-    if self.mode == "pipeline":
-      # A model with its own whole-model split (gpt) runs it as the
-      # pipeline; any other has its layers cut (`routing`).
-      pipeline_cls = combined(PipelineTrainer)
-      split_cls = (combined(TensorParallelTrainer)
-                   if not issubclass(trainer_cls, PipelineTrainer)
-                   else None)
-      return functools.partial(
-          pipeline_trainer, pipeline_cls=pipeline_cls, split_cls=split_cls,
-          num_stages=self.num_stages,
-          num_microbatches=self.num_microbatches,
-          stage_boundaries=tuple(self.stage_boundaries) or None,
-          stage_balance=self.stage_balance, recompute=self.recompute,
-          serial_stages=self.serial_stages,
-          input_grads_first=self.input_grads_first, devices=devices,
-          **({"replica_devices": [list(g) for g in self.replica_devices]}
-             if self.replica_devices else {}))
-    return functools.partial(
-        combined(TensorParallelTrainer), num_shards=self.num_shards,
-        split_layer=self.split_layer,
-        num_microbatches=self.num_microbatches, recompute=self.recompute,
-        serial_stages=self.serial_stages,
-        input_grads_first=self.input_grads_first, devices=devices,
-        **({"tensor_stages": self.tensor_stages} if self.tensor_stages > 1
-           else {}),
-        **({"replica_devices": [list(g) for g in self.replica_devices]}
-           if self.replica_devices else {}))
+      from framework.core.trainer import Trainer  # pylint: disable=g-import-not-at-top
+      return trainer_cls or Trainer
+    from framework import model_parallel  # pylint: disable=g-import-not-at-top
+    return model_parallel.trainer_factory(self, trainer_cls)

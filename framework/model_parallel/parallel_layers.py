@@ -1,27 +1,66 @@
-"""Megatron-style tensor-parallel layers: weights cut across shard devices.
+"""Megatron-style tensor-parallel layers, their placed primitives, and the
+checkpoint keys of a split model's optimizer.
 
-    ColumnParallelLinear   kernel [n, k] cut by output columns: shard d
-                           computes x W[:, d] (+ b[d]) from the full x
-    RowParallelLinear      kernel [k, n] cut by input rows: shard d
-                           computes the partial product x_d W[d, :]; the
-                           sum (`parallel_ops.all_reduce`) plus the bias
-                           is the layer's output on every device
-    VocabParallelEmbedding token table [V, W] cut by vocabulary: shard d
-                           looks up the ids in its range (zeros
-                           elsewhere; the all-reduce sums the shards), and
-                           its reverse gives shard d's logits [.., V/D]
-    vocab_parallel_cross_entropy
-                           the softmax cross-entropy over logit shards,
-                           from per-shard log-sum-exps: the full logits
-                           are never gathered
+    on_device(device, fn, *xs)   forward fn(*xs) on `device`, recorded on a
+                                 tape of its own; backward that tape's
+                                 gradient, also on `device`
+    all_reduce([p_0, ...])       forward: sum_d p_d on every device
+                                 (TensorFlow's collective all-reduce, one
+                                 CollectiveReduceV2 per device);
+                                 backward: the same all-reduce of the
+                                 incoming gradients
+    ColumnParallelLinear         kernel [n, k] cut by output columns: shard d
+                                 computes x W[:, d] (+ b[d]) from the full x
+    RowParallelLinear            kernel [k, n] cut by input rows: shard d
+                                 computes the partial product x_d W[d, :];
+                                 the sum (`all_reduce`) plus the bias is the
+                                 layer's output on every device
+    VocabParallelEmbedding       token table [V, W] cut by vocabulary: shard
+                                 d looks up the ids in its range (zeros
+                                 elsewhere; the all-reduce sums the shards),
+                                 and its reverse gives shard d's logits
+                                 [.., V/D]
+    vocab_parallel_cross_entropy the softmax cross-entropy over logit shards,
+                                 from per-shard log-sum-exps: the full
+                                 logits are never gathered
+    unsplit_view                 a split model's optimizer under the unsplit
+                                 model's checkpoint keys
+
+A tensor-parallel model keeps one tensor per shard device (`[x_0, ...,
+x_{D-1}]`, x_d on devices[d]) and runs each shard's math on its device.
+`tf.GradientTape` does not put gradient ops next to their forward ops (they
+land wherever `tape.gradient` runs), so both primitives place their
+backward pass themselves, with `tf.custom_gradient`. The all-reduce's
+backward is the exact gradient of "every device gets the sum" (d p_e =
+sum_d d s_d), so the whole split model is an ordinary differentiable
+function and a variable read on several devices (a replicated layer norm)
+just gets the sum of its per-device gradients. One transformer sub-layer
+(attention or MLP) then costs one all-reduce forward and one backward, as
+Megatron's f/g pair does.
 
 A layer's shard methods (`shard`, `partial`, `lookup`, `logits`) compute
-one device's part; the caller runs them under `parallel_ops.on_device`.
-Each cut weight is a `ShardedWeight`: one checkpoint entry, the whole
-tensor, under the path the unsplit layer's weight has, so a checkpoint of
-a split model restores into the unsplit one (and into other splits), and
-back.
+one device's part; the caller runs them under `on_device`. Each cut weight
+is a `ShardedWeight`: one checkpoint entry, the whole tensor, under the
+path the unsplit layer's weight has, so a checkpoint of a split model
+restores into the unsplit one (and into other splits), and back.
+
+The optimizer's keys: Keras keeps an optimizer's per-variable state in
+lists indexed by the variables it was built on (the first moment of
+variable 3 is element 3 of one list, and the flat list of all its variables
+interleaves them), and a checkpoint stores each by that index. A tensor
+split trains other variables (each cut weight is D shards), so its
+optimizer alone would write other indices and shapes than an unsplit run's:
+a run resumed on another mesh, or on none, would fail on a shape or, where
+shapes agree, restore another variable's slots. `unsplit_view` is the
+object graph an unsplit run's optimizer has: the same children, each
+per-variable list in the unsplit model's variable order, each cut slot one
+whole tensor (a `ShardedWeight` over its shards' slots, joined at save and
+cut again at restore), the model's weights the split's own
+`ShardedWeight`s. A checkpoint of any mesh then restores into any other,
+and the optimizer state with it.
 """
+
+import contextlib
 
 import keras
 import numpy as np
@@ -29,8 +68,98 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.errors import ConfigError
+# split_for: app/experiment.py's import; its home is config.py (import it
+# from there, and this line goes).
+from framework.model_parallel.config import split_for  # pylint: disable=unused-import
+from framework.model_parallel.copies import SUM, collective_all_reduce
 from framework.model_parallel.devices import short_device
-from framework.model_parallel.parallel_ops import all_gather, on_device
+
+
+def on_device(device, fn, *inputs):
+  """`fn(*inputs)` on `device`, forward and backward.
+
+  Args:
+    device: where the ops of `fn` and of its gradient run.
+    fn: `(*tensors) -> tensor or tuple of tensors`; may read variables
+      (their gradients are returned to the enclosing tape).
+    *inputs: float tensors (integers, e.g. token ids, are closed over by
+      `fn` instead: they have no gradient).
+  """
+
+  @tf.custom_gradient
+  def block(*xs):
+    with tf.device(device):
+      with tf.GradientTape() as tape:
+        # One copy onto this device, watched, instead of one per consumer.
+        local = [tf.identity(x) for x in xs]
+        tape.watch(local)
+        outputs = fn(*local)
+    flat = tf.nest.flatten(outputs)
+
+    def grad(*output_grads, variables=None):
+      variables = list(variables or [])
+      with tf.device(device):
+        grads = tape.gradient(
+            flat, local + variables, output_gradients=list(output_grads),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      return grads[:len(local)], grads[len(local):]
+
+    return outputs, grad
+
+  with tf.device(device):
+    # Outputs that name their device (`vocab_parallel_statistics` reads it).
+    return tf.nest.map_structure(tf.identity, block(*inputs))
+
+
+def _sum_on_every_device(values, devices):
+  """`sum(values)` on each of `devices` (value d already on devices[d])."""
+  if len(values) == 1:
+    return [tf.identity(values[0])]
+  summed = collective_all_reduce(tuple(devices)).reduce(
+      SUM, _tf_internal.per_replica(values),
+      destinations=_tf_internal.per_replica(values))
+  return list(summed.values)
+
+
+def all_reduce(values, devices):
+  """`[sum(values)] * D`, copy d on devices[d]; its gradient likewise.
+
+  Args:
+    values: D tensors of one shape, values[d] on devices[d].
+    devices: the D shard devices (one collective group).
+  """
+  devices = tuple(devices)
+  if len(values) != len(devices):
+    raise ValueError(f"all_reduce got {len(values)} values for "
+                     f"{len(devices)} devices")
+
+  @tf.custom_gradient
+  def reduce(*parts):
+    def grad(*output_grads):
+      return _sum_on_every_device(list(output_grads), devices)
+
+    return tuple(_sum_on_every_device(list(parts), devices)), grad
+
+  return list(reduce(*values))
+
+
+def all_gather(values, devices):
+  """`stack(values)` [D, ...] on every device (an all-reduce of one-hot
+  placed copies: each device contributes its slot, zeros elsewhere)."""
+  num = len(devices)
+  placed = []
+  for d, (value, device) in enumerate(zip(values, devices)):
+    with tf.device(device):
+      slot = tf.one_hot(d, num, dtype=value.dtype)
+      placed.append(tf.reshape(slot, [num] + [1] * value.shape.rank) *
+                    value[tf.newaxis])
+  return all_reduce(placed, devices)
+
+
+def maybe_device(devices):
+  """`tf.device(devices[0])`, or no scope when `devices` is empty."""
+  return tf.device(devices[0]) if devices else contextlib.nullcontext()
+
 
 _VALUE = _tf_internal.VARIABLE_VALUE_KEY
 
@@ -306,26 +435,114 @@ def sharded_sparse_categorical_loss(labels, logits):
 
 # Model name -> `split(model, devices)` (a model package registers its own:
 # framework code never imports models/).
-_SPLITS = {}
+def _is_variable(value):
+  return isinstance(value, (keras.Variable, tf.Variable))
 
 
-def register_split(model_name):
-  """Decorator: `split(model, devices) -> split model` for models named
-  `model_name` (`keras.Model.name`), used by `TensorParallelTrainer`.
+def _is_list(value):
+  """A list the optimizer tracks (Keras wraps lists for checkpoints)."""
+  return (not _is_variable(value) and not hasattr(value, "keys") and
+          hasattr(value, "__iter__") and hasattr(value, "__len__"))
 
-  The split model's `call(features)` returns the logit shards; it has
-  `devices`, `load_weights_from(model)`, `save_weights_to(model)` (the
-  unsplit model's weights), `checkpoint_weights(model)` (its own weight,
-  a variable or `ShardedWeight`, for each of the unsplit model's trainable
-  variables) and `replicate(devices)` (a copy on other devices, same
-  weights).
+
+def _shadow(optimizer, variables):
+  """An optimizer of `optimizer`'s kind and settings built on `variables`:
+  the layout an unsplit run's optimizer has (only its structure is read).
+  Its learning rate is a variable exactly where `optimizer`'s is (a
+  schedule is not one), so that the flat variable lists line up."""
+  rate = (0.0 if _tf_internal.learning_rate_variable(optimizer) is not None
+          else keras.optimizers.schedules.ExponentialDecay(0.0, 1, 1.0))
+  shadow = type(optimizer).from_config(dict(optimizer.get_config(),
+                                            learning_rate=rate))
+  shadow.build(list(variables))
+  return shadow
+
+
+def unsplit_view(optimizer, unsplit_variables, split_weights, *,
+                 state=None, index=None):
+  """The checkpoint view of a split model's built `optimizer`.
+
+  Args:
+    optimizer: the optimizer built on the split model's trainable
+      variables.
+    unsplit_variables: the unsplit model's trainable variables, in the
+      order an unsplit run builds its optimizer on.
+    split_weights: for each of them, the split model's weight: a variable,
+      or a `ShardedWeight` over its shard variables.
+    state, index: where the optimizer's state is checkpointed from, if not
+      `optimizer` itself: a view with its children (the data axis's ZeRO-1
+      view, `copy_sharding`, whose slots save whole), and `index(variable)`,
+      a split variable's position in its per-variable lists.
+
+  Returns:
+    A trackable to checkpoint as `optimizer`.
+
+  Raises:
+    ValueError: the optimizer's state does not line up with the weights.
   """
-  def wrap(split):
-    _SPLITS[model_name] = split
-    return split
-  return wrap
+  unsplit_variables = list(unsplit_variables)
+  split_weights = list(split_weights)
+  if len(split_weights) != len(unsplit_variables):
+    raise ValueError(f"{len(split_weights)} split weights for "
+                     f"{len(unsplit_variables)} unsplit variables")
+  split_count = sum(len(w.shards) if isinstance(w, ShardedWeight) else 1
+                    for w in split_weights)
+  shadow = _shadow(optimizer, unsplit_variables)
+  mine = _tf_internal.trackable_children(
+      optimizer if state is None else state)
+  theirs = _tf_internal.trackable_children(shadow)
+  if index is None:
+    index = lambda v: _tf_internal.optimizer_variable_index(optimizer, v)
+
+  def piece(values, weight):
+    if isinstance(weight, ShardedWeight):
+      return ShardedWeight([values[index(s)] for s in weight.shards],
+                           weight.axis)
+    return values[index(weight)]
+
+  # id(a shadow variable) -> what the view saves in its place.
+  found = {}
+  children = {}
+  for name, child in theirs.items():
+    own = mine.get(name)
+    if _is_variable(child):
+      if own is None:
+        raise ValueError(f"the split optimizer has no {name}")
+      found[id(child)] = children[name] = own
+    elif (_is_list(child) and len(child) == len(unsplit_variables)
+          and own is not None and len(own) == split_count):
+      entries = []
+      for value, variable, weight in zip(child, unsplit_variables,
+                                         split_weights):
+        # The variables themselves (the list they were built on), or a
+        # per-variable slot.
+        entry = weight if value is variable else piece(own, weight)
+        found[id(value)] = entry
+        entries.append(entry)
+      children[name] = _Node(entries)
+  for name, child in theirs.items():
+    if name in children:
+      continue
+    if _is_list(child):
+      missing = [getattr(v, "path", v) for v in child if id(v) not in found]
+      if missing:
+        raise ValueError(f"optimizer state {missing[:3]} has no counterpart "
+                         "in the split optimizer")
+      children[name] = _Node([found[id(v)] for v in child])
+    else:  # e.g. Keras's dict of variable indices (no variables in it)
+      children[name] = mine.get(name, child)
+  # The shadow's order: a checkpoint keys each value by its first path.
+  return _Node({name: children[name] for name in theirs})
 
 
-def split_for(model):
-  """The registered split of `model`, or None (no transformer split)."""
-  return _SPLITS.get(getattr(model, "name", None))
+class _Node(CheckpointNode):
+  """A checkpoint node with the given children, in order (a list's are
+  named `0`, `1`, ..., as Keras's tracked lists name theirs)."""
+
+  def __init__(self, children):
+    if not hasattr(children, "keys"):
+      children = {str(i): child for i, child in enumerate(children)}
+    self.children = dict(children)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return dict(self.children)

@@ -1,34 +1,356 @@
-"""Tensor parallelism's trainer: a Dense pair (`dense_pair`) or a whole
-transformer (`transformer_split`) split across D devices, with data and
-pipeline axes (a mesh) on top.
+"""Tensor parallelism's trainer, and which trainer a run's split gets.
+
+`TensorParallelTrainer` splits one of two things across D devices:
+
+A Dense pair (any Sequential model): one hidden layer's units. For the
+pair `h = act(x W1 + b1)`, `y = act2(h W2 + b2)` with W1 [n, H] and
+W2 [H, k], cut the H hidden units into D shards of H/D:
+
+    column-parallel (device d):  h_d = act(x W1[:, d] + b1[d])      [B, H/D]
+    row-parallel    (device d):  p_d = h_d W2[d, :]                 [B, k]
+    output device:               y   = act2(sum_d p_d + b2)
+
+`h` is never gathered: shard d's units only feed shard d's rows of W2, and
+the partial products are summed. This equals the unsplit pair exactly (up to
+the order of a float sum), e.g. a hidden layer of 10 units as 5 + 5.
+
+A whole transformer (a model with a registered split,
+`config.register_split`, e.g. models/gpt_parallel.py): the split
+model trains as one device-pinned `Stage` (the split places its own ops and
+gradients, `parallel_layers.on_device`), with the vocab-parallel
+cross-entropy as its loss. With `replica_devices` (data x tensor) there is
+one copy of the split per group of devices; each variable's gradient is
+all-reduced across the copies' devices that hold it (the data axis only:
+copy r's shard d meets the other copies' shard d), and every copy applies
+the same update. With `tensor_stages` (tensor x pipeline) a group is the
+copy's stages' shard devices one after another, and the split cuts its
+blocks into stages.
+
+Which trainer (`trainer_factory`, what `ModelParallelConfig.trainer_factory`
+returns): `--model_parallel=tensor` is this trainer. `--model_parallel=
+pipeline --num_stages=S` (the mesh `pipeline:S`, with `data:R` too) cuts a
+model's layers into S stages (`PipelineTrainer`), except for a model with
+a registered whole-model split (e.g. `gpt`, whose token table is read
+twice: the lookup and the tied head, which a layer cut cannot place): it is
+cut by its own split, one shard per stage, `TensorParallelTrainer(
+num_shards=1, tensor_stages=S)`, the same S-stage pipeline of its blocks
+(`pipeline_trainer`).
 """
 
+import functools
+
 from absl import logging
+import keras
+import numpy as np
 import tensorflow as tf
 
+from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
-from framework.model_parallel.dense_pair import (check_split_layer,
-                                                 default_split_layer,
-                                                 merge_dense_pair,
-                                                 split_dense_pair)
-from framework.model_parallel.devices import model_parallel_devices
-from framework.model_parallel.parallel_layers import split_for
-from framework.model_parallel.split_checkpoint import unsplit_view
+from framework.model_parallel.config import SplitConfig, split_for
+from framework.model_parallel.copies import all_reduce_copies
+from framework.model_parallel.devices import (cluster_devices,
+                                              model_parallel_devices,
+                                              short_device, variable_device)
+from framework.model_parallel.parallel_layers import (
+    sharded_sparse_categorical_loss, unsplit_view,
+    vocab_parallel_statistics)
+from framework.model_parallel.pipeline import PipelineTrainer, model_layers
 from framework.model_parallel.split_layout import OptimizerLayout
-from framework.model_parallel.split_config import SplitConfig
+from framework.model_parallel.staged_trainer import (ParallelStage, Stage,
+                                                     StagedTrainer)
 from framework.settings import default
-from framework.model_parallel.pipeline import model_layers
-from framework.model_parallel.staged_trainer import StagedTrainer
-from framework.model_parallel.stages import ParallelStage, Stage
-from framework.model_parallel.transformer_split import (all_reduce_by_shard,
-                                                        sharded_correct,
-                                                        split_setup)
+
+
+class BiasActivation(keras.layers.Layer):
+  """`activation(x + bias)`: what is left of a Dense after its matmul."""
+
+  def __init__(self, activation=None, **kwargs):
+    super().__init__(**kwargs)
+    self.activation = keras.activations.get(activation)
+
+  def build(self, input_shape):
+    self.bias = self.add_weight(shape=(input_shape[-1],), name="bias",
+                                initializer="zeros")
+
+  def call(self, x):
+    return self.activation(x + self.bias)
+
+
+class ColumnParallelDense(keras.layers.Layer):
+  """A Dense whose output units are split across `devices`.
+
+  `call(x)` returns the list of D shards `[B, units / D]`, shard d computed
+  on devices[d] with the variables that live there.
+  """
+
+  def __init__(self, units, devices, activation=None, **kwargs):
+    super().__init__(**kwargs)
+    check_positive("units", units)
+    if units % len(devices):
+      raise ConfigError(f"a Dense layer of {units} units cannot be split "
+                        f"evenly across {len(devices)} devices")
+    self.units = units
+    self.devices = list(devices)
+    self.shards = []
+    for d, device in enumerate(self.devices):
+      with tf.device(device):
+        self.shards.append(keras.layers.Dense(
+            units // len(devices), activation=activation, name=f"shard_{d}"))
+
+  def build(self, input_shape):
+    for shard, device in zip(self.shards, self.devices):
+      with tf.device(device):
+        shard.build(input_shape)
+
+  def call(self, x):
+    outputs = []
+    for shard, device in zip(self.shards, self.devices):
+      with tf.device(device):
+        outputs.append(shard(x))
+    return outputs
+
+
+class RowParallelDense(keras.layers.Layer):
+  """A Dense whose input units arrive as shards, one per device.
+
+  Shard d's partial product `h_d W[d]` runs on devices[d]; the sum, bias and
+  activation run on `output_device`.
+  """
+
+  def __init__(self, units, devices, activation=None, output_device=None,
+               **kwargs):
+    super().__init__(**kwargs)
+    self.units = units
+    self.devices = list(devices)
+    self.output_device = output_device or self.devices[0]
+    self.shards = []
+    for d, device in enumerate(self.devices):
+      with tf.device(device):
+        self.shards.append(keras.layers.Dense(units, use_bias=False,
+                                              name=f"shard_{d}"))
+    with tf.device(self.output_device):
+      self.output_layer = BiasActivation(activation, name="bias")
+
+  def build(self, input_shapes):
+    for shard, device, shape in zip(self.shards, self.devices, input_shapes):
+      with tf.device(device):
+        shard.build(shape)
+    with tf.device(self.output_device):
+      self.output_layer.build((None, self.units))
+
+  def call(self, inputs):
+    partials = []
+    for shard, device, x in zip(self.shards, self.devices, inputs):
+      with tf.device(device):
+        partials.append(shard(x))
+    with tf.device(self.output_device):
+      return self.output_layer(tf.add_n(partials))
+
+
+class TensorParallelModel(keras.Model):
+  """`before` layers, a column/row-parallel pair, `after` layers."""
+
+  def __init__(self, before, column, row, after, device, **kwargs):
+    super().__init__(**kwargs)
+    self.before = list(before)
+    self.column = column
+    self.row = row
+    self.after = list(after)
+    self.host_device = device
+
+  def call(self, x, training=False):
+    with tf.device(self.host_device):
+      for layer in self.before:
+        x = layer(x, training=training)
+    x = self.row(self.column(x))
+    with tf.device(self.host_device):
+      for layer in self.after:
+        x = layer(x, training=training)
+    return x
+
+
+def _is_dense(layer):
+  return type(layer) is keras.layers.Dense  # pylint: disable=unidiomatic-typecheck
+
+
+def default_split_layer(layers):
+  """The last Dense layer directly followed by a Dense layer (or None)."""
+  candidates = [i for i in range(len(layers) - 1)
+                if _is_dense(layers[i]) and _is_dense(layers[i + 1])]
+  return candidates[-1] if candidates else None
+
+
+def check_split_layer(layers, index, num_shards):
+  """Raises ConfigError unless layers[index] can be split num_shards ways."""
+  names = ", ".join(f"{i}:{type(l).__name__}" for i, l in enumerate(layers))
+  if index is None:
+    raise ConfigError(
+        "tensor parallelism needs a Dense layer followed directly by a Dense "
+        f"layer (a Dropout in between cannot be split; disable it, e.g. "
+        "--nodropout); the "
+        f"model's layers are {names}")
+  if not 0 <= index < len(layers) - 1:
+    raise ConfigError(f"split_layer={index} must be a layer index in "
+                      f"0..{len(layers) - 2} (layers: {names})")
+  layer, consumer = layers[index], layers[index + 1]
+  if not (_is_dense(layer) and _is_dense(consumer)):
+    raise ConfigError(
+        f"split_layer={index} ({type(layer).__name__} followed by "
+        f"{type(consumer).__name__}) cannot be split: it must be a Dense "
+        f"layer followed directly by a Dense layer (layers: {names})")
+  if layer.units % num_shards:
+    raise ConfigError(
+        f"split_layer={index} has {layer.units} units, which cannot be split "
+        f"evenly across num_shards={num_shards}")
+  return index
+
+
+def split_dense_pair(model, index, devices):
+  """A `TensorParallelModel` equal to `model` with layers[index] split.
+
+  layers[index] becomes column-parallel and layers[index + 1] row-parallel
+  over `devices`; the other layers stay on devices[0]. The weights are the
+  model's, sliced.
+  """
+  layers = model_layers(model)
+  check_split_layer(layers, index, len(devices))
+  dense, consumer = layers[index], layers[index + 1]
+  host = devices[0]
+  kernel, bias = dense.get_weights()
+  consumer_kernel, consumer_bias = consumer.get_weights()
+  shard_units = dense.units // len(devices)
+  cuts = [slice(d * shard_units, (d + 1) * shard_units)
+          for d in range(len(devices))]
+
+  def copy(layer):
+    return type(layer).from_config(layer.get_config())
+
+  with keras.name_scope(model.name):
+    with tf.device(host):
+      before = [copy(layer) for layer in layers[:index]]
+      after = [copy(layer) for layer in layers[index + 2:]]
+    column = ColumnParallelDense(dense.units, devices,
+                                 activation=dense.activation, name=dense.name)
+    row = RowParallelDense(consumer.units, devices,
+                           activation=consumer.activation,
+                           output_device=host, name=consumer.name)
+    placed = TensorParallelModel(before, column, row, after, host,
+                                 name=model.name)
+    # Build eagerly, piece by piece: a device scope inside a symbolic call
+    # does not reach the variables Keras creates there.
+    x = keras.Input(shape=model.input_shape[1:])
+    with tf.device(host):
+      for layer in before:
+        x = layer(x)
+    column.build(x.shape)
+    row.build([(None, shard_units)] * len(devices))
+    y = keras.Input(shape=(consumer.units,))
+    with tf.device(host):
+      for layer in after:
+        y = layer(y)
+    placed(keras.Input(shape=model.input_shape[1:]))  # all built: no new vars
+  for old, new in zip(layers[:index] + layers[index + 2:], before + after):
+    new.set_weights(old.get_weights())
+  for d, cut in enumerate(cuts):
+    column.shards[d].set_weights([kernel[:, cut], bias[cut]])
+    row.shards[d].set_weights([consumer_kernel[cut, :]])
+  row.output_layer.set_weights([consumer_bias])
+  return placed
+
+
+def merge_dense_pair(placed, model, index):
+  """Writes the weights of `placed` (see `split_dense_pair`) into `model`."""
+  layers = model_layers(model)
+  column, row = placed.column, placed.row
+  for old, new in zip(layers[:index] + layers[index + 2:],
+                      placed.before + placed.after):
+    old.set_weights(new.get_weights())
+  kernels, biases = zip(*(shard.get_weights() for shard in column.shards))
+  layers[index].set_weights([np.concatenate(kernels, axis=1),
+                             np.concatenate(biases)])
+  row_kernels = [shard.get_weights()[0] for shard in row.shards]
+  layers[index + 1].set_weights([np.concatenate(row_kernels, axis=0),
+                                 row.output_layer.get_weights()[0]])
+  return model
+
+
+def check_groups(groups, num_shards):
+  """Raises ConfigError unless `groups` are lists of num_shards devices."""
+  if any(len(g) != num_shards for g in groups):
+    raise ConfigError(f"replica_devices={[list(g) for g in groups]} must be "
+                      f"lists of num_shards={num_shards} devices")
+
+
+def split_setup(split, model, optimizer, strategy, *, devices,
+                replica_devices, kwargs, num_stages=1):
+  """(placed model, stages, copies, trainer kwargs) of a transformer split.
+
+  Raises:
+    ConfigError: a loss other than the default (the split computes its own
+      vocab-parallel cross-entropy), or bad device groups.
+  """
+  loss_fn = kwargs.get("loss_fn")
+  if loss_fn is not None and getattr(loss_fn, "__name__", "") != (
+      "sparse_categorical_loss"):
+    raise ConfigError(
+        f"model={model.name} split by tensor parallelism computes its own "
+        "vocab-parallel cross-entropy; label_smoothing and other losses are "
+        "not supported with it")
+  groups = [list(g) for g in (replica_devices or [devices])]
+  check_groups(groups, len(devices))
+  with strategy.scope():
+    placed = (split(model, groups[0], num_stages=num_stages)
+              if num_stages > 1 else split(model, groups[0]))
+  stages = [Stage("tensor_parallel", groups[0][0], [placed])]
+  copies = []
+  copy_config = dict(optimizer.get_config(), learning_rate=0.0)
+  for r, group in enumerate(groups[1:], 1):
+    with strategy.scope():
+      clone = placed.replicate(group)
+      copies.append(([Stage(f"copy_{r}_tensor_parallel", group[0], [clone])],
+                     clone, type(optimizer).from_config(copy_config)))
+  kwargs = dict(kwargs, loss_fn=sharded_sparse_categorical_loss)
+  return placed, stages, copies, kwargs
+
+
+def sharded_correct(labels, logits):
+  """1.0 where the arg-max over all logit shards equals the label."""
+  return vocab_parallel_statistics(logits, labels)[1]
+
+
+def all_reduce_by_shard(per_copy, variables, groups):
+  """Each copy's gradients summed over the copies, shard by shard.
+
+  Args:
+    per_copy: R lists of gradients, list r of copy r's `variables[r]`.
+    variables: R lists of variables (same structure, copy r's on groups[r]).
+    groups: R lists of the copies' D devices.
+  Returns:
+    R lists of summed gradients: the gradients of the variables on copy
+    r's device d are all-reduced with the other copies' device d only (one
+    collective group per model-axis position: the data axis).
+  """
+  summed = [list(grads) for grads in per_copy]
+  # Short names on both sides: a variable reports `/job:worker/task:0/CPU:0`
+  # for a group's `/job:worker/replica:0/task:0/device:CPU:0`.
+  position = {short_device(device): d for d, device in enumerate(groups[0])}
+  by_shard = {}
+  for i, variable in enumerate(variables[0]):
+    by_shard.setdefault(position[variable_device(variable)], []).append(i)
+  for d, indices in sorted(by_shard.items()):
+    reduced = all_reduce_copies(
+        [[grads[i] for i in indices] for grads in per_copy],
+        [group[d] for group in groups])
+    for r, grads in enumerate(reduced):
+      for i, grad in zip(indices, grads):
+        summed[r][i] = grad
+  return summed
 
 
 class TensorParallelTrainer(StagedTrainer):
   """Trains a Sequential model with one hidden Dense split across devices,
   or a whole transformer (a model with a registered split, e.g. `gpt`:
-  every block, the embedding and the head; see `transformer_split`).
+  every block, the embedding and the head; see the module).
 
   Args:
     model: a built `keras.Sequential`; copied into a `TensorParallelModel`
@@ -56,7 +378,7 @@ class TensorParallelTrainer(StagedTrainer):
     self._unsplit_optimizer = None  # a transformer split's checkpoint view
     num_stages = tensor_stages
     split = split_for(model)
-    if split is not None:  # a whole transformer (see transformer_split)
+    if split is not None:  # a whole transformer (see the module)
       count = num_shards * num_stages
       if replica_devices and not devices:
         devices = replica_devices[0]  # copy 0's, local or on a cluster task
@@ -164,7 +486,7 @@ class TensorParallelTrainer(StagedTrainer):
   @property
   def checkpointed_optimizer(self):
     """What checkpoints hold as `optimizer`: for a transformer split, the
-    optimizer as an unsplit run's (`split_checkpoint.unsplit_view`; as
+    optimizer as an unsplit run's (`parallel_layers.unsplit_view`; as
     this split's own while restoring an older checkpoint, see
     `split_layout`)."""
     if self._unsplit_optimizer is not None:
@@ -182,3 +504,99 @@ class TensorParallelTrainer(StagedTrainer):
     if self.split_layer is None:
       return self.model.save_weights_to(self._unsplit)
     return merge_dense_pair(self.model, self._unsplit, self.split_layer)
+
+
+def pipeline_trainer(model, optimizer, strategy, *, pipeline_cls, split_cls,
+                     num_stages, stage_boundaries=None, stage_balance=None,
+                     **kwargs):
+  """The trainer of an S-stage pipeline of `model`.
+
+  Args:
+    model, optimizer, strategy: as for `Trainer`.
+    pipeline_cls: the layer-cutting trainer (a `PipelineTrainer`).
+    split_cls: the whole-model split's trainer (a `TensorParallelTrainer`),
+      for a model `split_for` knows (None: the layer cut for every model).
+    num_stages: S.
+    stage_boundaries, stage_balance: the layer cut's (a whole-model split
+      cuts its blocks evenly itself).
+    **kwargs: both trainers' (micro-batches, devices, replica_devices,
+      recompute, ..., the `Trainer` arguments).
+
+  Raises:
+    ConfigError: stage boundaries given for a model cut by its own split.
+  """
+  if split_cls is None or split_for(model) is None:
+    return pipeline_cls(model, optimizer, strategy, num_stages=num_stages,
+                        stage_boundaries=stage_boundaries,
+                        stage_balance=stage_balance, **kwargs)
+  if stage_boundaries:
+    raise ConfigError(
+        f"stage_boundaries={list(stage_boundaries)} cut a list of layers; "
+        f"model={model.name} is cut into its num_stages={num_stages} stages "
+        "by its own split (its blocks, evenly); drop --stage_boundaries")
+  logging.info(
+      "model=%s has a whole-model split: its %d-stage pipeline runs as "
+      "%s(num_shards=1, tensor_stages=%d), its blocks cut into stages (not "
+      "%s's layer cut)", model.name, num_stages, split_cls.__name__,
+      num_stages, pipeline_cls.__name__)
+  return split_cls(model, optimizer, strategy, num_shards=1,
+                   tensor_stages=num_stages, **kwargs)
+
+
+def trainer_factory(config, trainer_cls=None):
+  """`trainer_cls`, or the model-parallel trainer bound to `config` (a
+  `ModelParallelConfig`).
+
+  A plain `Trainer` subclass (e.g. the segmentation trainer, for its
+  evaluation metrics) is combined with the model-parallel trainer: the
+  split trains, the subclass evaluates the (whole) model.
+  """
+  trainer_cls = trainer_cls or Trainer
+  if config.mode == "none":
+    return trainer_cls
+
+  def combined(parallel_cls):
+    if trainer_cls is Trainer or issubclass(trainer_cls, parallel_cls):
+      return parallel_cls if trainer_cls is Trainer else trainer_cls
+    if not issubclass(trainer_cls, Trainer) or issubclass(
+        trainer_cls, StagedTrainer):
+      raise ConfigError(
+          f"model_parallel={config.mode} needs a trainer derived from "
+          f"{parallel_cls.__name__}; got {trainer_cls.__name__}")
+    # The split's eval_logits, the subclass's eval_sums and eval_results.
+    # TensorParallel + LanguageModelTrainer -> TensorParallelLanguageModel
+    # Trainer (the name logs and model_info.json show).
+    name = (parallel_cls.__name__.removesuffix("Trainer") +
+            trainer_cls.__name__)
+    return type(name, (parallel_cls, trainer_cls), {})
+
+  devices = None
+  if config.devices == "cluster" and not config.replica_devices:
+    devices = cluster_devices(config.device_count[0])
+  if config.mode == "pipeline":
+    # A model with its own whole-model split (gpt) runs it as the
+    # pipeline; any other has its layers cut (`pipeline_trainer`).
+    pipeline_cls = combined(PipelineTrainer)
+    split_cls = (combined(TensorParallelTrainer)
+                 if not issubclass(trainer_cls, PipelineTrainer)
+                 else None)
+    return functools.partial(
+        pipeline_trainer, pipeline_cls=pipeline_cls, split_cls=split_cls,
+        num_stages=config.num_stages,
+        num_microbatches=config.num_microbatches,
+        stage_boundaries=tuple(config.stage_boundaries) or None,
+        stage_balance=config.stage_balance, recompute=config.recompute,
+        serial_stages=config.serial_stages,
+        input_grads_first=config.input_grads_first, devices=devices,
+        **({"replica_devices": [list(g) for g in config.replica_devices]}
+           if config.replica_devices else {}))
+  return functools.partial(
+      combined(TensorParallelTrainer), num_shards=config.num_shards,
+      split_layer=config.split_layer,
+      num_microbatches=config.num_microbatches, recompute=config.recompute,
+      serial_stages=config.serial_stages,
+      input_grads_first=config.input_grads_first, devices=devices,
+      **({"tensor_stages": config.tensor_stages} if config.tensor_stages > 1
+         else {}),
+      **({"replica_devices": [list(g) for g in config.replica_devices]}
+         if config.replica_devices else {}))

@@ -34,7 +34,7 @@ Local meshes run on 4 (or fewer) logical CPU devices of one process,
 built as scripts/train.py builds them (`ModelParallelConfig(mesh=...)`),
 a pipeline axis included: `--mesh` runs the GPT's pipeline as its own
 split with one shard per stage (`TensorParallelTrainer(num_shards=1,
-tensor_stages=S)`, `framework/model_parallel/routing.py`);
+tensor_stages=S)`, `framework/model_parallel/tensor_parallel.py`);
 `mwms:2` and `cluster:data:2,model:2` run scripts/train.py on 2 worker
 processes (scripts/launch.py --workers=2; examples/s from their logs, bytes
 from the split's logged per-device memory; MWMS logs none, so only its
@@ -119,7 +119,7 @@ def _axes(mesh):
     return 1, 1, 1, False
   if mesh.startswith(("mirrored:", "mwms:")):
     return int(mesh.split(":", 1)[1]), 1, 1, zero == "zero1"
-  from framework.model_parallel.mesh import parse_mesh  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.config import parse_mesh  # pylint: disable=g-import-not-at-top
   sizes = parse_mesh(mesh.removeprefix("cluster:"))
   return (sizes.get("data", 1), sizes.get("model", 1),
           sizes.get("pipeline", 1), zero == "zero1")

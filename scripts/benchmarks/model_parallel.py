@@ -59,7 +59,7 @@ sys.path.insert(0, ROOT)
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags
 
-from framework.model_parallel.split_config import SplitConfig  # pylint: disable=g-import-not-at-top
+from framework.model_parallel.config import SplitConfig  # pylint: disable=g-import-not-at-top
 from framework.settings import default  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer("num_stages", default(SplitConfig, "num_stages"),
@@ -331,8 +331,8 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
   from framework.model_parallel import PipelineTrainer  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.boundaries import balanced_boundaries  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.costs import layer_costs  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.pipeline import balanced_boundaries  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.pipeline import layer_costs  # pylint: disable=g-import-not-at-top
 
   strategy = tf.distribute.get_strategy()
   hidden = tuple(int(u) for u in FLAGS.hidden_units)
