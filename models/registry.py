@@ -322,6 +322,13 @@ def parse_options(name, text):
   return values
 
 
+def declared_task(name):
+  """The task model `name` was registered with (one of `TASKS`), or None
+  (an import path, or registered without one: its outputs tell)."""
+  load_builtin()
+  return _TASKS.get(name)
+
+
 def check_task(name, per_pixel, dataset, model=None):
   """Raises ConfigError unless model `name` solves the dataset's task.
 
@@ -356,3 +363,4 @@ def build_model(name, input_shape, num_classes, *, search_dir=None,
   """Builds model `name`; options it does not take are ignored."""
   return call_builder(get_builder(name, search_dir), input_shape, num_classes,
                       options, name=name)
+

@@ -67,9 +67,10 @@ def _callables():
 
 def _app_callables():
   # pylint: disable=g-import-not-at-top
-  from framework.app import export, generation, prediction
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
+  from framework.app import export, prediction
+  from framework.app import prediction as generation
+  from framework.app.config import EvalConfig
+  from framework.app.config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return [("generate", generation.generate, PredictConfig, {}),
           ("generate_text", generation.generate_text, PredictConfig, {}),
@@ -139,8 +140,8 @@ def test_every_listed_callable_has_a_setting_keyword():
 
 def _shared():
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
+  from framework.app.config import EvalConfig
+  from framework.app.config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return [(ExperimentConfig, TrainerConfig, None),
           (ModelParallelConfig, SplitConfig, None),
@@ -177,8 +178,8 @@ APPS = {"train": "ExperimentConfig", "evaluate": "EvalConfig",
 
 def _app_config(name):
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
+  from framework.app.config import EvalConfig
+  from framework.app.config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return {"ExperimentConfig": ExperimentConfig, "EvalConfig": EvalConfig,
           "PredictConfig": PredictConfig,
@@ -233,7 +234,7 @@ def test_each_generated_flag_has_its_fields_default(app):
 
 def test_evaluate_takes_the_strategies_of_the_one_list():
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
+  from framework.app.config import EvalConfig
   from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
   # pylint: enable=g-import-not-at-top
   values = flags.FlagValues()
@@ -242,19 +243,12 @@ def test_evaluate_takes_the_strategies_of_the_one_list():
   assert set(STRATEGIES) - set(EVAL_STRATEGIES) == {"parameter_server"}
 
 
-def test_model_options_moved_beside_the_models_with_a_warning():
-  from framework.app import config  # pylint: disable=g-import-not-at-top
-  with pytest.warns(DeprecationWarning, match="models.options.ModelOptions"):
-    moved = config.ModelOptions
-  assert moved is ModelOptions
-
-
 @pytest.mark.slow
 def test_the_settings_load_no_tensorflow():
   # A fresh interpreter (a forked run has TensorFlow imported already): the
   # flags are made from these before TensorFlow loads (--onednn).
   code = ("import sys, models, models.options, scripts.config_flags, "
-          "framework.app.eval_config, framework.app.predict_config, "
+          "framework.app.config, framework.app.config, "
           "framework.distribute.launch_config\n"
           "assert 'tensorflow' not in sys.modules, 'tensorflow loaded'\n"
           "print(models.model_names())\n"
