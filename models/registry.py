@@ -28,12 +28,20 @@ TASKS = ("classification", "segmentation", "language_model")
 # gpt split), imported at the first look-up: `import models` stays free of
 # TensorFlow.
 BUILTIN_MODULES = ("cifar_cnn", "gpt", "gpt_parallel", "mlp", "unet")
+# A built-in name's own modules: a run of one model loads only those (an
+# mlp run no model-parallel layers).
+_BUILTIN_OF = {"cifar_cnn": ("cifar_cnn",), "gpt": ("gpt", "gpt_parallel"),
+               "mlp": ("mlp",), "unet": ("unet",)}
 _loaded = []
 
 
-def load_builtin():
-  """Imports the built-in builders' modules once (they register here)."""
-  if not _loaded:
+def load_builtin(name=None):
+  """Imports the modules that register the built-in model `name` (any other
+  name, or None: every built-in module), once; they register here."""
+  if name in _BUILTIN_OF:
+    for module in _BUILTIN_OF[name]:
+      importlib.import_module(f"models.{module}")
+  elif not _loaded:
     _loaded.append(True)
     for module in BUILTIN_MODULES:
       importlib.import_module(f"models.{module}")
@@ -116,7 +124,7 @@ def get_builder(name, search_dir=None):
   """
   if not isinstance(name, str) or not name:
     raise ConfigError(_valid(name))
-  load_builtin()
+  load_builtin(name)
   if not is_import_path(name):
     if name not in _BUILDERS:
       raise ConfigError(f"model={name!r} is unknown; known models: "
@@ -325,7 +333,7 @@ def parse_options(name, text):
 def declared_task(name):
   """The task model `name` was registered with (one of `TASKS`), or None
   (an import path, or registered without one: its outputs tell)."""
-  load_builtin()
+  load_builtin(name)
   return _TASKS.get(name)
 
 
@@ -339,7 +347,7 @@ def check_task(name, per_pixel, dataset, model=None):
     model: the built model, if any: its output rank decides for a model
       registered without a task.
   """
-  load_builtin()
+  load_builtin(name)
   if isinstance(per_pixel, str):
     want = per_pixel
   else:

@@ -18,7 +18,6 @@ train_input=..., eval_input=..., make_trainer=...)` takes a user's model,
 data and trainer (a custom train step only needs `trainer_cls=...`).
 """
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -29,17 +28,15 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from models import registry
 from framework.app import export, factory, run_plan
 from framework.app.config import ExperimentConfig
-from framework.core import optimizers, preemption, progress, protocols
+from framework.core import preemption, progress, protocols
 from framework.core import warm_start
 from framework.core.controller import Controller
 from framework.core.run_lock import RunLock
 from framework.distribute import cluster, strategies
 from framework.distribute.cluster_options import ClusterOptions
 from framework.distribute.tf_config import require_tf_config
-from framework.errors import ConfigError
 
 
 def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
@@ -76,7 +73,7 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
   # Before the first log line: absl's first one, before any flag parsing,
   # installs a root handler, which would read as logging configured.
   progress.show_progress_by_default()
-  config = _named_model(config, build_model)
+  config = run_plan.named_model(config, build_model)
   start_time = time.time()  # time_to_target counts from here
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
@@ -125,42 +122,6 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     return results
 
 
-def _named_model(config, build_model):
-  """`config` naming `build_model` by its import path (or, without one,
-  `config.model` checked against the registry before any work)."""
-  if build_model is None:
-    registry.get_builder(config.model)  # a bad --model fails before any work
-    return config
-  path = registry.import_path_of(build_model)
-  if path is None:
-    raise ConfigError(
-        f"build_model={build_model!r} must be a module-level function "
-        "(model_info.json records it as module:function so that "
-        "evaluate.py, predict.py and the export rebuild it)")
-  _warn_if_main(path)
-  return dataclasses.replace(config, model=path)
-
-
-def _warn_if_main(path):
-  """Warns that a `__main__:build` model cannot be imported by name again."""
-  if not path.startswith("__main__:"):
-    return
-  script = getattr(__import__("__main__"), "__file__", None)
-  function = path.partition(":")[2]
-  if script:
-    module = os.path.splitext(os.path.basename(script))[0]
-    how = (f"pass them --model={module}:{function} (importing {script} must "
-           "then not train again: keep that under if __name__ == "
-           "'__main__':)")
-  else:
-    how = (f"pass them --model=<module>:{function} naming a module file "
-           "that defines it")
-  logging.warning(
-      "build_model=%s is defined in __main__: evaluate.py, predict.py and "
-      "exports in other processes cannot import it from model_info.json; "
-      "%s, or move it to a module and train with that", path, how)
-
-
 def _resume(plan, trainer, controller, *, custom_train, custom_eval):
   """Restores the run's latest checkpoint (or warm starts a new run);
   returns the model_info.json to write. Nothing is written before."""
@@ -185,47 +146,11 @@ def _resume(plan, trainer, controller, *, custom_train, custom_eval):
   init = init or (previous or {}).get("init_checkpoint")
   if init:
     info["init_checkpoint"] = init
-  info.update(_config_changes(previous, controller, config,
-                              run_plan.change_entry(
-                                  previous, record["model_parallel"],
-                                  controller.step)))
+  info.update(export.config_changes(
+      previous, controller, config,
+      run_plan.change_entry(previous, record["model_parallel"],
+                            controller.step)))
   return info
-
-
-def _config_changes(previous, controller, config, split_entry=None):
-  """{"config_changes": [...]} for model_info.json: the earlier entries
-  (of `previous`, the model_dir's model_info.json), plus this resume's if
-  `allow_config_change` let the configuration change, a longer (shorter)
-  run re-stretched a decaying learning-rate schedule or the model split
-  changed (`split_entry`, already logged); each is logged; {} if there
-  never was one."""
-  previous = previous or {}
-  history = list(previous.get("config_changes") or [])
-  step = controller.step
-  entry = {key: {"was": old, "now": new}
-           for key, old, new in controller.checkpoints.config_changes}
-  if entry:
-    logging.warning(
-        "%s now describes the changed configuration (%s) and records the "
-        "change at step %d under config_changes", export.MODEL_INFO_FILE,
-        ", ".join(entry), step)
-  was, now = previous.get("train_steps"), controller.config.train_steps
-  schedule = config.optimizer.schedule
-  if (step and was and was != now and step < now
-      and schedule in optimizers.DECAYING_SCHEDULES
-      and not config.optimizer.total_steps):
-    entry["train_steps"] = {"was": was, "now": now}
-    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
-                            "now": f"{schedule} over {now} steps"}
-    logging.warning(
-        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
-        "%d steps, so from step %d on the rate differs from the first "
-        "launch's (recorded in %s under config_changes)", was, now,
-        schedule, now, step, export.MODEL_INFO_FILE)
-  entry.update(split_entry or {})
-  if entry:
-    history.append({"step": step, **entry})
-  return {"config_changes": history} if history else {}
 
 
 def _export(config, trainer, info):

@@ -26,12 +26,13 @@ import os
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from absl import logging
 import tensorflow as tf
 
 import models
 from models import registry
 from framework.app.config import EvalConfig
-from framework.core import atomic
+from framework.core import atomic, optimizers
 from framework.data import datasets, preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
@@ -138,6 +139,42 @@ def model_fingerprint(model):
 def _jsonable(options):
   return {k: list(v) if isinstance(v, tuple) else v
           for k, v in (options or {}).items()}
+
+
+def config_changes(previous, controller, config, split_entry=None):
+  """{"config_changes": [...]} for model_info.json: the earlier entries
+  (of `previous`, the model_dir's model_info.json), plus this resume's if
+  `allow_config_change` let the configuration change, a longer (shorter)
+  run re-stretched a decaying learning-rate schedule or the model split
+  changed (`split_entry`, already logged); each is logged; {} if there
+  never was one."""
+  previous = previous or {}
+  history = list(previous.get("config_changes") or [])
+  step = controller.step
+  entry = {key: {"was": old, "now": new}
+           for key, old, new in controller.checkpoints.config_changes}
+  if entry:
+    logging.warning(
+        "%s now describes the changed configuration (%s) and records the "
+        "change at step %d under config_changes", MODEL_INFO_FILE,
+        ", ".join(entry), step)
+  was, now = previous.get("train_steps"), controller.config.train_steps
+  schedule = config.optimizer.schedule
+  if (step and was and was != now and step < now
+      and schedule in optimizers.DECAYING_SCHEDULES
+      and not config.optimizer.total_steps):
+    entry["train_steps"] = {"was": was, "now": now}
+    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
+                            "now": f"{schedule} over {now} steps"}
+    logging.warning(
+        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
+        "%d steps, so from step %d on the rate differs from the first "
+        "launch's (recorded in %s under config_changes)", was, now,
+        schedule, now, step, MODEL_INFO_FILE)
+  entry.update(split_entry or {})
+  if entry:
+    history.append({"step": step, **entry})
+  return {"config_changes": history} if history else {}
 
 
 def write_model_info(model_dir, info):

@@ -171,8 +171,10 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       config, strategy, dataset, build_model,
       compute_precision=compute_precision, task=task)
   if make_trainer is None:
+    # The model-parallel trainers load only when a split is asked for.
+    split = model_parallel and config.model_parallel.mode != "none"
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
-                    if model_parallel else trainer_cls)
+                    if split else trainer_cls)
   trainer = make_trainer(model, optimizer, strategy,
                          **trainer_options(config, strategy))
   return trainer, loop

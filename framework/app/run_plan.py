@@ -20,12 +20,14 @@ dataset like the others.
 """
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 from absl import logging
 import tensorflow as tf
 
 import models
+from models import registry
 from framework.app import config as app_config
 from framework.app import export
 from framework.core import checkpointing
@@ -36,7 +38,6 @@ from framework.data import datasets, inputs
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
-from framework.model_parallel.parallel_layers import split_for
 from framework.tasks import language_model
 
 CLASSIFICATION = "classification"
@@ -147,6 +148,42 @@ def _devices(strategy):
     return tuple(strategy.extended.worker_devices)
   except (RuntimeError, NotImplementedError):
     return ()
+
+
+def named_model(config, build_model):
+  """`config` naming `build_model` by its import path (or, without one,
+  `config.model` checked against the registry before any work)."""
+  if build_model is None:
+    registry.get_builder(config.model)  # a bad --model fails before any work
+    return config
+  path = registry.import_path_of(build_model)
+  if path is None:
+    raise ConfigError(
+        f"build_model={build_model!r} must be a module-level function "
+        "(model_info.json records it as module:function so that "
+        "evaluate.py, predict.py and the export rebuild it)")
+  _warn_if_main(path)
+  return dataclasses.replace(config, model=path)
+
+
+def _warn_if_main(path):
+  """Warns that a `__main__:build` model cannot be imported by name again."""
+  if not path.startswith("__main__:"):
+    return
+  script = getattr(__import__("__main__"), "__file__", None)
+  function = path.partition(":")[2]
+  if script:
+    module = os.path.splitext(os.path.basename(script))[0]
+    how = (f"pass them --model={module}:{function} (importing {script} must "
+           "then not train again: keep that under if __name__ == "
+           "'__main__':)")
+  else:
+    how = (f"pass them --model=<module>:{function} naming a module file "
+           "that defines it")
+  logging.warning(
+      "build_model=%s is defined in __main__: evaluate.py, predict.py and "
+      "exports in other processes cannot import it from model_info.json; "
+      "%s, or move it to a module and train with that", path, how)
 
 
 def place(config, strategy=None):
@@ -364,9 +401,13 @@ def check_resume(plan, previous_info, trainer, checkpoints):
     checkpoints: its `CheckpointManager`.
   """
   path = checkpoints.latest
-  if not path:
-    return
   record = plan.record()["model_parallel"]
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  if not path or "tensor" not in ((was or {}).get("mode"), record["mode"]):
+    return  # only a tensor split's checkpoint keys can be its own (or older)
+  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.parallel_layers import split_for
+  # pylint: enable=g-import-not-at-top
   unsplit = protocols.unsplit_model(trainer)
   whole_split = split_for(unsplit) is not None
   check_split_change(previous_info, record, model=plan.config.model,
