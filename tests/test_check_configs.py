@@ -19,7 +19,6 @@ import tensorflow as tf
 import framework
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.app import factory
-from framework.app import factory as check_run
 from framework.check import distribution_check
 from framework.core import precision
 from framework.data import datasets
@@ -64,7 +63,7 @@ def _built_trainers(monkeypatch):
     built.append(original(*args, **kwargs)[0])
     return built[-1], None
 
-  monkeypatch.setattr(check_run.factory, "build_trainer", build_trainer)
+  monkeypatch.setattr(factory, "build_trainer", build_trainer)
   return built
 
 
@@ -74,8 +73,8 @@ def _check(config, monkeypatch):
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   built = _built_trainers(monkeypatch)
-  report = check_run.check_experiment(config, shared_strategy.mirrored(),
-                                      dataset, print_fn=None)
+  report = factory.check_experiment(config, shared_strategy.mirrored(),
+                                    dataset, print_fn=None)
   return built, report
 
 
