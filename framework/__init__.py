@@ -24,19 +24,19 @@ imports only its own layer and lower ones; tests/test_import_graph.py checks):
     model_parallel/ pipeline and tensor splits
     tasks/          classification metrics, segmentation
     check/          the distribution self-check
-    app/            experiment (a run from a config), export, evaluation,
-                    prediction
+    app/            config, run_plan, factory and experiment (a run from a
+                    config), export, evaluation, prediction
 """
 
 import importlib
 import importlib.util
-import warnings
 
 # The public API: what a user needs to train from Python. Everything else is
 # importable from its module (e.g. `framework.data.datasets.synthetic`).
 _EXPORTS = {
-    "framework.app.experiment": ["ExperimentConfig", "run"],
-    "framework.app.run_info": ["describe_run"],
+    "framework.app.config": ["ExperimentConfig"],
+    "framework.app.experiment": ["run"],
+    "framework.app.export": ["describe_run"],
     "framework.core.communication": ["AllReduceConfig"],
     "framework.core.controller": ["Controller", "LoopConfig"],
     "framework.core.optimizers": ["OptimizerConfig"],
@@ -54,43 +54,12 @@ _EXPORTS = {
 _WHERE = {name: module for module, names in _EXPORTS.items()
           for name in names}
 
-# Names this package exported before its API was curated: still resolved,
-# with a DeprecationWarning naming the module to import them from.
-_MOVED = {
-    "framework.core.checkpointing": ["CheckpointManager"],
-    "framework.data.datasets": ["ArrayDataset", "load_cifar10", "load_dataset",
-                                "synthetic", "write_cifar10"],
-    "framework.check.distribution_check": ["CheckReport",
-                                           "DistributionCheckError",
-                                           "check_distribution",
-                                           "check_trainer_class"],
-    "framework.data.file_input": ["FileDataset", "load_tfrecord"],
-    "framework.data.image_folder": ["load_image_folder"],
-    "framework.tasks.metrics": ["ConfusionTrainer"],
-    "framework.data.inputs": ["distribute_eval", "distribute_train",
-                              "eval_dataset", "train_dataset"],
-    "framework.core.optimizers": ["make_optimizer"],
-    "framework.distribute.strategies": ["STRATEGIES", "is_chief"],
-    "framework.distribute.tf_config": ["parse_tf_config"],
-    "framework.tasks.segmentation": ["SegmentationController",
-                                     "SegmentationTrainer"],
-    "framework.core.summaries": ["SummaryWriter"],
-    "framework.core.trainer": ["sparse_categorical_loss"],
-}
-_MOVED_WHERE = {name: module for module, names in _MOVED.items()
-                for name in names}
-
 __all__ = sorted(_WHERE)
 
 
 def __getattr__(name):
   if name in _WHERE:
     value = getattr(importlib.import_module(_WHERE[name]), name)
-  elif name in _MOVED_WHERE:
-    module = _MOVED_WHERE[name]
-    warnings.warn(f"framework.{name} is deprecated: import it from {module}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), name)
   elif importlib.util.find_spec(f"framework.{name}"):
     # Layers (`framework.core`, ...) and `framework.errors` are attributes.
     value = importlib.import_module(f"framework.{name}")

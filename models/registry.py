@@ -28,17 +28,23 @@ TASKS = ("classification", "segmentation", "language_model")
 # gpt split), imported at the first look-up: `import models` stays free of
 # TensorFlow.
 BUILTIN_MODULES = ("cifar_cnn", "gpt", "gpt_parallel", "mlp", "unet")
-# The modules that register each built-in name: a run of one model imports
-# only its own (an mlp run no tensor-parallel layers).
-_BUILTIN_NAMES = {"cifar_cnn": ("cifar_cnn",), "gpt": ("gpt", "gpt_parallel"),
-                  "mlp": ("mlp",), "unet": ("unet",)}
+# A built-in name's own modules: a run of one model loads only those (an
+# mlp run no model-parallel layers).
+_BUILTIN_OF = {"cifar_cnn": ("cifar_cnn",), "gpt": ("gpt", "gpt_parallel"),
+               "mlp": ("mlp",), "unet": ("unet",)}
+_loaded = []
 
 
 def load_builtin(name=None):
-  """Imports the modules that register built-in model `name` (any other
-  name or None: every built-in module); Python imports each once."""
-  for module in _BUILTIN_NAMES.get(name, BUILTIN_MODULES):
-    importlib.import_module(f"models.{module}")
+  """Imports the modules that register the built-in model `name` (any other
+  name, or None: every built-in module), once; they register here."""
+  if name in _BUILTIN_OF:
+    for module in _BUILTIN_OF[name]:
+      importlib.import_module(f"models.{module}")
+  elif not _loaded:
+    _loaded.append(True)
+    for module in BUILTIN_MODULES:
+      importlib.import_module(f"models.{module}")
 
 
 def register(name, task=None):
@@ -322,6 +328,13 @@ def parse_options(name, text):
                         f"{valid}") from None
     values[key] = value
   return values
+
+
+def declared_task(name):
+  """The task model `name` was registered with (one of `TASKS`), or None
+  (an import path, or registered without one: its outputs tell)."""
+  load_builtin(name)
+  return _TASKS.get(name)
 
 
 def check_task(name, per_pixel, dataset, model=None):

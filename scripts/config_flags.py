@@ -25,7 +25,7 @@ from framework.errors import ConfigError
 from framework.model_parallel.config import parse_mesh
 
 # Fields without a flag that the flags' config must still fill: the run's
-# length, replaced by experiment.build_model_and_optimizer.
+# length, replaced by factory.build_model_and_optimizer.
 _FILLED_LATER = {("loop", "train_steps"): 1}
 
 

@@ -27,12 +27,12 @@ try:  # No TensorFlow in them: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
-from framework.app.eval_config import EvalConfig  # pylint: disable=g-import-not-at-top
+from framework.app.config import EvalConfig  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
 # The settings of an evaluation: one flag per field of EvalConfig
-# (framework/app/eval_config.py; see scripts/config_flags.py).
+# (framework/app/config.py; see scripts/config_flags.py).
 EVAL_FLAGS = config_flags.define_flags(cls=EvalConfig)
 # Not settings of the evaluation: how this app picks its checkpoints and
 # devices.

@@ -30,12 +30,12 @@ try:  # No TensorFlow in them: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
-from framework.app.predict_config import PredictConfig  # pylint: disable=g-import-not-at-top
+from framework.app.config import PredictConfig  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
 # The settings of a prediction: one flag per field of PredictConfig
-# (framework/app/predict_config.py; see scripts/config_flags.py).
+# (framework/app/config.py; see scripts/config_flags.py).
 PREDICT_FLAGS = config_flags.define_flags(cls=PredictConfig)
 
 
@@ -91,7 +91,6 @@ def run():
 
 def _generate(config, errors, export, prediction):
   """Continues --prompt with a language model's run and prints the text."""
-  from framework.app import generation  # pylint: disable=g-import-not-at-top
   if config.index is not None or config.image is not None:
     raise errors.ConfigError("--prompt generates text; --index and --image "
                              "classify: set one of them")
@@ -102,10 +101,10 @@ def _generate(config, errors, export, prediction):
   info, weights = prediction.resolve_model(config.model_dir, config.weights,
                                            config.model)
   export.check_model_code(info, config.trust_model_code)
-  generation.check_language_model(info)
+  prediction.check_language_model(info)
   model = prediction.load_model(info, weights,
                                 trust_model_code=config.trust_model_code)
-  text = generation.generate_text(
+  text = prediction.generate_text(
       model, config.prompt, config.max_new_tokens,
       temperature=config.temperature, seed=config.seed)
   print(text)

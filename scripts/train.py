@@ -95,11 +95,11 @@ def config_from_flags():
 
 
 def _run_config(config, trainer_cls):
-  """Runs `config` as this process's task (`framework.app.task.run_task`:
+  """Runs `config` as this process's task (`framework.app.experiment.run_task`:
   Slurm, parameter-server servers, the start-up watchdog, SIGTERM);
   returns the final eval metrics."""
   # pylint: disable=g-import-not-at-top
-  from framework.app import task
+  from framework.app import experiment
   from framework.perf import allocator
   # pylint: enable=g-import-not-at-top
   logging.info("oneDNN CPU kernels: %s (--onednn=%s)",
@@ -111,14 +111,14 @@ def _run_config(config, trainer_cls):
       resolver=FLAGS.cluster_resolver, slurm_ps_tasks=FLAGS.slurm_ps_tasks,
       slurm_port_base=FLAGS.slurm_port_base,
       startup_timeout=FLAGS.startup_timeout)
-  return task.run_task(config, trainer_cls=trainer_cls, options=options,
+  return experiment.run_task(config, trainer_cls=trainer_cls, options=options,
                        program=os.path.basename(sys.argv[0]))
 
 
 def weights_digest(model):
   """A digest of the model's weights (equal digests: identical weights)."""
-  from framework.app import task  # pylint: disable=g-import-not-at-top
-  return task.weights_digest(model)
+  from framework.app import experiment  # pylint: disable=g-import-not-at-top
+  return experiment.weights_digest(model)
 
 
 def run_main(trainer_cls=None):
@@ -129,7 +129,7 @@ def run_main(trainer_cls=None):
       # Must happen before TensorFlow creates its devices.
       framework.configure_cpu_devices(FLAGS.cpu_devices)
     config = config_from_flags()
-    # No trainer_cls: the dataset's task picks it (see experiment.build).
+    # No trainer_cls: the dataset's task picks it (see factory.default_trainer_cls).
     results = _run_config(config, trainer_cls)
   if results:
     logging.info("final eval: %s", results)

@@ -11,6 +11,7 @@ from helpers import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APPS = ("train", "evaluate", "predict", "launch", "make_tfrecords",
+        "migrate_split_checkpoint",
         "plot_curves")
 
 

@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework.app import check_run, factory
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+from framework.app import factory
 from framework.check import distribution_check
 from framework.core import precision
 from framework.data import datasets
@@ -47,9 +48,9 @@ def test_every_flag_file_is_covered():
 
 @pytest.fixture(scope="module")
 def cifar_dir(tmp_path_factory):
-  small = framework.synthetic(num_train=32, num_test=8, seed=1)
+  small = framework.data.datasets.synthetic(num_train=32, num_test=8, seed=1)
   data_dir = str(tmp_path_factory.mktemp("cifar10"))
-  framework.write_cifar10(data_dir, small.train_x, small.train_y,
+  framework.data.datasets.write_cifar10(data_dir, small.train_x, small.train_y,
                           small.test_x, small.test_y)
   return data_dir
 
@@ -62,7 +63,7 @@ def _built_trainers(monkeypatch):
     built.append(original(*args, **kwargs)[0])
     return built[-1], None
 
-  monkeypatch.setattr(check_run.factory, "build_trainer", build_trainer)
+  monkeypatch.setattr(factory, "build_trainer", build_trainer)
   return built
 
 
@@ -72,8 +73,8 @@ def _check(config, monkeypatch):
   dataset = datasets.load_dataset(config.dataset, config.data_dir,
                                   seed=config.seed, **config.dataset_options)
   built = _built_trainers(monkeypatch)
-  report = check_run.check_experiment(config, shared_strategy.mirrored(),
-                                      dataset, print_fn=None)
+  report = factory.check_experiment(config, shared_strategy.mirrored(),
+                                    dataset, print_fn=None)
   return built, report
 
 

@@ -21,11 +21,11 @@ import tensorflow as tf
 
 from framework import settings
 from framework.app import config as app_config
-from framework.app import experiment
+from framework.app import experiment, factory
 from framework.core.controller import LoopConfig
 from framework.core.optimizers import OptimizerConfig
 from framework.errors import ConfigError
-from framework.app.experiment import ExperimentConfig
+from framework.app.config import ExperimentConfig
 from scripts import cli, config_flags, train
 from tests.helpers import ROOT, run_script
 
@@ -148,7 +148,7 @@ def _optimizer_and_loop(config):
   dataset = types.SimpleNamespace(num_train_examples=CIFAR10_TRAIN,
                                   input_shape=(32, 32, 3), num_classes=10,
                                   label_shape=())
-  _, optimizer, loop = experiment.build_model_and_optimizer(
+  _, optimizer, loop = factory.build_model_and_optimizer(
       config, tf.distribute.get_strategy(), dataset)
   return optimizer, loop
 

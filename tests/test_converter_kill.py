@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import datasets, tfrecord_set, tfrecords
 from tests.helpers import run_script
 from tests.test_data_fuzz import read_all
@@ -24,7 +25,7 @@ SEED = 7
 
 def _cifar(path, seed):
   rng = np.random.default_rng(seed)
-  framework.write_cifar10(
+  framework.data.datasets.write_cifar10(
       str(path), rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8),
       rng.integers(0, 10, 12), rng.integers(0, 256, (4, 32, 32, 3),
                                             dtype=np.uint8),

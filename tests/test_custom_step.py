@@ -13,6 +13,9 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
+import framework.data.inputs  # noqa: F401  (the attribute chain below)
+import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 from framework.core import losses, precision
 from tests import shared_strategy
 from tests.helpers import ROOT
@@ -43,7 +46,7 @@ def build_model():
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=192, num_test=8, image_shape=(4, 4, 3))
+  return framework.data.datasets.synthetic(num_train=192, num_test=8, image_shape=(4, 4, 3))
 
 
 def train(make_trainer, data, *, precision_name="float32", steps=5,
@@ -55,7 +58,7 @@ def train(make_trainer, data, *, precision_name="float32", steps=5,
     keras.utils.set_random_seed(5)
     with strategy.scope():
       model = build_model()
-      optimizer = framework.make_optimizer(
+      optimizer = framework.core.optimizers.make_optimizer(
           framework.OptimizerConfig(name="momentum", learning_rate=0.05))
   finally:
     precision.set_precision("float32")
@@ -63,7 +66,7 @@ def train(make_trainer, data, *, precision_name="float32", steps=5,
     options["loss_scale"] = precision.LossScale(strategy)
   trainer = make_trainer(model, optimizer, strategy,
                          global_batch_size=GLOBAL_BATCH, **options)
-  trainer.train(iter(framework.distribute_train(strategy, data,
+  trainer.train(iter(framework.data.inputs.distribute_train(strategy, data,
                                                 GLOBAL_BATCH)), steps)
   return [w.numpy() for w in model.weights], trainer
 

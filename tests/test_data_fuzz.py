@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import file_input, integrity, tfrecords
 from framework.errors import DataError
 
@@ -27,7 +28,7 @@ NUM_FILE_CASES = 24
 
 
 def _write(path):
-  data = framework.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
+  data = framework.data.datasets.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
                              num_classes=3, seed=5)
   for split, x, y, shards in (("train", data.train_x, data.train_y, 3),
                               ("test", data.test_x, data.test_y, 2)):

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.data import file_input, image_folder, integrity, tfrecords
 from framework.errors import DataError
 from tests.helpers import ROOT, run_script
@@ -212,7 +213,7 @@ def test_resuming_on_reconverted_data_is_one_line(files, tmp_path):
   generation = json.load(open(model_dir / "run_config.json"))[
       "data_generation"]
   # Re-converted in place with other content: another generation.
-  data = framework.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
+  data = framework.data.datasets.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
                              num_classes=3, seed=6)
   tfrecords.write_split(files, "train", lambda i: (data.train_x[i],
                                                    data.train_y[i]),
@@ -234,7 +235,7 @@ def _convert(src, out, **kwargs):
 @pytest.fixture
 def cifar(tmp_path):
   rng = np.random.default_rng(3)
-  framework.write_cifar10(
+  framework.data.datasets.write_cifar10(
       str(tmp_path / "src"), rng.integers(0, 256, (6, 32, 32, 3), np.uint8),
       rng.integers(0, 10, 6), rng.integers(0, 256, (2, 32, 32, 3), np.uint8),
       rng.integers(0, 10, 2))
@@ -297,7 +298,7 @@ def test_verify_checks_every_shard(cifar, tmp_path):
 def test_the_generation_is_a_digest_of_the_content(tmp_path):
   a, b = _write(tmp_path / "a"), _write(tmp_path / "b")
   assert _sidecar(a)["generation"] == _sidecar(b)["generation"]
-  data = framework.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
+  data = framework.data.datasets.synthetic(num_train=24, num_test=8, image_shape=(4, 4, 3),
                              num_classes=3, seed=6)
   tfrecords.write_split(b, "train", lambda i: (data.train_x[i],
                                                data.train_y[i]),

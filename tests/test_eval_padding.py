@@ -18,6 +18,7 @@ from PIL import Image
 import keras
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.core.controller import Controller, LoopConfig
 from framework.data import file_input, image_folder, inputs, tfrecords
 from framework.tasks.metrics import ConfusionTrainer
@@ -38,7 +39,7 @@ class NonEmpty(keras.layers.Layer):
 
 @pytest.fixture(scope="module")
 def data():
-  return framework.synthetic(num_train=32, num_test=NUM_TEST,
+  return framework.data.datasets.synthetic(num_train=32, num_test=NUM_TEST,
                              image_shape=(4, 4, 3), num_classes=CLASSES,
                              seed=4)
 
@@ -168,9 +169,9 @@ def test_train_py_on_tfrecords_whose_last_step_leaves_a_replica_empty(
   # per-replica batches of 64, the last one of 16): 33 examples in
   # per-replica batches of 8 are 5 batches, so the last step had a batch
   # for replica 0 only.
-  data = framework.synthetic(num_train=64, num_test=33, seed=5)
+  data = framework.data.datasets.synthetic(num_train=64, num_test=33, seed=5)
   source, converted = str(tmp_path / "cifar"), str(tmp_path / "records")
-  framework.write_cifar10(source, data.train_x, data.train_y, data.test_x,
+  framework.data.datasets.write_cifar10(source, data.train_x, data.train_y, data.test_x,
                           data.test_y)
   run_script("make_tfrecords.py", "--dataset=cifar10", f"--data_dir={source}",
              f"--output_dir={converted}", "--num_shards=8")

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 import framework
 from framework import ExperimentConfig, LoopConfig
-from framework.app import eval_set_specs, experiment
+from framework.app import experiment
+from framework.app import config as eval_set_specs
 from framework.core import eval_sets
 from helpers import assert_one_line_error, run_script, snapshot
 from shared_strategy import mirrored

@@ -39,7 +39,7 @@ def _expected(run, weights_path=None):
   info = export.read_model_info(run["model_dir"])
   model = export.build_inference_model(info)
   model.load_weights(weights_path or os.path.join(run["model_dir"],
-                                                  experiment.WEIGHTS_FILE))
+                                                  export.WEIGHTS_FILE))
   data = run["data"]
   logits = model(data.test_x.astype(np.float32) / 255.0).numpy().astype(
       np.float64)

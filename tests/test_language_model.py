@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework.app import experiment, generation, prediction
+from framework.app import experiment, prediction
+from framework.app import prediction as generation
 from tests.helpers import assert_one_line_error, run_script, snapshot
 from tests.test_controller import scalars
 from tests.test_text_dataset import write_corpus

@@ -1,10 +1,11 @@
 """A gpt split's checkpoint written before cross-mesh resume (its optimizer
 under the split optimizer's own keys and shapes, the split model's
-fingerprint: tests/old_split_train.py writes one as that distloop did)
+fingerprint: tests/old_split_train.py writes one as that distloop did) is
+refused by train.py in one line naming scripts/migrate_split_checkpoint.py,
+--model_dir unchanged; migrated by that script (with the run's flags), it
 resumes on the same mesh exactly as one continuous run (weights and Adam's
-slots within 1e-5), and its next checkpoint is in the unsplit layout; on
-another split it is refused in one line, --model_dir unchanged. A restore
-of an older layout must consume every value the checkpoint holds.
+slots within 1e-5), in the unsplit layout. The script refuses another
+split's flags in one line.
 """
 
 import os
@@ -14,8 +15,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.core.checkpointing import CheckpointManager
-from framework.errors import CheckpointError
 from tests import helpers
 
 GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=8",
@@ -29,7 +28,7 @@ TOLERANCE = 1e-5
 
 def _train(model_dir, steps, *flags, script="train.py", check=True):
   args = [*GPT, f"--model_dir={model_dir}", f"--train_steps={steps}", *flags]
-  if script == "train.py":
+  if script != "old_split_train.py":
     return helpers.run_script(script, *args, timeout=900, check=check)
   proc = helpers.run_python(os.path.join(helpers.ROOT, "tests", script),
                             *args, timeout=900)
@@ -58,17 +57,18 @@ def old_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_same_mesh_resumes_an_older_checkpoint_as_one_continuous_run(
+def test_a_migrated_checkpoint_resumes_as_one_continuous_run(
     tmp_path, old_run):
   reference = tmp_path / "continuous"
   want_loss = helpers.final_eval(
       _train(reference, 2 * K, *MESH).stderr)["loss"]
   model_dir = tmp_path / "resumed"
   shutil.copytree(old_run, model_dir)
-  proc = _train(model_dir, 2 * K, *MESH)
-  lines = [l for l in proc.stderr.splitlines() if "predates" in l]
+  proc = _train(model_dir, 2 * K, *MESH, script="migrate_split_checkpoint.py")
+  lines = [l for l in proc.stderr.splitlines() if "migrated checkpoint" in l]
   assert len(lines) == 1, proc.stderr[-3000:]
-  assert "restoring it as this split's" in lines[0]
+  assert "resumes on any mesh" in lines[0]
+  proc = _train(model_dir, 2 * K, *MESH)
   got, want = _tensors(model_dir), _tensors(reference)
   assert sorted(got) == sorted(want)  # the unsplit layout from now on
   weights = max(float(np.max(np.abs(got[k] - want[k])) /
@@ -81,27 +81,27 @@ def test_the_same_mesh_resumes_an_older_checkpoint_as_one_continuous_run(
 
 
 @pytest.mark.slow
-def test_another_split_refuses_an_older_checkpoint_in_one_line(
-    tmp_path, old_run):
+@pytest.mark.parametrize("flags", [MESH, []], ids=["same_mesh", "unsplit"])
+def test_train_refuses_an_older_checkpoint_in_one_line_naming_the_script(
+    tmp_path, old_run, flags):
   model_dir = tmp_path / "run"
   shutil.copytree(old_run, model_dir)
   before = helpers.snapshot(str(model_dir))
-  proc = _train(model_dir, 2 * K, check=False)  # unsplit
+  proc = _train(model_dir, 2 * K, *flags, check=False)
   helpers.assert_one_line_error(
-      proc, "train.py", "predates resuming on another mesh",
-      "its own split (mesh=data:2,model:2), which this split (none) cannot "
-      "read", 
-      "resume it with mesh=data:2,model:2 first", unchanged=before)
+      proc, "train.py", "saved before cross-mesh resume",
+      "its own split, mesh=data:2,model:2",
+      "python scripts/migrate_split_checkpoint.py", unchanged=before)
 
 
-def test_an_older_layout_restore_consumes_every_saved_value(tmp_path):
-  a, b = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
-  tf.train.Checkpoint(a=a, b=b).save(str(tmp_path / "ckpt"))
-  a.assign([0.0, 0.0])
-  manager = CheckpointManager(tf.train.Checkpoint(a=a), str(tmp_path),
-                              tf.distribute.get_strategy())
-  with manager.restoring_older():
-    with pytest.raises(CheckpointError, match="does not match"):
-      manager.restore_latest()
-  assert manager.restore_latest()  # the usual restore: a's value only
-  np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
+@pytest.mark.slow
+def test_the_script_refuses_another_split_in_one_line(tmp_path, old_run):
+  model_dir = tmp_path / "run"
+  shutil.copytree(old_run, model_dir)
+  before = helpers.snapshot(str(model_dir))
+  proc = _train(model_dir, 2 * K, script="migrate_split_checkpoint.py",
+                check=False)  # unsplit
+  helpers.assert_one_line_error(
+      proc, "migrate_split_checkpoint.py",
+      "was saved by split mesh=data:2,model:2",
+      "flags of the run that wrote it", unchanged=before)

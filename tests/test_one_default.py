@@ -100,8 +100,8 @@ PENDING = {
     ("framework/app/export.py", "label_smoothing"): "read ExperimentConfig's",
     ("framework/app/export.py", "mixed_precision"): "read ExperimentConfig's",
     ("framework/app/prediction.py", "seed"): "read InputConfig's",
-    ("framework/app/run_info.py", "seed"): "read InputConfig's",
-    ("framework/app/split_change.py", "mode"): "read ModelParallelConfig's",
+    ("framework/app/export.py", "seed"): "read InputConfig's",
+    ("framework/app/run_plan.py", "mode"): "read ModelParallelConfig's",
     ("framework/app/run_plan.py", "best_mode"): "read LoopConfig's",
     ("framework/core/checkpointing.py", "allow_config_change"):
         "read ExperimentConfig's (or no default)",
@@ -112,7 +112,7 @@ PENDING = {
     ("framework/model_parallel/staged_trainer.py", "shard_optimizer_state"):
         "read TrainerConfig's",
     # 2: two concepts under one setting name.
-    ("framework/app/check_run.py", "model_parallel"):
+    ("framework/app/factory.py", "model_parallel"):
         "a bool (split or not) under --model_parallel's name (a mode)",
     ("framework/app/factory.py", "model_parallel"):
         "a bool (split or not) under --model_parallel's name (a mode)",
@@ -133,9 +133,9 @@ PENDING = {
     ("framework/app/config.py", "seed"): "same_as(InputConfig, 'seed')",
     ("framework/app/config.py", "input_mode"):
         "same_as(InputConfig, 'input_mode')",
-    ("framework/app/predict_config.py", "seed"):
+    ("framework/app/config.py", "seed"):
         "the sampling seed: default(InputConfig, 'seed') or its own name",
-    ("framework/app/eval_config.py", "strategy"):
+    ("framework/app/config.py", "strategy"):
         "default(ExperimentConfig, 'strategy')",
 }
 
@@ -453,8 +453,8 @@ def test_the_scan_sees_a_setting_declared_twice():
 
 def _shared():
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
+  from framework.app.config import EvalConfig
+  from framework.app.config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return [(ExperimentConfig, TrainerConfig, None),
           (ModelParallelConfig, SplitConfig, None),
@@ -482,8 +482,8 @@ APPS = {"train": "ExperimentConfig", "evaluate": "EvalConfig",
 
 def _app_config(name):
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
-  from framework.app.predict_config import PredictConfig
+  from framework.app.config import EvalConfig
+  from framework.app.config import PredictConfig
   # pylint: enable=g-import-not-at-top
   return {"ExperimentConfig": ExperimentConfig, "EvalConfig": EvalConfig,
           "PredictConfig": PredictConfig,
@@ -538,7 +538,7 @@ def test_each_generated_flag_has_its_fields_default(app):
 
 def test_evaluate_takes_the_strategies_of_the_one_list():
   # pylint: disable=g-import-not-at-top
-  from framework.app.eval_config import EvalConfig
+  from framework.app.config import EvalConfig
   from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
   # pylint: enable=g-import-not-at-top
   values = flags.FlagValues()
@@ -547,19 +547,13 @@ def test_evaluate_takes_the_strategies_of_the_one_list():
   assert set(STRATEGIES) - set(EVAL_STRATEGIES) == {"parameter_server"}
 
 
-def test_model_options_moved_beside_the_models_with_a_warning():
-  from framework.app import config  # pylint: disable=g-import-not-at-top
-  with pytest.warns(DeprecationWarning, match="models.options.ModelOptions"):
-    moved = config.ModelOptions
-  assert moved is ModelOptions
-
 
 @pytest.mark.slow
 def test_the_settings_load_no_tensorflow():
   # A fresh interpreter (a forked run has TensorFlow imported already): the
   # flags are made from these before TensorFlow loads (--onednn).
   code = ("import sys, models, models.options, scripts.config_flags, "
-          "framework.app.eval_config, framework.app.predict_config, "
+          "framework.app.config, framework.app.config, "
           "framework.distribute.launch_config\n"
           "assert 'tensorflow' not in sys.modules, 'tensorflow loaded'\n"
           "print(models.model_names())\n"

@@ -52,6 +52,6 @@ def test_bad_configs(kwargs, match):
 
 
 def test_cosine_needs_the_run_length():
-  # total_steps=0 means "the run's length", filled in by experiment.build.
+  # total_steps=0 means "the run's length", filled in by factory.build_model_and_optimizer.
   with pytest.raises(framework.ConfigError, match="total_steps"):
     optimizers.make_schedule(framework.OptimizerConfig(schedule="cosine"))

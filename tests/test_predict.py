@@ -60,7 +60,7 @@ def _probabilities(summary):
 
 def test_run_writes_weights_info_and_saved_model(trained):
   model_dir = trained["model_dir"]
-  assert os.path.isfile(os.path.join(model_dir, experiment.WEIGHTS_FILE))
+  assert os.path.isfile(os.path.join(model_dir, export.WEIGHTS_FILE))
   info = export.read_model_info(model_dir)
   assert info["model"] == "cifar_cnn"
   assert info["class_names"] == list(framework.data.datasets.CIFAR10_CLASSES)

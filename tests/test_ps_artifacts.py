@@ -72,7 +72,7 @@ def test_parameter_server_run_has_every_artifact_for_evaluate_and_predict(
 
   # The same files, written by the same Controller.
   assert _artifacts(ps_dir) == _artifacts(single_dir)
-  assert {"model_info.json", experiment.WEIGHTS_FILE, export.EXPORT_DIR,
+  assert {"model_info.json", export.WEIGHTS_FILE, export.EXPORT_DIR,
           "checkpoint", "ckpt-*.index", "ckpt-*.data-*", "train",
           "eval"} <= _artifacts(ps_dir)
   assert cu.checkpoint_step(ps_dir) == 40 and cu.global_step(ps_dir) == 40

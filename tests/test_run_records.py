@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import framework
+import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework import ExperimentConfig, LoopConfig
 from framework.app import evaluation, experiment
 from helpers import run_script
@@ -28,7 +29,7 @@ def _config(model_dir, **kwargs):
 
 def _cifar(data_dir, num_test, seed):
   rng = np.random.default_rng(seed)
-  framework.write_cifar10(
+  framework.data.datasets.write_cifar10(
       str(data_dir), rng.integers(0, 255, (64, 32, 32, 3)),
       rng.integers(0, 10, 64), rng.integers(0, 255, (num_test, 32, 32, 3)),
       rng.integers(0, 10, num_test))

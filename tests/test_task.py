@@ -1,4 +1,4 @@
-"""`framework.app.task.run_task`, what train.py runs after its flags: Slurm's
+"""`framework.app.experiment.run_task`, what train.py runs after its flags: Slurm's
 variables become TF_CONFIG, parameter-server `ps` and `worker` tasks only
 serve, a one-process run trains under the preemption guard and logs its
 weights' digest; `ClusterOptions` checks its fields."""
@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from framework.app import experiment, task
+from framework.app import experiment
+from framework.app import experiment as task
 from framework.distribute import cluster
 from framework.distribute.cluster_options import ClusterOptions
 from framework.errors import ConfigError

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework.app import experiment
+from framework.app import experiment, export, factory
 from framework.core import protocols, ps_training
 from framework.core.trainer import Trainer
 from shared_strategy import mirrored
@@ -75,12 +75,12 @@ def test_every_attribute_read_of_a_trainer_is_declared(tmp_path):
               export_saved_model=True),
       strategy=mirrored(), make_trainer=make_trainer)
   assert np.isfinite(results["loss"])
-  for name in ("ckpt-4.index", experiment.WEIGHTS_FILE,
-               experiment.RAW_WEIGHTS_FILE, "export", "best"):
+  for name in ("ckpt-4.index", export.WEIGHTS_FILE,
+               export.RAW_WEIGHTS_FILE, "export", "best"):
     assert os.path.exists(model_dir / name), name
   # The Controller on its own too: a fresh one evaluates the checkpoint.
   run_reads = set(reads)
-  model, optimizer, _ = experiment.build_model_and_optimizer(
+  model, optimizer, _ = factory.build_model_and_optimizer(
       _config(model_dir), mirrored(),
       framework.data.datasets.synthetic(num_train=64, num_test=8))
   trainer = recording(Trainer(model, optimizer, mirrored(),
@@ -160,16 +160,16 @@ def test_a_trainer_with_only_the_required_protocols_runs_end_to_end(
   assert optional == []
   assert int(trainer.global_step.numpy()) == 4
   assert results["examples"] == 512.0 and 0.0 <= results["accuracy"] <= 1.0
-  for name in ("ckpt-2.index", "ckpt-4.index", experiment.WEIGHTS_FILE,
+  for name in ("ckpt-2.index", "ckpt-4.index", export.WEIGHTS_FILE,
                "export/saved_model.pb", "best/best.json"):
     assert os.path.exists(model_dir / name), name
-  assert not os.path.exists(model_dir / experiment.RAW_WEIGHTS_FILE)
+  assert not os.path.exists(model_dir / export.RAW_WEIGHTS_FILE)
   said = [r.getMessage() for r in caplog.records
           if "has no export_model()" in r.getMessage()]
   assert len(said) == 1 and "MinimalTrainer" in said[0]
   # The weights file holds the trained weights.
   rebuilt = keras.models.clone_model(trainer.model)
-  rebuilt.load_weights(str(model_dir / experiment.WEIGHTS_FILE))
+  rebuilt.load_weights(str(model_dir / export.WEIGHTS_FILE))
   for a, b in zip(rebuilt.get_weights(), trainer.model.get_weights()):
     np.testing.assert_array_equal(a, b)
 

@@ -17,7 +17,7 @@ import pytest
 
 import framework
 import models
-from framework.app import experiment
+from framework.app import experiment, export
 from framework.core import warm_start
 from framework.errors import CheckpointError
 from tests.helpers import assert_one_line_error, run_script, snapshot
@@ -66,7 +66,7 @@ def _weights_at_start(config, stop=True):
 
 def _source_weights(run_dir, num_classes=10):
   model = models.build_model("cifar_cnn", SHAPE, num_classes, dropout=False)
-  model.load_weights(os.path.join(run_dir, experiment.WEIGHTS_FILE))
+  model.load_weights(os.path.join(run_dir, export.WEIGHTS_FILE))
   return [w.numpy() for w in model.weights]
 
 
@@ -97,7 +97,7 @@ def _check_fine_tuned(weights, source_weights, fresh):
 def test_fine_tune_onto_other_classes(source, form, tmp_path, caplog):
   root, run_dir, three = source
   init = {"run_folder": run_dir, "prefix": os.path.join(run_dir, "ckpt-2"),
-          "weights_h5": os.path.join(run_dir, experiment.WEIGHTS_FILE)}[form]
+          "weights_h5": os.path.join(run_dir, export.WEIGHTS_FILE)}[form]
   fresh, _ = _weights_at_start(_config(tmp_path / "fresh", three))
   with caplog.at_level(logging.INFO):
     weights, controller = _weights_at_start(_config(

@@ -1,2 +1,3 @@
-"""Runs from a config: experiment (train), export, evaluation, prediction.
+"""Runs from a config: the settings (config), a run's plan, its build
+(factory) and the run path (experiment), export, evaluation, prediction.
 """

@@ -1,26 +1,29 @@
-"""The run's settings: `ExperimentConfig`.
+"""The apps' settings, each declared once: what a run, an evaluation and a
+prediction read.
+
+    ExperimentConfig   scripts/train.py (`framework.run`); its `--eval_sets`
+                       entries are `EvalSetSpec`s
+    EvalConfig         scripts/evaluate.py (`evaluation`)
+    PredictConfig      scripts/predict.py (`prediction`)
 
 Each field is a setting written once (`framework.settings.setting`): its
 default, help text, choices and checks. `scripts/config_flags.py` makes the
-flags of `scripts/train.py` from these fields and the nested configs
-(`OptimizerConfig`, `LoopConfig`, `ModelParallelConfig`, the built-in
-models' `models.options.ModelOptions`, `DatasetOptions`); a new setting is
-one new field. No TensorFlow here: the flags exist before TensorFlow loads.
+apps' flags from these fields and the nested configs (`OptimizerConfig`,
+`LoopConfig`, `ModelParallelConfig`, the built-in models'
+`models.options.ModelOptions`, `DatasetOptions`); a new setting is one new
+field. No TensorFlow here: the flags exist before TensorFlow loads.
 """
 
 import dataclasses
 import os
 import re
 
-from framework.core.config import (NAN_POLICIES, PRECISION_CHOICES,
-                                   RESTORE_POLICIES, TTA_MODES,
+from framework.core.config import (PRECISION_CHOICES, RESTORE_POLICIES,
                                    AllReduceConfig, LoopConfig,
                                    OptimizerConfig, TrainerConfig)
-from framework.data.config import (AUGMENTATIONS, INPUT_MODES,
-                                   DatasetOptions)
-from framework.distribute.choices import STRATEGIES
-from framework.app import eval_set_specs
 from framework.core.stop_condition import StopCondition, parse_metric
+from framework.data.config import AUGMENTATIONS, INPUT_MODES, DatasetOptions
+from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
 from framework.settings import (POSITIVE, all_but, check_settings, same_as,
@@ -28,6 +31,70 @@ from framework.settings import (POSITIVE, all_but, check_settings, same_as,
 # The built-in models' options live beside the models (no TensorFlow:
 # `models` loads its builders when first asked for one).
 from models import options as builtin_options
+
+# --eval_sets=NAME:DATASET[:DATA_DIR[:SPLIT]]: more eval sets of a run.
+#
+#     --eval_sets=test:cifar10:data/cifar10-test
+#     --eval_sets=holdout:tfrecord:data/holdout,train:synthetic::train
+#
+# NAME names the folder `eval_<NAME>/`; DATASET is any `--dataset` value
+# (`tfds:NAME[:VERSION]` included: a version is the field of digits and
+# dots after the name); DATA_DIR that dataset's `--data_dir` (empty: its
+# default); SPLIT `test` (the default) or `train` (the training split of an
+# in-memory dataset, evaluated as a test split). Several sets are separated
+# by commas. Each set is read with the run's seed and global batch and must
+# have the run's input shape and classes (`factory.eval_inputs`).
+SPLITS = ("test", "train")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_VERSION = re.compile(r"\d+(\.\d+)*")
+FORM = "NAME:DATASET[:DATA_DIR[:SPLIT]]"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSetSpec:
+  """One `--eval_sets` entry."""
+  name: str
+  dataset: str
+  data_dir: str | None = None
+  split: str = "test"
+
+
+def parse(text: str) -> EvalSetSpec:
+  """`text` (NAME:DATASET[:DATA_DIR[:SPLIT]]) as a spec; ConfigError
+  naming eval_sets otherwise."""
+  fields = text.split(":") if isinstance(text, str) else []
+  if len(fields) >= 3 and fields[1] == "tfds":
+    # tfds:NAME[:VERSION] is one dataset field.
+    take = 4 if len(fields) > 3 and _VERSION.fullmatch(fields[3]) else 3
+    fields = [fields[0], ":".join(fields[1:take])] + fields[take:]
+  if not 2 <= len(fields) <= 4 or not fields[1]:
+    raise ConfigError(f"eval_sets={text!r} must be {FORM} (e.g. "
+                      "test:cifar10:data/cifar10, holdout:synthetic)")
+  name, dataset = fields[0], fields[1]
+  data_dir = fields[2] if len(fields) > 2 and fields[2] else None
+  split = fields[3] if len(fields) > 3 else "test"
+  if not _NAME.fullmatch(name) or name in ("eval", "standalone"):
+    raise ConfigError(
+        f"eval_sets={text!r}: the name {name!r} must be letters, digits, _ "
+        "and - (it names the folder eval_<name>), not eval or standalone")
+  if split not in SPLITS:
+    raise ConfigError(f"eval_sets={text!r}: split {split!r} must be one of "
+                      f"{', '.join(SPLITS)}")
+  if data_dir is not None and "://" not in data_dir:
+    data_dir = os.path.abspath(os.path.expanduser(data_dir))
+  return EvalSetSpec(name, dataset, data_dir, split)
+
+
+def parse_all(texts) -> tuple[EvalSetSpec, ...]:
+  """Every spec, names unique; ConfigError otherwise."""
+  specs = tuple(parse(t) for t in texts)
+  names = [s.name for s in specs]
+  for name in names:
+    if names.count(name) > 1:
+      raise ConfigError(f"eval_sets names {name!r} twice; each set needs a "
+                        "name of its own")
+  return specs
+
 
 # The built-in models (models/); `read_by` tables speak of these, and a
 # model of one's own (package.module:function) counts as reading any option.
@@ -88,7 +155,7 @@ class ExperimentConfig:
   clip_norm: float | None = same_as(TrainerConfig, "clip_norm")
   nan_policy: str = same_as(TrainerConfig, "nan_policy")
   max_skipped_steps: int = same_as(TrainerConfig, "max_skipped_steps")
-  # train_steps filled in by `experiment.build_model_and_optimizer`.
+  # train_steps filled in by `factory.build_model_and_optimizer`.
   loop: LoopConfig | None = None
   seed: int = setting(0, "Seed for weights, data order and augmentation.")
   deterministic: bool = setting(True, "Deterministic TensorFlow ops (exact "
@@ -231,7 +298,7 @@ class ExperimentConfig:
     """`best_metric` and `stop_when` name eval sets this run has."""
     loop = self.loop or LoopConfig(train_steps=1)
     splits = {"eval"} | {f"eval_{spec.name}" for spec in
-                         eval_set_specs.parse_all(self.eval_sets)}
+                         parse_all(self.eval_sets)}
     named = {"best_metric": loop.best_metric and parse_metric(
         loop.best_metric)[0], "stop_when": loop.stop_when and
              StopCondition.parse(loop.stop_when).split}
@@ -252,13 +319,139 @@ def absolute_path(path):
   return os.path.abspath(os.path.expanduser(path))
 
 
-def __getattr__(name):
-  """`ModelOptions`, moved to `models.options`: still importable from here,
-  with a DeprecationWarning."""
-  if name == "ModelOptions":
-    import warnings  # pylint: disable=g-import-not-at-top
-    warnings.warn("framework.app.config.ModelOptions moved to "
-                  "models.options.ModelOptions", DeprecationWarning,
-                  stacklevel=2)
-    return builtin_options.ModelOptions
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+DEFAULT_EVAL_NAME = "standalone"
+# What only `evaluate.py --watch` reads (`setting(read_by=...)`).
+_WATCH = {"watch": ("true",)}
+
+
+def _local_path(path):
+  return os.path.realpath(path) if "://" not in path else path.rstrip("/")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What to evaluate, where, and how long to wait for new checkpoints.
+
+  Attributes:
+    model_dir: the training run's directory.
+    checkpoint: a checkpoint path (`.../ckpt-200`); default: the latest.
+    strategy, tpu: as for training (any strategy but parameter_server).
+    dataset, data_dir, global_batch_size: default to the run's.
+    eval_dir: TensorBoard directory; default model_dir/eval_<eval_name>.
+      Never the run's own model_dir/eval (its training curves).
+    eval_name: names the default eval_dir (letters, digits, `_.-`).
+    poll_seconds: how often `watch` looks for a new checkpoint.
+    timeout_seconds: `watch` stops after this long with nothing new.
+    model: the model (registered name or `module:function`) instead of
+      model_info.json's; naming it trusts its code.
+    trust_model_code: import the `module:function` model_info.json names
+      (off by default: see `export.build_inference_model`).
+  """
+  model_dir: str = setting(help="The training run's directory.")
+  checkpoint: str | None = setting(
+      None, "A checkpoint path (.../ckpt-N); default: the latest in "
+      "--model_dir.")
+  strategy: str = setting("default", "tf.distribute strategy for "
+                          "evaluation.", choices=EVAL_STRATEGIES)
+  tpu: str | None = setting(None, "TPU for --strategy=tpu.",
+                            read_by={"strategy": ("tpu",)})
+  dataset: str | None = setting(None, "Default: the run's dataset.")
+  data_dir: str | None = setting(None, "Default: the run's data_dir.")
+  global_batch_size: int | None = setting(None, "Default: the run's.",
+                                          minimum=POSITIVE)
+  eval_dir: str | None = setting(
+      None, "TensorBoard directory (default: <model_dir>/eval_<eval_name>); "
+      "never the run's own <model_dir>/eval.")
+  eval_name: str = setting(DEFAULT_EVAL_NAME, "Names the default "
+                           "--eval_dir: <model_dir>/eval_<eval_name>.")
+  poll_seconds: float = setting(
+      5.0, "--watch: seconds between looks for a new checkpoint.",
+      read_by=_WATCH)
+  timeout_seconds: float = setting(
+      3600.0, "--watch: stop after this long without a new checkpoint "
+      "(exit 1 if none came at all).", read_by=_WATCH)
+  model: str | None = setting(
+      None, "The model (registered name or package.module:function) instead "
+      "of model_info.json's; naming a module trusts its code.")
+  trust_model_code: bool = setting(
+      False, "Import the module:function that model_info.json names (runs "
+      "that module's code; off by default, as Keras's safe_mode).")
+
+  def __post_init__(self):
+    if not self.model_dir:
+      raise ConfigError("model_dir must be set")
+    check_settings(self)
+    for name in ("poll_seconds", "timeout_seconds"):
+      if not getattr(self, name) > 0:
+        raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.eval_name or "") or (
+        self.eval_name in (".", "..")):
+      raise ConfigError(f"eval_name={self.eval_name!r} must be a folder name "
+                        "(letters, digits, _ . -), e.g. "
+                        f"{DEFAULT_EVAL_NAME}")
+    own = os.path.join(self.model_dir, "eval")
+    if _local_path(self.summary_dir) == _local_path(own):
+      raise ConfigError(
+          f"eval_dir={self.eval_dir!r} is the training run's own evaluation "
+          f"curves ({own}); an evaluator writes elsewhere (default: "
+          f"{os.path.join(self.model_dir, 'eval_' + DEFAULT_EVAL_NAME)})")
+
+  @property
+  def summary_dir(self):
+    """Where the evaluator's TensorBoard summaries go."""
+    return self.eval_dir or os.path.join(self.model_dir,
+                                         "eval_" + self.eval_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictConfig:
+  """One prediction on the CPU from a training run's weights.
+
+  Attributes:
+    model_dir: the training run's directory (model_info.json, weights).
+    weights: a .weights.h5 file, or `best` (default: the run's own).
+    model, trust_model_code: as for `EvalConfig`.
+    index, image: classify an example of the run's test split, or a file.
+    data_dir: the dataset's directory for `index` (default: the run's).
+    output_json, save_image: where the result and the image also go.
+    prompt, max_new_tokens, temperature, seed: a language model's run
+      continues `prompt` (`prediction.generate_text`).
+  """
+  model_dir: str | None = setting(
+      None, "A training run's directory (model_info.json, model.weights.h5).")
+  weights: str | None = setting(
+      None, "A .weights.h5 file (default: <model_dir>/model.weights.h5), or "
+      "best: the best checkpoint's weights (<model_dir>/best/, kept by "
+      "train.py --best_metric).")
+  model: str | None = setting(
+      None, "Model name or package.module:function; overrides "
+      "model_info.json (naming a module trusts its code), or names a "
+      "CIFAR-10 model when there is none.")
+  trust_model_code: bool = same_as(EvalConfig, "trust_model_code")
+  index: int | None = setting(
+      None, "Index into the run's own test split (its dataset from "
+      "model_info.json: cifar10, synthetic, tfrecord, image_folder, "
+      "tfds:NAME); prints the true label too.")
+  image: str | None = setting(None, "A PNG or JPEG file, resized to the "
+                              "model's input.")
+  data_dir: str | None = setting(
+      None, "The dataset's directory for --index (default: the run's; "
+      "CIFAR-10 without one: Keras's cache).")
+  output_json: str | None = setting(None, "Also write the result here.")
+  prompt: str | None = setting(
+      None, "A language model's run: the text to continue (UTF-8 bytes are "
+      "its tokens).")
+  max_new_tokens: int = setting(200, "--prompt: tokens (bytes) to generate.")
+  temperature: float = setting(
+      0.0, "--prompt: 0 = greedy (always the most likely token); > 0 "
+      "samples from softmax(logits / temperature).")
+  seed: int = setting(0, "--prompt with --temperature > 0: the sampling "
+                      "seed (the same seed, the same text).")
+  save_image: str | None = setting(None, "Write the classified image (as "
+                                   "fed to the model) to this PNG.")
+
+  def __post_init__(self):
+    check_settings(self)
+    if not self.temperature >= 0:
+      raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0: "
+                        "greedy)")

@@ -26,8 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from framework.core import losses, precision
-from framework.app import custom_inputs, export
-from framework.app.eval_config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
+from framework.app import export
+from framework.app.config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
 from framework.core import checkpoint_integrity, checkpoint_state
 from framework.data import datasets, inputs
 from framework.distribute import strategies
@@ -81,7 +81,7 @@ class Evaluator:
     self.strategy = strategy or strategies.make_strategy(config.strategy,
                                                          tpu=config.tpu)
     # Never the config's dataset in place of a run's own custom data.
-    custom_inputs.check_own_data(self.info, config.dataset, config.data_dir)
+    export.check_own_data(self.info, config.dataset, config.data_dir)
     name = config.dataset or self.info.get("dataset")
     data_dir = config.data_dir
     if data_dir is None and name == self.info.get("dataset"):

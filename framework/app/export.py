@@ -9,27 +9,40 @@
 The weights are plain values with no trace of the strategy or replica count
 that trained them, so `build_inference_model(info)` + `load_weights` rebuilds
 the model on a CPU-only process.
+
+`describe_run` writes the record for a loop you drive yourself
+(`framework.Controller`): its checkpoints are restorable by the scripts,
+but only you know how its model is built and which data it learned from;
+one call says so:
+
+    framework.describe_run("runs/mine", my_nets.build, dataset="numpy",
+                           data_dir="data.npz", model_options={"width": 64})
 """
 
 import hashlib
 import inspect
 import json
 import os
+from typing import Callable, Optional, Sequence
 
 import numpy as np
+from absl import logging
 import tensorflow as tf
 
 import models
 from models import registry
-from framework.core import atomic
-from framework.errors import CheckpointError, ConfigError
-from framework.data import preprocessing
+from framework.app.config import EvalConfig
+from framework.core import atomic, optimizers
+from framework.data import datasets, preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
-from framework.app.eval_config import EvalConfig
+from framework.errors import CheckpointError, ConfigError
 from framework.settings import default
 
 MODEL_INFO_FILE = "model_info.json"
+WEIGHTS_FILE = "model.weights.h5"
+# With an EMA, WEIGHTS_FILE holds the averaged weights and this the raw ones.
+RAW_WEIGHTS_FILE = "model.raw.weights.h5"
 EXPORT_DIR = "export"
 # Options that change how a model trains but not its weights.
 _TRAINING_ONLY_OPTIONS = {"sync_batch_norm": False}
@@ -126,6 +139,42 @@ def model_fingerprint(model):
 def _jsonable(options):
   return {k: list(v) if isinstance(v, tuple) else v
           for k, v in (options or {}).items()}
+
+
+def config_changes(previous, controller, config, split_entry=None):
+  """{"config_changes": [...]} for model_info.json: the earlier entries
+  (of `previous`, the model_dir's model_info.json), plus this resume's if
+  `allow_config_change` let the configuration change, a longer (shorter)
+  run re-stretched a decaying learning-rate schedule or the model split
+  changed (`split_entry`, already logged); each is logged; {} if there
+  never was one."""
+  previous = previous or {}
+  history = list(previous.get("config_changes") or [])
+  step = controller.step
+  entry = {key: {"was": old, "now": new}
+           for key, old, new in controller.checkpoints.config_changes}
+  if entry:
+    logging.warning(
+        "%s now describes the changed configuration (%s) and records the "
+        "change at step %d under config_changes", MODEL_INFO_FILE,
+        ", ".join(entry), step)
+  was, now = previous.get("train_steps"), controller.config.train_steps
+  schedule = config.optimizer.schedule
+  if (step and was and was != now and step < now
+      and schedule in optimizers.DECAYING_SCHEDULES
+      and not config.optimizer.total_steps):
+    entry["train_steps"] = {"was": was, "now": now}
+    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
+                            "now": f"{schedule} over {now} steps"}
+    logging.warning(
+        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
+        "%d steps, so from step %d on the rate differs from the first "
+        "launch's (recorded in %s under config_changes)", was, now,
+        schedule, now, step, MODEL_INFO_FILE)
+  entry.update(split_entry or {})
+  if entry:
+    history.append({"step": step, **entry})
+  return {"config_changes": history} if history else {}
 
 
 def write_model_info(model_dir, info):
@@ -270,3 +319,103 @@ def export_saved_model(
                          task=info.get("task"))
   return atomic.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
       module, tmp, signatures={"serving_default": module.serve}))
+
+
+# model_info.json's `train_input` and `eval_input`: a run on custom inputs
+# (`experiment.run(train_input=..., eval_input=...)`) records so, since
+# `evaluate.py` and `predict.py --index` cannot rebuild a user's pipeline:
+# they refuse such a run in one line unless told which data to read.
+CUSTOM = "custom"
+DATASET = "dataset"
+
+
+def data_sources(train_input, eval_input):
+  """model_info.json's fields on where the run's data came from."""
+  return {"train_input": CUSTOM if train_input is not None else DATASET,
+          "eval_input": CUSTOM if eval_input is not None else DATASET}
+
+
+def check_own_data(info, dataset, data_dir, *, what="evaluate it",
+                   how="say which data to read with --dataset and "
+                   "--data_dir (e.g. --dataset=numpy --data_dir=data.npz)"):
+  """Raises ConfigError if `info`'s run evaluated on custom inputs and
+  neither `dataset` nor `data_dir` says which data to read instead."""
+  if info.get("eval_input") != CUSTOM or dataset or data_dir:
+    return
+  raise ConfigError(
+      "this run evaluated on a custom eval_input (given to experiment.run), "
+      f"which its model_info.json cannot rebuild; to {what} on "
+      f"dataset={info.get('dataset')} (which only gave its classes) would "
+      f"use other data: {how}")
+
+
+def describe_run(model_dir: str, build_model: Callable, *,
+                 dataset: Optional[str] = None,
+                 data_dir: Optional[str] = None,
+                 input_shape: Optional[Sequence[int]] = None,
+                 num_classes: Optional[int] = None,
+                 class_names: Optional[Sequence[str]] = None,
+                 model_options: Optional[dict] = None,
+                 dataset_options: Optional[dict] = None,
+                 global_batch_size: Optional[int] = None,
+                 seed: int = 0) -> dict:
+  """Writes `model_dir/model_info.json` for a Controller-trained run.
+
+  Args:
+    model_dir: the run's directory (its checkpoints).
+    build_model: the module-level function that built the model.
+    dataset, data_dir, dataset_options: the data it was trained and
+      evaluated on, as `ExperimentConfig` names it (e.g. "numpy" and an
+      `.npz`); its shape and classes are read from it.
+    input_shape, num_classes, class_names: without `dataset`: the
+      per-example feature shape and the classes (names default to
+      class_0, ...).
+    model_options: the keyword arguments `build_model` was called with.
+    global_batch_size: the evaluation batch the scripts default to.
+    seed: the dataset's seed (synthetic data depends on it).
+
+  Returns:
+    The dict written.
+  """
+  path = registry.import_path_of(build_model)
+  if path is None or path.startswith("__main__:"):
+    raise ConfigError(
+        f"build_model={build_model!r} must be a module-level function of an "
+        "importable module (not a lambda, a nested function or __main__), "
+        "so that evaluate.py and predict.py can import it again")
+  if dataset is not None:
+    data = datasets.load_dataset(dataset, data_dir, seed=seed,
+                                 **(dataset_options or {}))
+    if input_shape is not None and tuple(input_shape) != tuple(
+        data.input_shape):
+      raise ConfigError(f"input_shape={tuple(input_shape)} disagrees with "
+                        f"dataset={dataset}, which has "
+                        f"{tuple(data.input_shape)}")
+    if num_classes is not None and num_classes != data.num_classes:
+      raise ConfigError(f"num_classes={num_classes} disagrees with "
+                        f"dataset={dataset}, which has {data.num_classes}")
+    input_shape, num_classes = data.input_shape, data.num_classes
+    class_names = class_names or data.class_names
+  elif input_shape is None or num_classes is None:
+    raise ConfigError("describe_run needs dataset= (the data the run "
+                      "learned from) or both input_shape= and num_classes=")
+  class_names = list(class_names or [f"class_{i}"
+                                     for i in range(num_classes)])
+  if len(class_names) != num_classes:
+    raise ConfigError(f"class_names has {len(class_names)} names for "
+                      f"num_classes={num_classes}")
+  info = {"model": path,
+          "model_import_dir": registry.import_dir(path),
+          "model_options": dict(model_options or {}),
+          "input_shape": [int(d) for d in input_shape],
+          "num_classes": int(num_classes),
+          "class_names": class_names,
+          "dataset": dataset, "data_dir": data_dir,
+          "dataset_options": dict(dataset_options or {}),
+          "global_batch_size": global_batch_size, "seed": seed,
+          "input_preprocessing": preprocessing.CONTRACT,
+          "trained_by": "Controller",
+          **data_sources(
+              None if dataset else "custom", None if dataset else "custom")}
+  write_model_info(model_dir, info)
+  return info

@@ -1,25 +1,36 @@
-"""One place that builds a run's model, optimizer and trainer from its config.
+"""Builds a run from its plan: the model, the optimizer, the trainer and the
+eval inputs; and the trainers of its self-check (`--check_distribution`).
 
-The run (`experiment.build`) and its self-check (`check_run`, i.e.
-`--check_distribution`) both build through `build_trainer`, so the check
-checks the trainer that trains: the same schedule length, label smoothing,
-gradient accumulation, float16 loss scale, EMA and NaN policy.
+The run (`build`) and its self-check (`check_experiment`) both
+build through `build_trainer`, so the check checks the trainer that trains:
+the same schedule length, label smoothing, gradient accumulation, float16
+loss scale, EMA and NaN policy. The check itself (`framework.check`) knows
+trainers and batches, and is imported only when a run asks for it.
 """
 
 import dataclasses
+import functools
 
 from absl import logging
 import keras
+import tensorflow as tf
 
 import models
 from models import registry
-from framework.core import losses, optimizers, precision
-from framework.core.config import TrainerConfig
-from framework.core.controller import LoopConfig
+from framework.app import config as app_config
+from framework.app import run_plan
+from framework import settings
+from framework.app import export
+from framework.core import eval_sets, losses, optimizers, precision
+from framework.core import protocols, ps_training
+from framework.core.config import LoopConfig, TrainerConfig
+from framework.core.controller import Controller
 from framework.core.trainer import Trainer
-from framework.data import inputs
-from framework.errors import ConfigError
+from framework.data import augment, datasets, inputs
+from framework.distribute import strategies
+from framework.errors import ConfigError, DistloopError
 from framework.tasks import language_model, segmentation
+
 
 def total_steps(config, num_train_examples):
   """The run's length in steps (`train_steps`, or `epochs` in steps)."""
@@ -104,10 +115,12 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
             f"{str(e).strip().splitlines()[0][:300]})") from None
       registry.check_outputs(config.model, model, dataset.num_classes,
                              config.dataset)
-      # A model registered without its task is known once built.
-      models.check_task(config.model,
-                        task or language_model.task_name(dataset),
-                        config.dataset, model)
+      if registry.declared_task(config.model) is None:
+        # A model registered without its task is known once built (a
+        # declared one `run_plan.resolve` checked before any build).
+        models.check_task(config.model,
+                          task or language_model.task_name(dataset),
+                          config.dataset, model)
       optimizer = optimizers.make_optimizer(optimizer_cfg)
   finally:
     keras.mixed_precision.set_global_policy(policy)
@@ -158,8 +171,224 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       config, strategy, dataset, build_model,
       compute_precision=compute_precision, task=task)
   if make_trainer is None:
+    # The model-parallel trainers load only when a split is asked for.
+    split = model_parallel and config.model_parallel.mode != "none"
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
-                    if model_parallel else trainer_cls)
+                    if split else trainer_cls)
   trainer = make_trainer(model, optimizer, strategy,
                          **trainer_options(config, strategy))
   return trainer, loop
+
+
+def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
+          eval_input=None, make_trainer=None):
+  """(trainer, controller) of the run `plan` describes.
+
+  Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
+  `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries. The
+  keyword arguments replace the defaults; see `experiment.run`.
+  """
+  config, strategy, dataset = plan.config, plan.strategy, plan.dataset
+  trainer, loop = build_trainer(
+      config, strategy, dataset, trainer_cls, build_model=build_model,
+      make_trainer=make_trainer, plan=plan)
+  # Before a parameter-server coordinator wraps the trainer; of a split
+  # model the unsplit one, whose architecture any mesh (or none) shares.
+  model = protocols.unsplit_model(trainer)
+  # The loss scale's and the EMA's state, where the trainer declares them.
+  checkpoint_items = protocols.checkpoint_items(trainer)
+  # What a checkpoint must agree on with a run resuming from it.
+  run_config = export.run_config(config, model)
+  if getattr(dataset, "generation", None):
+    # Resuming on re-converted data (another content) is a config change.
+    run_config["data_generation"] = dataset.generation
+  augment_fn = augment.get_augmentation(config.augment)
+
+  def default_train_input(start_step):
+    return inputs.distribute_train(
+        strategy, dataset, config.global_batch_size, seed=config.seed,
+        start_step=start_step, augment=augment_fn,
+        input_mode=config.input_mode)
+
+  epoch_known = train_input is None  # best.json's epoch
+  train_input = train_input or default_train_input
+  eval_inputs = None
+  if plan.parameter_server:
+    # The coordinator schedules the steps on the workers; the Controller
+    # around it is the same (framework/core/ps_training.py).
+    trainer, train_input, eval_input = ps_training.coordinate(
+        trainer, dataset, config.global_batch_size, seed=config.seed,
+        augment=augment_fn)
+    check_parameter_server(config)
+  else:
+    # The run's own set (eval/) and --eval_sets (eval_<name>/).
+    eval_inputs = build_eval_inputs(config, strategy, dataset, eval_input)
+    eval_input = None
+  kwargs = dict(train_input=train_input, eval_input=eval_input,
+                eval_inputs=eval_inputs,
+                hparams=config.hparams or settings.hparams(config),
+                checkpoint_items=checkpoint_items or None)
+  if plan.is_segmentation:
+    controller = segmentation.SegmentationController(
+        trainer, loop, config.model_dir,
+        samples=dataset.test_samples(3), **kwargs)
+  else:
+    controller = Controller(trainer, loop, config.model_dir, **kwargs)
+  # What the Controller takes no argument for (yet): the checkpoints'
+  # restore policy and the config a resume must agree on, and best.json's
+  # epoch length.
+  controller.checkpoints.configure(
+      restore_policy=config.restore, run_config=run_config,
+      allow_config_change=config.allow_config_change)
+  if epoch_known:
+    controller.steps_per_epoch = inputs.steps_per_epoch(
+        dataset.num_train_examples, config.global_batch_size)
+  return trainer, controller
+
+
+def check_experiment(config, strategy, dataset, trainer_cls=None, *,
+                     build_model=None, make_trainer=None, print_fn=print,
+                     plan=None):
+  """The check for an `ExperimentConfig` run (what `--check_distribution` does).
+
+  Builds a trainer under `strategy` and a reference on one device, exactly
+  as the run builds its own, and checks them on the run's first global
+  batch. The real run is untouched: its build re-seeds. A run computing in
+  bfloat16 or float16 is checked in float32 (with its float16 loss scale):
+  one step's low-precision rounding moves the weights by more than the
+  check's tolerance between N replicas and one device.
+
+  Args:
+    trainer_cls, build_model, make_trainer: as for `experiment.run`.
+    plan: the run's `RunPlan` (default: that of `config`, `strategy` and
+      `dataset`), whose precision and task the check reads.
+
+  Raises:
+    DistributionCheckError: the verdict is fail (the causes in the message).
+  """
+  # Only a run that asks for the check loads it.
+  # pylint: disable=g-import-not-at-top
+  from framework.check import distribution_check
+  from framework.check.distribution_diagnosis import Finding
+  # pylint: enable=g-import-not-at-top
+  batch = next(iter(inputs.train_dataset(dataset, config.global_batch_size,
+                                         seed=config.seed)))
+  one_device = strategies.make_strategy("one_device")
+  plan = plan or run_plan.RunPlan.of(config, strategy, dataset)
+  config = plan.config
+  compute = plan.precision
+  notes = []
+  if compute != "float32":
+    notes.append(Finding(
+        "compared_in_float32",
+        f"the run computes in {compute}; the check built both sides in "
+        "float32 (its rounding alone moves one step by more than the "
+        "tolerance), so the low-precision compute itself is not covered"))
+
+  if config.shard_optimizer_state and config.model_parallel.mode != "none":
+    # The probe optimizer replaces copy 0's only: the other copies would
+    # update their slices of the weights with the run's own optimizer.
+    config = dataclasses.replace(config, shard_optimizer_state=False)
+    notes.append(Finding(
+        "checked_unsharded",
+        "the run shards its optimizer state over the mesh's data axis; the "
+        "check built both sides unsharded (its probe optimizer replaces "
+        "the run's), so the sharded update itself is not covered (it "
+        "equals the unsharded one: tests/test_optimizer_sharding_mesh.py)"))
+
+  def factory_for(s, model_parallel=True, reference_cls=None):
+    def make():
+      trainer, _ = build_trainer(
+          config, s, dataset, trainer_cls, build_model=build_model,
+          make_trainer=make_trainer or reference_cls,
+          model_parallel=model_parallel,
+          compute_precision="float32" if notes else None, plan=plan)
+      return trainer
+    return make
+
+  split = config.model_parallel
+  # Distributed: the run's trainer under `strategy` (or its model split);
+  # the reference: the unsplit step on one device ...
+  reference = factory_for(one_device, model_parallel=False)
+  if split.mode == "tensor":
+    # ... but a tensor split against its own shards all on one device (the
+    # same variables).
+    devices = [one_device.extended.worker_devices[0]] * split.num_shards
+    split_cls = split.trainer_factory(
+        trainer_cls or default_trainer_cls(task=plan.task))
+    reference = factory_for(tf.distribute.get_strategy(),
+                            reference_cls=functools.partial(split_cls,
+                                                            devices=devices))
+  keras.utils.set_random_seed(config.seed)
+  report = distribution_check.check_distribution(
+      factory_for(strategy), reference, batch, notes=notes,
+      print_fn=print_fn)
+  if report.verdict == distribution_check.FAIL:
+    raise distribution_check.DistributionCheckError(
+        "distribution check failed: " +
+        "; ".join(f"{c.code}: {c.message}" for c in report.causes))
+  return report
+
+
+def build_eval_inputs(config, strategy, dataset, eval_input=None):
+  """{name: `() -> dataset`} for the Controller: the run's own set (`eval`,
+  `eval_input` or `dataset`'s test split) and `config.eval_sets`, each
+  limited to `config.loop.eval_steps` global batches if that is set."""
+  steps = config.loop.eval_steps if config.loop else None
+  batch = config.global_batch_size
+  found = {"eval": eval_input or (lambda: _distributed(
+      strategy, dataset, batch, "test", steps))}
+  for spec in app_config.parse_all(config.eval_sets):
+    try:
+      other = datasets.load_dataset(spec.dataset, spec.data_dir,
+                                    seed=config.seed,
+                                    **config.dataset_options)
+    except DistloopError as e:
+      # Which flag named the data: the main dataset loaded fine.
+      raise type(e)(f"eval_sets={spec.name}:{spec.dataset}: {e}") from None
+    _check_fits(spec, other, dataset)
+    found[spec.name] = (lambda other=other, spec=spec: _distributed(
+        strategy, other, batch, spec.split, steps))
+  return found
+
+
+def check_parameter_server(config):
+  """ConfigError if `config` asks for what a parameter-server run's own
+  evaluation (on the coordinator, `ps_training`) does not do."""
+  for name, value in (("eval_sets", config.eval_sets),
+                      ("eval_steps", config.loop and config.loop.eval_steps)):
+    if value:
+      raise ConfigError(f"{name}={value!r} is not supported under "
+                        "strategy=parameter_server (its coordinator "
+                        "evaluates the run's own test split)")
+
+
+def _check_fits(spec, other, dataset):
+  if list(other.input_shape) != list(dataset.input_shape):
+    raise ConfigError(
+        f"eval_sets={spec.name}:{spec.dataset}: inputs of shape "
+        f"{tuple(other.input_shape)}; the run trains on "
+        f"{tuple(dataset.input_shape)}")
+  ours, theirs = (getattr(d, "num_classes", None) for d in (dataset, other))
+  if ours is not None and theirs is not None and ours != theirs:
+    raise ConfigError(f"eval_sets={spec.name}:{spec.dataset}: {theirs} "
+                      f"classes; the run trains on {ours}")
+  if spec.split == "train" and not hasattr(other, "train_x"):
+    raise ConfigError(f"eval_sets={spec.name}:{spec.dataset}:...:train: "
+                      "split=train needs an in-memory dataset (this one "
+                      "streams its test split only)")
+
+
+def _distributed(strategy, dataset, batch, split, steps):
+  """One pass over `dataset`'s `split`, padded, at most `steps` batches."""
+  if split == "train" or steps is not None:
+    if hasattr(dataset, "eval_dataset_fn"):  # streamed from files
+      fn = dataset.eval_dataset_fn(batch)
+      return eval_sets.Distributed(strategy.distribute_datasets_from_function(
+          lambda context: fn(context).take(steps)), steps)
+    if hasattr(dataset, "eval_dataset"):
+      return dataset.eval_dataset(batch)
+    x, y = ((dataset.train_x, dataset.train_y) if split == "train"
+            else (dataset.test_x, dataset.test_y))
+    return inputs.eval_dataset(x, y, batch)  # the Controller cuts it
+  return inputs.distribute_test(strategy, dataset, batch)

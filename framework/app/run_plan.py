@@ -1,27 +1,41 @@
 """A run's plan: its config resolved once into what the layers below read.
 
-`experiment.run` resolves the plan once, before the run lock: the compute
-precision (`auto` made concrete), the strategy with its replicas and
-devices, the model-parallel placement (a pipeline or tensor split under
-`mirrored` becomes data x split), the dataset and its kind (what picks the
-trainer, the controller and the model task check) and the eval plan (the
-eval splits, the best checkpoint's metric). The factory, the self-check and
-the Controller's construction read the plan instead of deciding again;
-model_info.json records it under `run_plan`.
+`experiment.run` resolves the plan once (`place` before the run lock,
+`resolve` under it): the compute precision (`auto` made concrete), the
+strategy with its replicas and devices, the model-parallel placement (a
+pipeline or tensor split under `mirrored` becomes data x split), the
+dataset and its kind (what picks the trainer, the controller and the model
+task check) and the eval plan (the eval splits, the best checkpoint's
+metric). The factory, the self-check and the Controller's construction
+read the plan instead of deciding again; model_info.json records it
+under `run_plan`.
+
+Custom inputs (`experiment.run(config, train_input=..., eval_input=...)`)
+train on a user's own pipelines; `config.dataset` still gives the number
+of classes, the class names and (without `train_input`) the epoch length,
+and the model is built for the features `train_input` really gives (a
+plain `tf.data.Dataset` tells its shape). Your own arrays need no custom
+input at all: `dataset="numpy"` with `data_dir=` an `.npz` file is a
+dataset like the others.
 """
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 from absl import logging
+import tensorflow as tf
 
 import models
-from framework.app import custom_inputs
-from framework.app import eval_set_specs
+from models import registry
+from framework.app import config as app_config
+from framework.app import export
+from framework.core import checkpointing
 from framework.core import precision as precision_lib
-from framework.core import ps_training
+from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
 from framework.data import datasets, inputs
+from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
 from framework.tasks import language_model
@@ -50,7 +64,7 @@ class EvalPlan:
     loop = config.loop or LoopConfig(train_steps=1)
     return cls(splits=("eval",) + tuple(
         f"eval_{spec.name}"
-        for spec in eval_set_specs.parse_all(config.eval_sets)),
+        for spec in app_config.parse_all(config.eval_sets)),
                best_metric=loop.best_metric, best_mode=loop.best_mode,
                stop_when=loop.stop_when)
 
@@ -85,14 +99,11 @@ class RunPlan:
 
   @classmethod
   def of(cls, config, strategy, dataset):
-    """The plan of `config` under a made `strategy` on a loaded `dataset`
-    (a concrete `mixed_precision` is taken as it is, `auto` resolved)."""
-    compute = config.mixed_precision
-    if compute not in precision_lib.PRECISIONS:
-      compute = precision_lib.resolve_precision(compute)
-      config = dataclasses.replace(config, mixed_precision=compute)
+    """The plan of a `place`d `config` (its `mixed_precision` concrete)
+    under a made `strategy` on a loaded `dataset`."""
     return cls(config=config, strategy=strategy, dataset=dataset,
-               task=language_model.task_name(dataset), precision=compute,
+               task=language_model.task_name(dataset),
+               precision=config.mixed_precision,
                replicas=strategy.num_replicas_in_sync,
                devices=_devices(strategy),
                chief=strategies.is_chief(strategy),
@@ -137,6 +148,42 @@ def _devices(strategy):
     return tuple(strategy.extended.worker_devices)
   except (RuntimeError, NotImplementedError):
     return ()
+
+
+def named_model(config, build_model):
+  """`config` naming `build_model` by its import path (or, without one,
+  `config.model` checked against the registry before any work)."""
+  if build_model is None:
+    registry.get_builder(config.model)  # a bad --model fails before any work
+    return config
+  path = registry.import_path_of(build_model)
+  if path is None:
+    raise ConfigError(
+        f"build_model={build_model!r} must be a module-level function "
+        "(model_info.json records it as module:function so that "
+        "evaluate.py, predict.py and the export rebuild it)")
+  _warn_if_main(path)
+  return dataclasses.replace(config, model=path)
+
+
+def _warn_if_main(path):
+  """Warns that a `__main__:build` model cannot be imported by name again."""
+  if not path.startswith("__main__:"):
+    return
+  script = getattr(__import__("__main__"), "__file__", None)
+  function = path.partition(":")[2]
+  if script:
+    module = os.path.splitext(os.path.basename(script))[0]
+    how = (f"pass them --model={module}:{function} (importing {script} must "
+           "then not train again: keep that under if __name__ == "
+           "'__main__':)")
+  else:
+    how = (f"pass them --model=<module>:{function} naming a module file "
+           "that defines it")
+  logging.warning(
+      "build_model=%s is defined in __main__: evaluate.py, predict.py and "
+      "exports in other processes cannot import it from model_info.json; "
+      "%s, or move it to a module and train with that", path, how)
 
 
 def place(config, strategy=None):
@@ -193,13 +240,217 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
                config.strategy, replicas, dataset.name,
                dataset.num_train_examples, dataset.num_test_examples)
   # Custom inputs: the model is built for the features they give.
-  dataset = custom_inputs.fit_dataset(dataset, config.dataset, train_input,
-                                      eval_input)
+  dataset = fit_dataset(dataset, config.dataset, train_input, eval_input)
   if train_input is None:
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
                            config.global_batch_size)
   plan = RunPlan.of(config, strategy, dataset)
-  # Before the distribution check, which builds the model too.
+  # Before the distribution check, which builds the model too (a model
+  # registered without its task: `factory` checks it once built).
   models.check_task(config.model, plan.task, config.dataset)
   return plan
+
+
+def features_shape(data):
+  """The per-example shape of `data`'s features (a plain `tf.data.Dataset`
+  of `(features, labels)` batches), or None where it cannot tell (another
+  kind of input, a dynamic shape, nested features)."""
+  if not isinstance(data, tf.data.Dataset):
+    return None
+  spec = data.element_spec
+  if isinstance(spec, MaskedBatch):
+    spec = spec.batch
+  if isinstance(spec, tuple) and len(spec) >= 2:
+    spec = spec[0]
+  if not isinstance(spec, tf.TensorSpec) or spec.shape.rank in (None, 0):
+    return None
+  shape = tuple(spec.shape[1:])
+  return None if any(d is None for d in shape) else shape
+
+
+class _WithInputShape:
+  """`dataset` with another `input_shape` (everything else its own)."""
+
+  def __init__(self, dataset, input_shape):
+    self._dataset = dataset
+    self.input_shape = tuple(input_shape)
+
+  def __getattr__(self, name):
+    return getattr(self._dataset, name)
+
+
+def fit_dataset(dataset, dataset_name, train_input, eval_input):
+  """`dataset`, with the input shape `train_input(0)` gives if that differs.
+
+  Raises ConfigError when the shapes differ and there is no `eval_input`:
+  the run would evaluate on `dataset`'s test split, of the other shape.
+  """
+  if train_input is None:
+    return dataset
+  shape = features_shape(train_input(0))
+  if shape is None or shape == tuple(dataset.input_shape):
+    return dataset
+  if eval_input is None:
+    raise ConfigError(
+        f"train_input gives features of shape {shape}, but "
+        f"dataset={dataset_name} has {tuple(dataset.input_shape)} and, with "
+        "no eval_input, the run would evaluate on its test split: pass "
+        "eval_input= too, or put your arrays in an .npz and use "
+        "dataset='numpy', data_dir=<file> (no custom inputs needed)")
+  logging.info("train_input gives features of shape %s: the model is built "
+               "for it (dataset=%s has %s)", shape, dataset_name,
+               tuple(dataset.input_shape))
+  return _WithInputShape(dataset, shape)
+
+
+# A run resumed on another model split: said in one line, or refused.
+#
+# A checkpoint holds the unsplit model's weights and optimizer state under
+# the unsplit model's keys wherever the split keeps them so (a layer-cut
+# pipeline, a model's whole-model split such as the gpt's: every mesh), so a
+# run trained on one mesh resumes on another, or on none. The relaunch logs
+# the change in one line and model_info.json records it under
+# `config_changes`. The one split whose checkpoint is its own is the tensor
+# split of one Dense pair (a model without a whole-model split): its shards
+# sit under their own keys, so it resumes only as itself; any other change
+# to or from it is one line naming the flag, before anything is restored or
+# written. A gpt split's checkpoint from before cross-mesh resume (its
+# optimizer under the split's own keys) is refused in one line naming
+# scripts/migrate_split_checkpoint.py, which migrates it once.
+
+MIGRATE_SCRIPT = "scripts/migrate_split_checkpoint.py"
+
+# The flags that choose a split, as model_info.json's run_plan records them.
+_FLAGS = (("mesh", "mesh"), ("model_parallel", "mode"),
+          ("num_shards", "num_shards"), ("num_stages", "num_stages"))
+
+
+def split_flags(record):
+  """{flag: value} of the split a run_plan `model_parallel` record
+  describes (only the flags its mode reads)."""
+  record = record or {}
+  mode = record.get("mode", "none")
+  flags = {"mesh": record.get("mesh") or "", "model_parallel": mode}
+  if mode == "tensor":
+    flags["num_shards"] = record.get("num_shards")
+  if mode == "pipeline":
+    flags["num_stages"] = record.get("num_stages")
+  return flags
+
+
+def describe(record):
+  """`mesh=data:2,model:2`, `model_parallel=pipeline num_stages=2` or
+  `none`: the split of a run_plan `model_parallel` record."""
+  flags = split_flags(record)
+  if flags["mesh"]:
+    return f"mesh={flags['mesh']}"
+  if flags["model_parallel"] == "none":
+    return "none"
+  return " ".join(f"{k}={v}" for k, v in flags.items() if k != "mesh")
+
+
+def changed_flags(was, now):
+  """[(flag, old value, new value)] between two `model_parallel` records."""
+  old, new = split_flags(was), split_flags(now)
+  return [(flag, old.get(flag), new.get(flag))
+          for flag, _ in _FLAGS if old.get(flag) != new.get(flag)]
+
+
+def _own_keys(record, whole_split):
+  """Whether the split's checkpoint keys are its own (a Dense-pair tensor
+  split), not the unsplit model's."""
+  return (record or {}).get("mode") == "tensor" and not whole_split
+
+
+def check_split_change(previous_info, record, *, model, whole_split):
+  """Raises ConfigError when the run resumes a checkpoint written under
+  another split that cannot restore into this one.
+
+  Args:
+    previous_info: the model_dir's model_info.json (None: a new run).
+    record: this run's run_plan `model_parallel` record.
+    model: the model's name (for the message).
+    whole_split: whether the model has a whole-model split (`gpt`).
+  """
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  if was is None:
+    return
+  changes = changed_flags(was, record)
+  if not changes or not (_own_keys(was, whole_split)
+                         or _own_keys(record, whole_split)):
+    return
+  what = "; ".join(f"{flag} was {_show(old)}, now {_show(new)}"
+                   for flag, old, new in changes)
+  raise ConfigError(
+      f"resuming on another model split is not supported for model={model} "
+      f"({what}): its tensor split of one Dense pair checkpoints the shards "
+      f"under their own keys; resume with {describe(was)} or use another "
+      "model_dir")
+
+
+def check_resume(plan, previous_info, trainer, checkpoints):
+  """Before a run's first restore: ConfigError when its latest checkpoint
+  cannot resume on this split (`check_split_change`) or was saved before
+  cross-mesh resume (`saved_before_cross_mesh`: migrate it first).
+
+  Args:
+    plan: this run's `RunPlan`.
+    previous_info: the model_dir's model_info.json (None: a new run).
+    trainer: the run's trainer.
+    checkpoints: its `CheckpointManager`.
+  """
+  path = checkpoints.latest
+  record = plan.record()["model_parallel"]
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  if not path or "tensor" not in ((was or {}).get("mode"), record["mode"]):
+    return  # only a tensor split's checkpoint keys can be its own (or older)
+  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.parallel_layers import split_for
+  # pylint: enable=g-import-not-at-top
+  unsplit = protocols.unsplit_model(trainer)
+  whole_split = split_for(unsplit) is not None
+  check_split_change(previous_info, record, model=plan.config.model,
+                     whole_split=whole_split)
+  if whole_split and saved_before_cross_mesh(
+      previous_info, checkpointing.read_run_config(checkpoints.model_dir),
+      export.model_fingerprint(unsplit)):
+    raise ConfigError(
+        f"checkpoint {path} was saved before cross-mesh resume (its "
+        "optimizer under the keys of its own split, "
+        f"{describe(previous_info['run_plan']['model_parallel'])}): migrate "
+        f"it once with python {MIGRATE_SCRIPT} and that run's flags, then "
+        "relaunch; or use another model_dir")
+
+
+def saved_before_cross_mesh(previous_info, saved_run_config,
+                            unsplit_fingerprint):
+  """Whether a gpt tensor split wrote the checkpoints before cross-mesh
+  resume (before commit 54c2082): model_info.json's run_plan says a tensor
+  split and the checkpoints' run_config.json records not the unsplit
+  model's fingerprint (that distloop recorded the split model's)."""
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  fingerprint = (saved_run_config or {}).get("model_fingerprint")
+  return ((was or {}).get("mode") == "tensor" and fingerprint is not None
+          and fingerprint != unsplit_fingerprint)
+
+
+def change_entry(previous_info, record, step):
+  """{"model_parallel": {"was", "now"}} for config_changes when this run
+  resumed at `step` on another split than the checkpoint's ({} if not);
+  logs it in one line."""
+  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
+  if not step or was is None or not changed_flags(was, record):
+    return {}
+  old, new = describe(was), describe(record)
+  logging.warning(
+      "model split changed: was %s, now %s (%s); resuming at step %d from "
+      "the checkpoint's whole weights and optimizer state (recorded in "
+      "model_info.json under config_changes)", old, new,
+      ", ".join(f"--{flag}" for flag, _, _ in changed_flags(was, record)),
+      step)
+  return {"model_parallel": {"was": old, "now": new}}
+
+
+def _show(value):
+  return "unset" if value in ("", None) else value

@@ -55,7 +55,6 @@ from framework.model_parallel.parallel_layers import (
     sharded_sparse_categorical_loss, unsplit_view,
     vocab_parallel_statistics)
 from framework.model_parallel.pipeline import PipelineTrainer, model_layers
-from framework.model_parallel.split_layout import OptimizerLayout
 from framework.model_parallel.staged_trainer import (ParallelStage, Stage,
                                                      StagedTrainer)
 from framework.settings import default
@@ -403,10 +402,7 @@ class TensorParallelTrainer(StagedTrainer):
             placed.checkpoint_weights(model),
             state=sharding and sharding.checkpointed_optimizer,
             index=sharding and sharding.checkpoint_index)
-        # Unsharded: in the split's own layout while restoring an older
-        # checkpoint (`split_layout`); ZeRO-1 never wrote one.
-        self._unsplit_optimizer = view if sharding else OptimizerLayout(
-            view, self.optimizer, model.trainable_variables)
+        self._unsplit_optimizer = view
       except (TypeError, ValueError, NotImplementedError) as e:
         # An optimizer Keras cannot rebuild from its config: the split
         # trains, its checkpoints resume on this split only.
@@ -476,19 +472,9 @@ class TensorParallelTrainer(StagedTrainer):
     return self._unsplit if self.split_layer is None else self.model
 
   @property
-  def checkpoint_layout(self):
-    """A transformer split's `split_layout.OptimizerLayout` (None for a
-    Dense pair, a ZeRO-1 split or an optimizer checkpointed as this
-    split's only: none of them restores an older split checkpoint)."""
-    layout = self._unsplit_optimizer
-    return layout if isinstance(layout, OptimizerLayout) else None
-
-  @property
   def checkpointed_optimizer(self):
     """What checkpoints hold as `optimizer`: for a transformer split, the
-    optimizer as an unsplit run's (`parallel_layers.unsplit_view`; as
-    this split's own while restoring an older checkpoint, see
-    `split_layout`)."""
+    optimizer as an unsplit run's (`parallel_layers.unsplit_view`)."""
     if self._unsplit_optimizer is not None:
       return self._unsplit_optimizer
     return super().checkpointed_optimizer

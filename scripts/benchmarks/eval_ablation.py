@@ -56,7 +56,7 @@ def run():
   # pylint: disable=g-import-not-at-top
   import numpy as np
   from framework.app import export
-  from framework.app.experiment import RAW_WEIGHTS_FILE, WEIGHTS_FILE
+  from framework.app.export import RAW_WEIGHTS_FILE, WEIGHTS_FILE
   from framework.data import datasets
   from framework.errors import ConfigError
   # pylint: enable=g-import-not-at-top
