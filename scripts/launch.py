@@ -43,13 +43,13 @@ try:  # No TensorFlow in them.
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
-from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
+from framework.distribute.config import LaunchConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
 from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 # The job's settings: one flag per field of LaunchConfig
-# (framework/distribute/launch_config.py; see scripts/config_flags.py).
+# (framework/distribute/config.py; see scripts/config_flags.py).
 LAUNCH_FLAGS = config_flags.define_flags(cls=LaunchConfig)
 
 

@@ -23,7 +23,7 @@ try:  # No TensorFlow in it: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
-from framework.distribute import cluster_options  # pylint: disable=g-import-not-at-top
+from framework.distribute import config as cluster_options  # pylint: disable=g-import-not-at-top
 from framework.perf import allocator  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -53,7 +53,7 @@ flags.DEFINE_enum("malloc", allocator.DEFAULT_ALLOCATOR,
                   "libtcmalloc-minimal4): ~1.1x one CPU process, ~1.4x each "
                   "multi-worker/mirrored CPU replica, whose steps glibc's "
                   "malloc serves with fresh mmaps. Logged.")
-# Multi-process jobs (defaults: framework.distribute.cluster_options).
+# Multi-process jobs (defaults: framework.distribute.config).
 _CLUSTER_OPTIONS = cluster_options.ClusterOptions()
 flags.DEFINE_enum("cluster_resolver", _CLUSTER_OPTIONS.resolver,
                   list(cluster_options.CLUSTER_RESOLVERS),

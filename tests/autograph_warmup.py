@@ -38,7 +38,7 @@ _MODULES = CORE_MODULES + (
     "framework.core.losses", "framework.core.precision", "framework.core.ema",
     "framework.core.optimizer_sharding",
     "framework.core.optimizers", "framework.core.summaries",
-    "framework.tasks", "framework.data.augment", "framework.model_parallel",
+    "framework.tasks", "framework.data.preprocessing", "framework.model_parallel",
     "framework.core.ps_training", "framework.data.file_input",
     "framework.data.tfrecords", "framework.data.image_folder",
     "framework.data.tfds_input", "framework.check", "framework.perf.flops")

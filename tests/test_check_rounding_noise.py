@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from framework.check import distribution_diagnosis as diagnosis
-from framework.check import distribution_differences as differences
+from framework.check import distribution_diagnosis as differences
 
 
 def _outcome(delta):

@@ -366,7 +366,7 @@ class NeverApplies(Trainer):
 
 
 def test_traced_random_ops_draw_their_mean_only_inside_the_check():
-  from framework.check import distribution_randomness  # pylint: disable=g-import-not-at-top
+  from framework.check import distribution_step  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)  # op determinism (conftest) wants a seed
   generator = tf.random.Generator.from_seed(1)
   seeds = keras.random.SeedGenerator(3)
@@ -378,7 +378,7 @@ def test_traced_random_ops_draw_their_mean_only_inside_the_check():
             tf.random.stateless_truncated_normal([3], seed=[1, 2]),
             tf.random.shuffle(tf.range(3)))
 
-  with distribution_randomness.neutralised() as draws:
+  with distribution_step.neutralised() as draws:
     values = [v.numpy() for v in draw()]
     draws.scan(draw.get_concrete_function().graph)
   # Centres: normal 0, uniform [-1, 3) at 0.5 of the way, i.e. 1.

@@ -21,7 +21,7 @@ import framework
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 from framework.core.controller import Controller, LoopConfig
 from framework.data import file_input, image_folder, inputs, tfrecords
-from framework.tasks.metrics import ConfusionTrainer
+from framework.tasks.segmentation import ConfusionTrainer
 from tests.helpers import run_script
 from tests.shared_strategy import mirrored
 

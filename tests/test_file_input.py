@@ -11,7 +11,8 @@ import tensorflow as tf
 
 import framework
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
-from framework.data import augment, file_input, inputs, tfrecords
+from framework.data import file_input, inputs, tfrecords
+from framework.data import preprocessing
 from tests.helpers import run_script
 
 NUM_TRAIN, NUM_TEST, BATCH = 240, 50, 16  # 15 steps per epoch
@@ -70,11 +71,11 @@ def test_global_shuffle_gives_the_arrays_batches_exactly(data, files, start):
   # an epoch boundary (15).
   steps = 2 * NUM_TRAIN // BATCH - start
   from_arrays = _batches(inputs.train_dataset(
-      data, BATCH, seed=3, start_step=start, augment=augment.crop_flip),
+      data, BATCH, seed=3, start_step=start, augment=preprocessing.crop_flip),
                          steps)
   from_files = _batches(inputs.train_dataset(
       file_input.load_tfrecord(files, shuffle="global"), BATCH, seed=3,
-      start_step=start, augment=augment.crop_flip), steps)
+      start_step=start, augment=preprocessing.crop_flip), steps)
   assert len(from_files) == len(from_arrays) == steps
   for a, f in zip(from_arrays, from_files):
     np.testing.assert_array_equal(a[0], f[0])
@@ -116,10 +117,10 @@ def test_global_shuffle_needs_an_example_index(files):
 def test_resume_gives_the_remaining_batches_exactly(files):
   dataset = file_input.load_tfrecord(files)
   full = _batches(dataset.train_dataset(BATCH, seed=5,
-                                        augment=augment.crop_flip), 40)
+                                        augment=preprocessing.crop_flip), 40)
   for start in (1, 7, 15, 22):
     resumed = _batches(dataset.train_dataset(
-        BATCH, seed=5, start_step=start, augment=augment.crop_flip),
+        BATCH, seed=5, start_step=start, augment=preprocessing.crop_flip),
                        40 - start)
     for a, b in zip(full[start:], resumed):
       np.testing.assert_array_equal(a[0], b[0])

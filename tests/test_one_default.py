@@ -81,7 +81,7 @@ import pytest
 from framework import settings
 from framework.app.config import ExperimentConfig
 from framework.core.config import TrainerConfig
-from framework.distribute.launch_config import LaunchConfig
+from framework.distribute.config import LaunchConfig
 from framework.model_parallel.config import ModelParallelConfig
 from framework.model_parallel.config import SplitConfig
 from models.options import ModelOptions
@@ -539,7 +539,7 @@ def test_each_generated_flag_has_its_fields_default(app):
 def test_evaluate_takes_the_strategies_of_the_one_list():
   # pylint: disable=g-import-not-at-top
   from framework.app.config import EvalConfig
-  from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
+  from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
   # pylint: enable=g-import-not-at-top
   values = flags.FlagValues()
   config_flags.define_flags(values, cls=EvalConfig)
@@ -554,7 +554,7 @@ def test_the_settings_load_no_tensorflow():
   # flags are made from these before TensorFlow loads (--onednn).
   code = ("import sys, models, models.options, scripts.config_flags, "
           "framework.app.config, framework.app.config, "
-          "framework.distribute.launch_config\n"
+          "framework.distribute.config\n"
           "assert 'tensorflow' not in sys.modules, 'tensorflow loaded'\n"
           "print(models.model_names())\n"
           "assert 'tensorflow' in sys.modules\n")

@@ -11,7 +11,7 @@ import pytest
 from framework.app import experiment
 from framework.app import experiment as task
 from framework.distribute import cluster
-from framework.distribute.cluster_options import ClusterOptions
+from framework.distribute.config import ClusterOptions
 from framework.errors import ConfigError
 from tests.helpers import tiny_mlp_config
 

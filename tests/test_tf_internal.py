@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.check import distribution_randomness
+from framework.check import distribution_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,7 +164,7 @@ def test_onednn_query():
 
 
 def test_random_op_modules_have_the_wrapped_ops():
-  for (module, name) in distribution_randomness._NEUTRAL:  # pylint: disable=protected-access
+  for (module, name) in distribution_step._NEUTRAL:  # pylint: disable=protected-access
     assert callable(getattr(module, name)), name
   with pytest.raises(ValueError, match="not one of"):
     _tf_internal.random_op_module("gen_math_ops")

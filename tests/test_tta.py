@@ -10,7 +10,7 @@ import framework
 import framework.core.trainer  # noqa: F401  (the attribute chain below)
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
-import framework.tasks.metrics  # noqa: F401  (the attribute chain below)
+import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
 import models
 from framework.core import tta
 from framework.data.inputs import to_float
@@ -28,7 +28,7 @@ def build(strategy):
 
 
 @pytest.mark.parametrize("trainer_cls", [framework.Trainer,
-                                         framework.tasks.metrics.ConfusionTrainer])
+                                         framework.tasks.segmentation.ConfusionTrainer])
 def test_flip_tta_equals_the_mean_of_both_views(trainer_cls):
   data = framework.data.datasets.synthetic(num_train=64, num_test=37, image_shape=(8, 8, 3),
                              seed=2)

@@ -15,7 +15,7 @@ import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
 import models
 from framework.data import segmentation_data
 from framework.tasks import segmentation
-from framework.tasks.metrics import iou_metrics
+from framework.tasks.segmentation import iou_metrics
 from tests.helpers import run_script
 from tests.shared_strategy import mirrored
 

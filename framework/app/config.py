@@ -23,7 +23,7 @@ from framework.core.config import (PRECISION_CHOICES, RESTORE_POLICIES,
                                    OptimizerConfig, TrainerConfig)
 from framework.core.stop_condition import StopCondition, parse_metric
 from framework.data.config import AUGMENTATIONS, INPUT_MODES, DatasetOptions
-from framework.distribute.choices import EVAL_STRATEGIES, STRATEGIES
+from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
 from framework.settings import (POSITIVE, all_but, check_settings, same_as,

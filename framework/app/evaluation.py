@@ -33,7 +33,7 @@ from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
 from framework.errors import CheckpointError, ConfigError
-from framework.tasks.metrics import ConfusionTrainer, format_confusion
+from framework.tasks.segmentation import ConfusionTrainer, format_confusion
 from framework.core.summaries import SummaryWriter, markdown_table
 
 

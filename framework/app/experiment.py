@@ -35,7 +35,7 @@ from framework.core import warm_start
 from framework.core.controller import Controller
 from framework.core.run_lock import RunLock
 from framework.distribute import cluster, strategies
-from framework.distribute.cluster_options import ClusterOptions
+from framework.distribute.config import ClusterOptions
 from framework.distribute.tf_config import require_tf_config
 
 

@@ -26,7 +26,8 @@ from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig, TrainerConfig
 from framework.core.controller import Controller
 from framework.core.trainer import Trainer
-from framework.data import augment, datasets, inputs
+from framework.data import datasets, inputs
+from framework.data import preprocessing
 from framework.distribute import strategies
 from framework.errors import ConfigError, DistloopError
 from framework.tasks import language_model, segmentation
@@ -202,7 +203,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   if getattr(dataset, "generation", None):
     # Resuming on re-converted data (another content) is a config change.
     run_config["data_generation"] = dataset.generation
-  augment_fn = augment.get_augmentation(config.augment)
+  augment_fn = preprocessing.get_augmentation(config.augment)
 
   def default_train_input(start_step):
     return inputs.distribute_train(

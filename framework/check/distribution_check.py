@@ -1,95 +1,117 @@
-"""Proves that a train step trains the same on N replicas as on one device.
+"""The distribution check's report: verdict, causes, warnings and table."""
 
-The common bugs of custom loops under `tf.distribute` are silent: training
-runs, just wrongly. This check runs ONE training step, the one the
-training loop runs (`Trainer.run_step`: `train_step` on every replica and
-the SUM of its outputs; `distribution_step`), on the same global batch from
-the same starting state twice, under the chosen strategy (or model split)
-and on a single device, and compares what changed:
-
-    update     weights after - before, per layer (trainable variables)
-    state      non-trainable variables (BatchNorm moving statistics)
-    optimizer  slots and the step counter
-    replicas   the largest spread between a variable's per-replica copies
-    metric     the returned metrics (summed shares), and each replica's share
-
-A correct step gives equal numbers up to float rounding. A wrong one leaves
-a pattern, from which the likely cause is named (N replicas; gradients
-distributed / single device, see `distribution_diagnosis`):
-
-    data-loss gradient ×N         loss averaged over the per-replica batch
-    whole gradient ×N, same loss  gradients all-reduced twice
-    whole gradient ×1/N           gradient shares averaged instead of summed
-    regularisation gradient ×N    regularisation loss added on every replica
-    differ while clipping is on   gradient clipped per replica
-    replica copies differ         gradients not all-reduced
-    a metric from replica 0 only  the other replicas returned 0
-    a metric ×N                   a per-replica value returned as a share
-    the same offset on any data   a penalty added unscaled on every replica
-    optimizer steps ≠ 1           gradients applied never, or more than once
-
-By default both runs use a probe optimizer, SGD(learning_rate=1,
-momentum=0.9): its first update is exactly minus the applied gradient, so the
-ratios above are exact whatever optimizer the run uses (Adam's first step,
-for one, hides a gradient scale). Given equal gradients every optimizer's
-update is the same on N replicas and on one, because `Trainer.apply_gradients`
-applies the reduced gradient once. Dropout is switched off and BatchNorm
-synchronised for the duration of the check (their randomness and per-replica
-statistics are expected differences, reported as warnings), so that the rest
-is still compared exactly. Everything is put back afterwards.
-
-Randomness: N replicas cannot draw the numbers one device draws, so a correct
-stochastic step would differ by its noise. The check makes both sides
-deterministic and compares the rest exactly: Keras noise layers
-(GaussianNoise, GaussianDropout, AlphaDropout) are switched off like Dropout,
-and any other random op traced in the step (tf.random.*, tf.random.Generator,
-keras.random, random Keras layers) draws the centre of its distribution
-instead (`distribution_randomness`: 0 for normal, 0.5 for uniform [0, 1)),
-the same for every example on both sides. Both are named in warnings: the
-random values themselves are not compared, and random ops that could not be
-replaced (integer, categorical, shuffle draws, or a tf.function traced before
-the check) are named as a possible cause. Seeding both sides alike could not
-do this: a replica draws a tensor shaped like its part of the batch from its
-own op or counter, never the matching rows of the one-device draw.
-
-A difference the known patterns do not explain is run once more on other
-data (the first half of the batch, each example twice): if the update and
-loss differ from one device by the same amount there, the difference is
-independent of the data and of the batch split, which is what a penalty
-added in full on every replica (not via tf.nn.scale_regularization_loss)
-leaves: the loss is (N - 1) x the penalty higher.
-
-Float32 rounding differs between N replicas and one device (sums are split
-differently), and some models amplify it: BatchNorm's backward pass turns
-1e-7 into 1e-2 on a CIFAR CNN. So the reference step also runs on the batch
-in reverse order (the same math, another summation order); a group fails when
-its relative L2 difference exceeds max(rtol, 10 × the largest noise of any
-group), capped at 5%, so a wrong factor of N always fails.
-
-In bfloat16 or float16 that noise is not rounding any more: a 1e-6 change of
-the input moves one step's gradients of the CIFAR CNN by 2-7% in bfloat16
-(BatchNorm again), as far as the split does, while reordering the batch moves
-them by far less. So a model computing in low precision is named in a
-warning, and `--check_distribution` builds both sides in float32 (the
-distribution logic and a float16 loss scale are the same).
-"""
-
-import time
-
+import dataclasses
 import keras
 import tensorflow as tf
-
-from framework.check import distribution_layers, distribution_randomness
+import time
 from framework.check import distribution_step as steps
-from framework.check.distribution_diagnosis import compare
-from framework.check.distribution_report import (  # pylint: disable=unused-import
-    FAIL, PASS, WARN, CheckReport, DistributionCheckError, verdict_of)
-from framework.check.distribution_step import PROBE_MOMENTUM  # pylint: disable=unused-import
+from framework.check import distribution_step as distribution_randomness
+from framework.check import distribution_step as distribution_layers
+from framework.check.distribution_diagnosis import (WARNING_CAUSES, Finding, compare)
+from framework.check.distribution_step import PROBE_MOMENTUM
 from framework.core.config import TrainerConfig
 from framework.data.config import InputConfig
 from framework.distribute import strategies
-from framework.errors import ConfigError
+from framework.errors import DistloopError, ConfigError
 from framework.settings import default
+
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+
+class DistributionCheckError(DistloopError):
+  """The distribution check failed: the step trains differently on N replicas."""
+
+
+@dataclasses.dataclass
+class CheckReport:
+  """The outcome: `verdict` is pass, warn or fail; `causes` name failures."""
+  verdict: str
+  causes: list
+  warnings: list
+  rows: list
+  header: str
+  seconds: float
+
+  @property
+  def cause_codes(self):
+    return [c.code for c in self.causes]
+
+  @property
+  def warning_codes(self):
+    return [w.code for w in self.warnings]
+
+  def table(self):
+    lines = [self.header,
+             f"  {'':10}{'group':34}{'max abs diff':>13}{'max rel diff':>13}"
+             f"{'rel L2 diff':>13}{'tolerance':>11}"]
+    for r in self.rows:
+      flag = "" if r.ok else "  <-"
+      lines.append(f"  {r.section:10}{r.name[:33]:34}{r.max_abs:13.3g}"
+                   f"{r.max_rel:13.3g}{r.rel_l2:13.3g}{r.tolerance:11.2g}"
+                   f"{flag}")
+    lines.append(f"verdict: {self.verdict.upper()} ({self.seconds:.1f} s)")
+    for c in self.causes:
+      lines.append(f"  FAIL {c.code}: {c.message}")
+    for w in self.warnings:
+      lines.append(f"  WARN {w.code}: {w.message}")
+    return "\n".join(lines)
+
+  def __str__(self):
+    return self.table()
+
+
+def _random_op_warnings(draws):
+  """(replaced, left): warnings about the random ops traced in the step."""
+  replaced = left = None
+  if draws.replaced_ops:
+    replaced = Finding(
+        "random_ops",
+        f"random ops in the step ({'; '.join(draws.replaced_ops)}) draw "
+        "different numbers on each device; the check replaced their draws by "
+        f"the distribution's centre ({distribution_randomness.NORMAL:g} for "
+        f"normal, {distribution_randomness.UNIFORM:g} for uniform [0, 1)) on "
+        "both sides, so the rest is compared exactly and the random values "
+        "are not")
+  if draws.left_ops:
+    left = Finding(
+        "random_ops_left",
+        f"random ops in the step that the check cannot replace "
+        f"({'; '.join(draws.left_ops)}) still draw different numbers on each "
+        "device: a difference they feed may be theirs, not a bug")
+  return replaced, left
+
+
+def verdict_of(causes, layer_warnings, draws, compute_dtype, replicas,
+               notes=()):
+  """(verdict, causes, warnings) from the diagnosis and what the check
+  switched or replaced to compare the sides."""
+  replaced, left = _random_op_warnings(draws)
+  warnings = list(layer_warnings) + ([replaced] if replaced else [])
+  if compute_dtype in ("bfloat16", "float16"):
+    warnings.append(Finding(
+        "low_precision",
+        f"the model computes in {compute_dtype}, whose rounding can move one step "
+        f"by several % between {replicas} replicas and one device (BatchNorm "
+        "amplifies it) beyond the tolerance; build both sides in float32 to "
+        "check the distribution (--check_distribution does)"))
+  warnings.extend(notes)
+  if left:
+    warnings.append(left)
+  # A difference the diagnosis put down to rounding is a warning.
+  warnings.extend(c for c in causes if c.code in WARNING_CAUSES)
+  causes = [c for c in causes if c.code not in WARNING_CAUSES]
+  if draws.left_ops:
+    # Unexplained otherwise: the random ops the check could not replace are
+    # the one difference it knows of between the two sides.
+    causes = [dataclasses.replace(c, code="random_ops_left", message=(
+        f"{c.message}; random ops the check cannot replace "
+        f"({'; '.join(draws.left_ops)}) draw different numbers on each "
+        "device, the likely cause")) if c.code in ("update_mismatch",
+                                                   "state_mismatch") else c
+              for c in causes]
+  verdict = FAIL if causes else WARN if warnings else PASS
+  return verdict, causes, warnings
 
 
 def _check_supported(strategy):

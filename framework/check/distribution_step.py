@@ -14,13 +14,22 @@ copies, optimizer deltas, per-replica metric shares and their SUM); the
 state is put back afterwards.
 """
 
+import contextlib
+import inspect
 import keras
 import numpy as np
+import os
+import re
+import sysconfig
 import tensorflow as tf
-
-from framework.check.distribution_differences import Outcome
+import threading
+import traceback
+from framework import _tf_internal
+from framework.check.distribution_diagnosis import Finding
+from framework.check.distribution_diagnosis import Outcome
 from framework.core import protocols
 from framework.errors import ConfigError
+
 
 PROBE_MOMENTUM = 0.9
 
@@ -188,3 +197,237 @@ def regularisation_gradients(model):
     total = tf.add_n([tf.cast(l, tf.float32) for l in losses])
   grads = tape.gradient(total, variables)
   return [None if g is None else np.asarray(g, np.float64) for g in grads]
+
+
+# Keras layers that only add noise in training, and the attribute that turns
+# the noise off when 0 (their `call` then draws nothing).
+NOISE_LAYERS = ((keras.layers.GaussianNoise, "stddev"),
+                (keras.layers.GaussianDropout, "rate"),
+                (keras.layers.AlphaDropout, "rate"))
+
+
+def prepare_model(model):
+  """Dropout and noise off, BatchNorm synchronised.
+
+  Returns:
+    (undo, dropouts, unsynchronised BatchNorms, noise layers): `undo` is
+    [(layer, attribute, value)] to put back; the rest layer names.
+  """
+  undo, dropouts, unsynced, noisy = [], [], [], []
+  for layer in _tf_internal.flatten_layers(model):
+    if isinstance(layer, keras.layers.Dropout) and layer.rate > 0:
+      dropouts.append(layer.name)
+      undo.append((layer, "rate", layer.rate))
+      layer.rate = 0.0
+    for cls, attr in NOISE_LAYERS:
+      if isinstance(layer, cls) and getattr(layer, attr) > 0:
+        noisy.append(layer.name)
+        undo.append((layer, attr, getattr(layer, attr)))
+        setattr(layer, attr, 0.0)
+    if (isinstance(layer, keras.layers.BatchNormalization) and
+        not layer.synchronized):
+      unsynced.append(layer.name)
+      undo.append((layer, "synchronized", False))
+      layer.synchronized = True
+  return undo, dropouts, unsynced, noisy
+
+
+def put_back(undo):
+  """Undoes `prepare_model`."""
+  for layer, attr, value in undo:
+    setattr(layer, attr, value)
+
+
+def random_layers(model):
+  """Layers other than dropout and noise that draw random numbers."""
+  switched_off = (keras.layers.Dropout,) + tuple(c for c, _ in NOISE_LAYERS)
+  return [l.name for l in _tf_internal.flatten_layers(model)
+          if _tf_internal.has_seed_generator(l)
+          and not isinstance(l, switched_off)]
+
+
+def layer_warnings(model, replicas, dropouts, unsynced, noisy):
+  """The warnings about what `prepare_model` switched, and random layers."""
+  warnings = []
+  if unsynced and replicas > 1:
+    warnings.append(Finding(
+        "batch_norm_unsynchronized",
+        f"BatchNormalization without synchronisation ({', '.join(unsynced)}):"
+        f" each of the {replicas} replicas normalises with the statistics of "
+        "its own part of the batch, so training differs from one device "
+        "(the check synchronised them to compare the rest); use "
+        "synchronized=True (--sync_batch_norm)"))
+  if dropouts:
+    warnings.append(Finding(
+        "dropout",
+        f"dropout ({', '.join(dropouts)}) draws different masks per device; "
+        "the check ran with dropout off, so it is not covered"))
+  randoms = random_layers(model)
+  if noisy or randoms:
+    handled = ([f"{', '.join(noisy)} switched off"] if noisy else []) + (
+        [f"{', '.join(randoms)} drawing their mean"] if randoms else [])
+    warnings.append(Finding(
+        "random_layers",
+        f"layers drawing random numbers ({'; '.join(handled)}) would draw "
+        "different numbers on each device; the check compared the rest "
+        "without their noise, so the noise itself is not covered"))
+  return warnings
+
+
+# The generated op wrappers: TensorFlow's own random functions call them
+# through these modules, so replacing a module attribute replaces the op.
+gen_random_ops = _tf_internal.random_op_module("gen_random_ops")
+gen_stateful_random_ops = _tf_internal.random_op_module(
+    "gen_stateful_random_ops")
+gen_stateless_random_ops = _tf_internal.random_op_module(
+    "gen_stateless_random_ops")
+gen_stateless_random_ops_v2 = _tf_internal.random_op_module(
+    "gen_stateless_random_ops_v2")
+
+NORMAL, UNIFORM = 0.0, 0.5
+
+# (module, wrapper) -> (op type, constant drawn instead).
+_NEUTRAL = {
+    (gen_random_ops, "random_standard_normal"): ("RandomStandardNormal",
+                                                 NORMAL),
+    (gen_random_ops, "truncated_normal"): ("TruncatedNormal", NORMAL),
+    (gen_random_ops, "random_uniform"): ("RandomUniform", UNIFORM),
+    (gen_stateless_random_ops, "stateless_random_normal"): (
+        "StatelessRandomNormal", NORMAL),
+    (gen_stateless_random_ops, "stateless_truncated_normal"): (
+        "StatelessTruncatedNormal", NORMAL),
+    (gen_stateless_random_ops, "stateless_random_uniform"): (
+        "StatelessRandomUniform", UNIFORM),
+    (gen_stateless_random_ops_v2, "stateless_random_normal_v2"): (
+        "StatelessRandomNormalV2", NORMAL),
+    (gen_stateless_random_ops_v2, "stateless_truncated_normal_v2"): (
+        "StatelessTruncatedNormalV2", NORMAL),
+    (gen_stateless_random_ops_v2, "stateless_random_uniform_v2"): (
+        "StatelessRandomUniformV2", UNIFORM),
+    (gen_stateful_random_ops, "stateful_standard_normal"): (
+        "StatefulStandardNormal", NORMAL),
+    (gen_stateful_random_ops, "stateful_standard_normal_v2"): (
+        "StatefulStandardNormalV2", NORMAL),
+    (gen_stateful_random_ops, "stateful_truncated_normal"): (
+        "StatefulTruncatedNormal", NORMAL),
+    (gen_stateful_random_ops, "stateful_uniform"): ("StatefulUniform",
+                                                    UNIFORM),
+}
+
+# Every op type that draws random numbers (looked for in the traced graph).
+RANDOM_OP_TYPES = frozenset(
+    [op for op, _ in _NEUTRAL.values()] + [
+        "RandomUniformInt", "ParameterizedTruncatedNormal", "RandomShuffle",
+        "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+        "StatelessRandomUniformInt", "StatelessRandomUniformFullInt",
+        "StatelessMultinomial", "StatelessRandomBinomial",
+        "StatelessRandomGammaV2", "StatelessRandomGammaV3",
+        "StatelessRandomPoisson", "StatelessParameterizedTruncatedNormal",
+        "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
+        "StatelessShuffle", "RandomIndexShuffle", "StatefulUniformInt",
+        "StatefulUniformFullInt", "StatefulRandomBinomial",
+        "NonDeterministicInts", "RandomCrop", "SampleDistortedBoundingBox",
+        "SampleDistortedBoundingBoxV2", "StatelessSampleDistortedBoundingBox"])
+
+_REPLICA_SCOPE = re.compile(r"^(replica_\d+/)+")
+# Frames in these folders are libraries, not the step being checked.
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.realpath(p), "")
+    for p in {sysconfig.get_path(k) for k in ("stdlib", "purelib", "platlib")})
+
+
+def _caller():
+  """'file.py:line in function' of the innermost frame outside libraries."""
+  for frame in reversed(traceback.extract_stack()[:-2]):
+    path = os.path.realpath(frame.filename)
+    if path.startswith(_LIBRARY_DIRS) or path == os.path.realpath(__file__):
+      continue
+    if os.path.basename(path).startswith("__autograph_generated"):
+      # AutoGraph's converted copy: its file and line mean nothing.
+      return frame.name.removeprefix("tf__")
+    return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}"
+  return "?"
+
+
+class Draws:
+  """What the traced steps drew: replaced ops, and random ops left in."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._replaced, self._left = {}, {}
+
+  def _add(self, table, op_type, where):
+    with self._lock:
+      table.setdefault(op_type, set()).add(where)
+
+  def replaced(self, op_type, scope):
+    self._add(self._replaced, op_type,
+              f"{_caller()} (scope {_scope(scope)})")
+
+  def scan(self, graph):
+    """Notes the random ops in `graph` and the functions it calls."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+      nodes.extend(function.node_def)
+    for node in nodes:
+      if node.op in RANDOM_OP_TYPES:
+        self._add(self._left, node.op,
+                  f"node {_scope(node.name)}")
+
+  @property
+  def replaced_ops(self):
+    return _describe(self._replaced)
+
+  @property
+  def left_ops(self):
+    return _describe(self._left)
+
+
+def _scope(name):
+  # One entry per place in the step: replica k's copy is the same place.
+  return _REPLICA_SCOPE.sub("", name) or "(top level)"
+
+
+def _describe(table):
+  """'RandomStandardNormal at noisy/random_normal, ...' (sorted)."""
+  return [f"{op} at {', '.join(sorted(places))}"
+          for op, places in sorted(table.items())]
+
+
+def _neutral(original, op_type, value, draws):
+  signature = inspect.signature(original)
+
+  def draw(*args, **kwargs):
+    if tf.executing_eagerly():
+      return original(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    dtype = tf.as_dtype(bound.arguments["dtype"])
+    if not dtype.is_floating:
+      return original(*args, **kwargs)
+    draws.replaced(op_type, tf.compat.v1.get_default_graph().get_name_scope())
+    shape = tf.cast(bound.arguments["shape"], tf.int64)
+    return tf.fill(shape, tf.constant(value, dtype),
+                   name=bound.arguments.get("name") or op_type)
+  return draw
+
+
+@contextlib.contextmanager
+def neutralised():
+  """Within: random ops traced draw their mean; yields the `Draws`.
+
+  Replaces module attributes of TensorFlow for the whole process while
+  inside: use it around the check's own tracing only.
+  """
+  draws = Draws()
+  saved = []
+  try:
+    for (module, name), (op_type, value) in _NEUTRAL.items():
+      original = getattr(module, name)
+      saved.append((module, name, original))
+      setattr(module, name, _neutral(original, op_type, value, draws))
+    yield draws
+  finally:
+    for module, name, original in saved:
+      setattr(module, name, original)

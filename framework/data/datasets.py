@@ -1,21 +1,44 @@
-"""Datasets as in-memory arrays: CIFAR-10 (official python layout), synthetic.
-
-Loading is separate from the input pipeline (`framework.data.inputs`), so a loader
-is a plain function returning numpy arrays that tests can build by hand.
+"""What a dataset held as arrays (in memory or memory-mapped) tells about
+itself: the interface `framework.data.file_input`'s datasets share.
 """
 
 import dataclasses
 import importlib
+import numpy as np
 import os
 import pickle
-
-import numpy as np
-
-from framework.data import splits
 from framework.data.config import DatasetOptions, InputConfig
-from framework.errors import (ConfigError, DataError, check_positive,
-                              first_line)
+from framework.errors import ConfigError, DataError, check_positive, first_line
 from framework.settings import default
+
+
+class ArraySplits:
+  """Shapes and sizes read from `train_x`, `train_y`, `test_x`, `test_y`
+  and `class_names` attributes."""
+
+  @property
+  def input_shape(self):
+    return tuple(self.train_x.shape[1:])
+
+  @property
+  def label_shape(self):
+    return tuple(self.train_y.shape[1:])
+
+  @property
+  def num_classes(self):
+    return len(self.class_names)
+
+  @property
+  def num_train_examples(self):
+    return len(self.train_x)
+
+  @property
+  def num_test_examples(self):
+    return len(self.test_x)
+
+  def test_samples(self, n):
+    return self.test_x[:n], self.test_y[:n]
+
 
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + (
     "test_batch", "batches.meta")
@@ -25,7 +48,7 @@ KERAS_CACHE = os.path.join("~", ".keras", "datasets", "cifar-10-batches-py")
 
 
 @dataclasses.dataclass(frozen=True)
-class ArrayDataset(splits.ArraySplits):
+class ArrayDataset(ArraySplits):
   """Train and test splits held in memory.
 
   Images are uint8 [N, H, W, C] (or float32 features); labels int32 [N, ...].

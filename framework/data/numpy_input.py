@@ -24,7 +24,8 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from framework.data import inputs, splits
+from framework.data import inputs
+from framework.data import datasets as splits
 from framework.data.config import InputConfig
 from framework.errors import DataError, check_positive
 from framework.settings import default

@@ -12,7 +12,7 @@ import json
 import random
 import socket
 
-from framework.distribute.launch_config import LaunchConfig
+from framework.distribute.config import LaunchConfig
 from framework.errors import ConfigError, check_positive
 from framework.settings import default
 

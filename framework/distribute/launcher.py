@@ -34,7 +34,7 @@ import time
 from framework.distribute.cluster_spec import (  # pylint: disable=unused-import
     ROLE_ORDER, cluster_on_hosts, free_ports, local_cluster, tasks_of,
     tf_config)
-from framework.distribute.launch_config import LaunchConfig
+from framework.distribute.config import LaunchConfig
 from framework.errors import ConfigError
 from framework.settings import default
 

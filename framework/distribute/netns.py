@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 
-from framework.distribute.launch_config import LaunchConfig
+from framework.distribute.config import LaunchConfig
 from framework.errors import ConfigError
 from framework.settings import default
 

@@ -13,7 +13,7 @@ from typing import Optional
 import tensorflow as tf
 
 from framework.distribute import cluster
-from framework.distribute.choices import STRATEGIES
+from framework.distribute.config import STRATEGIES
 from framework.distribute.tf_config import parse_tf_config, require_tf_config
 from framework.errors import ConfigError, check_choice, check_positive
 

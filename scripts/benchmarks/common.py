@@ -171,8 +171,8 @@ def _optimizer():
 
 def augmentation():
   """The recipe's training augmentation (None: none)."""
-  from framework.data import augment  # pylint: disable=g-import-not-at-top
-  return augment.get_augmentation(
+  from framework.data import preprocessing  # pylint: disable=g-import-not-at-top
+  return preprocessing.get_augmentation(
       _fast_recipe()["augment"] if FLAGS.recipe == "fast" else "none")
 
 

@@ -48,13 +48,14 @@ def bench():
   # pylint: disable=g-import-not-at-top
   import tensorflow as tf
   import models
-  from framework.data import augment, file_input
+  from framework.data import file_input
+  from framework.data import preprocessing
   from framework.core.optimizers import OptimizerConfig, make_optimizer
   from framework.core.trainer import Trainer
   # pylint: enable=g-import-not-at-top
   dataset = file_input.load_tfrecord(FLAGS.data_dir)
   batch = FLAGS.global_batch_size
-  augment_fn = augment.get_augmentation(FLAGS.augment)
+  augment_fn = preprocessing.get_augmentation(FLAGS.augment)
   iterator = iter(dataset.train_dataset(batch, augment=augment_fn))
 
   def read(n):

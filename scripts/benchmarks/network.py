@@ -47,7 +47,7 @@ from absl import flags
 from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
-from framework.distribute.launch_config import LaunchConfig  # pylint: disable=g-import-not-at-top
+from framework.distribute.config import LaunchConfig  # pylint: disable=g-import-not-at-top
 from framework.perf import allocator  # pylint: disable=g-import-not-at-top
 from framework.settings import default  # pylint: disable=g-import-not-at-top
 from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top

@@ -1,15 +1,51 @@
-"""The local launcher's settings (`scripts/launch.py`'s flags), declared once.
+"""The distribute layer's settings: strategy names, where a task's cluster comes from
+(`ClusterOptions`) and the local launcher's settings (`LaunchConfig`).
 
-`scripts/launch.py` makes its flags from `LaunchConfig`'s fields
-(`scripts/config_flags.py`), and `launcher.local_cluster`,
-`launcher.cluster_on_hosts`, `launcher.Launcher` and `netns.HostNetwork`
-default their keywords to the same fields. No TensorFlow here.
+TensorFlow-free, so that the apps make their flags from them before TensorFlow
+loads.
 """
 
 import dataclasses
-
-from framework.errors import ConfigError
+from framework.errors import ConfigError, check_choice
 from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
+
+
+STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored",
+              "central_storage", "parameter_server", "tpu")
+# What an evaluation may run under: every strategy but parameter_server
+# (its workers serve a coordinator; evaluation runs in one process).
+EVAL_STRATEGIES = tuple(s for s in STRATEGIES if s != "parameter_server")
+
+
+CLUSTER_RESOLVERS = ("tf_config", "slurm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterOptions:
+  """Where a task's cluster comes from and how long it may take to start.
+
+  Attributes:
+    resolver: `tf_config` (the TF_CONFIG variable) or `slurm` (srun's
+      variables through SlurmClusterResolver).
+    slurm_ps_tasks: `slurm`: ps tasks (task 0 is then the chief).
+    slurm_port_base: `slurm`: the first gRPC port on each node.
+    startup_timeout: seconds for every task of a multi-worker or
+      parameter-server cluster to start before the run exits naming the
+      missing ones (0: wait forever).
+  """
+  resolver: str = "tf_config"
+  slurm_ps_tasks: int = 0
+  slurm_port_base: int = 8888
+  startup_timeout: float = 120
+
+  def __post_init__(self):
+    check_choice("cluster_resolver", self.resolver, CLUSTER_RESOLVERS)
+    if self.slurm_ps_tasks < 0:
+      raise ConfigError(f"slurm_ps_tasks={self.slurm_ps_tasks} must be >= 0")
+    if self.startup_timeout is None or self.startup_timeout < 0:
+      raise ConfigError(f"startup_timeout={self.startup_timeout} must be "
+                        ">= 0")
+
 
 # Every link's MTU lies in this range (IPv4's minimum, the largest a veth
 # takes).
