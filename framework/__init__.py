@@ -37,11 +37,10 @@ import warnings
 _EXPORTS = {
     "framework.app.experiment": ["ExperimentConfig", "run"],
     "framework.app.run_info": ["describe_run"],
-    "framework.core.communication": ["AllReduceConfig"],
-    "framework.core.controller": ["Controller", "LoopConfig"],
+    "framework.core.gradients": ["AllReduceConfig"],
+    "framework.core.controller": ["Controller", "LoopConfig", "enable_logging"],
     "framework.core.optimizers": ["OptimizerConfig"],
-    "framework.core.preemption": ["install_preemption_handler"],
-    "framework.core.progress": ["enable_logging"],
+    "framework.core.actions": ["install_preemption_handler"],
     "framework.core.protocols": ["LoopEvaluator", "LoopTrainer"],
     "framework.core.trainer": ["Trainer", "masked_sum"],
     "framework.data.inputs": ["MaskedBatch", "pad_batches"],
@@ -57,7 +56,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items()
 # Names this package exported before its API was curated: still resolved,
 # with a DeprecationWarning naming the module to import them from.
 _MOVED = {
-    "framework.core.checkpointing": ["CheckpointManager"],
+    "framework.core.checkpoints.manager": ["CheckpointManager"],
     "framework.data.datasets": ["ArrayDataset", "load_cifar10", "load_dataset",
                                 "synthetic", "write_cifar10"],
     "framework.check.distribution_check": ["CheckReport",

@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import framework
-from framework.core import losses, precision
+from framework.core import precision
+from framework.core import trainer as losses
 from tests import shared_strategy
 from tests.helpers import ROOT
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.core.checkpointing import CheckpointManager
+from framework.core.checkpoints.manager import CheckpointManager
 from framework.errors import CheckpointError
 from tests import helpers
 

@@ -77,12 +77,12 @@ def eval_inputs(config, strategy, dataset, eval_input=None):
   """{name: `() -> dataset`} for the Controller: the run's own set (`eval`,
   `eval_input` or `dataset`'s test split) and `config.eval_sets`, each
   limited to `config.loop.eval_steps` global batches if that is set."""
-  from framework.core import eval_sets  # pylint: disable=g-import-not-at-top
+  from framework.core import evaluation  # pylint: disable=g-import-not-at-top
   from framework.data import datasets, inputs  # pylint: disable=g-import-not-at-top
   steps = config.loop.eval_steps if config.loop else None
   batch = config.global_batch_size
   found = {"eval": eval_input or (lambda: _distributed(
-      eval_sets, inputs, strategy, dataset, batch, "test", steps))}
+      evaluation, inputs, strategy, dataset, batch, "test", steps))}
   for spec in parse_all(config.eval_sets):
     try:
       other = datasets.load_dataset(spec.dataset, spec.data_dir,
@@ -93,7 +93,7 @@ def eval_inputs(config, strategy, dataset, eval_input=None):
       raise type(e)(f"eval_sets={spec.name}:{spec.dataset}: {e}") from None
     _check_fits(spec, other, dataset)
     found[spec.name] = (lambda other=other, spec=spec: _distributed(
-        eval_sets, inputs, strategy, other, batch, spec.split, steps))
+        evaluation, inputs, strategy, other, batch, spec.split, steps))
   return found
 
 
@@ -124,12 +124,12 @@ def _check_fits(spec, other, dataset):
                       "streams its test split only)")
 
 
-def _distributed(eval_sets, inputs, strategy, dataset, batch, split, steps):
+def _distributed(evaluation, inputs, strategy, dataset, batch, split, steps):
   """One pass over `dataset`'s `split`, padded, at most `steps` batches."""
   if split == "train" or steps is not None:
     if hasattr(dataset, "eval_dataset_fn"):  # streamed from files
       fn = dataset.eval_dataset_fn(batch)
-      return eval_sets.Distributed(strategy.distribute_datasets_from_function(
+      return evaluation.Distributed(strategy.distribute_datasets_from_function(
           lambda context: fn(context).take(steps)), steps)
     if hasattr(dataset, "eval_dataset"):
       return dataset.eval_dataset(batch)

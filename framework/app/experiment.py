@@ -25,15 +25,16 @@ from framework.app import factory
 from framework.app import old_split_checkpoint
 from framework.app import run_plan
 from framework.app import split_change
-from framework.core import optimizers, progress, protocols, ps_training
-from framework.core import warm_start
+from framework.core import optimizers, protocols, ps_training
+from framework.core import controller as progress
+from framework.core.checkpoints import warm_start
 from framework.data import augment, inputs
 from framework.distribute import strategies
 from framework.tasks import segmentation
 from framework.app.config import ExperimentConfig
 from framework.core.controller import Controller, LoopConfig
 from framework.errors import ConfigError
-from framework.core.run_lock import RunLock
+from framework.core.checkpoints.run_files import RunLock
 from framework.model_parallel.parallel_layers import split_for
 from framework import settings
 from framework.core.trainer import Trainer

@@ -13,7 +13,8 @@ import keras
 
 import models
 from models import registry
-from framework.core import losses, optimizers, precision
+from framework.core import optimizers, precision
+from framework.core import trainer as losses
 from framework.core.config import TrainerConfig
 from framework.core.controller import LoopConfig
 from framework.core.trainer import Trainer

@@ -19,7 +19,8 @@ from absl import logging
 import tensorflow as tf
 
 from framework.app import export, split_change
-from framework.core import checkpointing, protocols
+from framework.core import protocols
+from framework.core.checkpoints import manager
 from framework.errors import ConfigError
 from framework.model_parallel import split_layout
 
@@ -51,7 +52,7 @@ def restoring(trainer, checkpoints, previous_info, record, *, whole_split):
   """
   path = checkpoints.latest
   unsplit = protocols.unsplit_model(trainer)
-  saved = checkpointing.read_run_config(checkpoints.model_dir)
+  saved = manager.read_run_config(checkpoints.model_dir)
   if not (whole_split and path and _written_by_split(
       previous_info, saved, export.model_fingerprint(unsplit))):
     yield

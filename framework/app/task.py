@@ -4,7 +4,7 @@ A single process trains. In a cluster the task comes from TF_CONFIG (or
 Slurm's variables): `ps` tasks, and `worker` tasks under parameter_server,
 only serve; the chief (or every multi-worker task) trains. A start-up
 watchdog turns a task that never starts into an error, and SIGTERM saves a
-checkpoint and exits with status 42 (`framework.core.preemption`).
+checkpoint and exits with status 42 (`framework.core.actions`).
 """
 
 import hashlib
@@ -15,7 +15,7 @@ from typing import Any, Optional
 from absl import logging
 
 from framework.app import experiment
-from framework.core import preemption
+from framework.core import actions
 from framework.distribute import cluster
 from framework.distribute.cluster_options import ClusterOptions
 from framework.distribute.tf_config import require_tf_config
@@ -63,7 +63,7 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
       cluster.run_server(tf_config)
       return None
   # SIGTERM before training: one line, exit 143, model_dir as it was.
-  preemption.guard_start(program)
+  actions.guard_start(program)
   watchdog = cluster.StartupWatchdog(tf_config,
                                      timeout=options.startup_timeout,
                                      program=program)
@@ -76,7 +76,7 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
       # The model's variables exist: under MultiWorkerMirroredStrategy
       # their creation needed every peer, so the cluster is up.
       watchdog.started()
-      preemption.install(controller)
+      actions.install(controller)
       controllers.append(controller)
 
     try:
@@ -99,7 +99,7 @@ def _coordinate(config, trainer_cls, watchdog, tf_config):
     # the first loop: the cluster is up once a loop ran.
     controller.train_actions.append(lambda step, outputs: watchdog.started())
     # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
-    preemption.install(controller)
+    actions.install(controller)
 
   try:
     return experiment.run(config, trainer_cls=trainer_cls,

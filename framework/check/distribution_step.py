@@ -1,7 +1,7 @@
 """Running the trainer's own step for the distribution check, from one state.
 
 The check runs exactly what the training loop runs: a `Trainer`'s
-`run_step(dist_batch)` (`framework.core.step_loop`: the per-replica step,
+`run_step(dist_batch)` (`framework.core.trainer`: the per-replica step,
 its SUM over replicas, `global_step` + 1), so that a change to the step or
 to the loop around it is checked, not a copy. A trainer without it (any
 object with `strategy`, `model`, `optimizer` and `train_step`) runs its

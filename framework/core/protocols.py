@@ -6,7 +6,7 @@ trainer is declared here (`declared_names()`; a test runs a recording proxy
 through a whole run). `LoopTrainer` is required (and `LoopEvaluator` to
 evaluate); every other capability is optional, detected with `isinstance`
 against its own protocol, and has the default written here when absent
-(`framework.core.eval_batching` and `loop_report` read them once for the
+(`framework.core.evaluation` and `loop_report` read them once for the
 Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
 `framework.Trainer` implements all of them.
 
@@ -181,7 +181,7 @@ class LossScaled(Protocol):
 
 @runtime_checkable
 class WeightAveraged(Protocol):
-  """An EMA of the weights (`framework.core.ema.WeightAverage`, or None):
+  """An EMA of the weights (`framework.core.optimizers.WeightAverage`, or None):
   checkpointed, and the weights file holds the averaged weights."""
 
   ema: Any

@@ -29,7 +29,7 @@ from absl import logging
 import tensorflow as tf
 
 from framework.errors import ConfigError, check_positive
-from framework.model_parallel.copy_sharding import CopyShardedState
+from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.memory import (add_activations, format_memory,
                                              memory_by_device, memory_metrics)
