@@ -28,12 +28,12 @@ RESTORE_POLICIES = ("latest_intact", "error")
 # (`precision.resolve_precision`).
 PRECISIONS = ("float32", "bfloat16", "float16")
 PRECISION_CHOICES = PRECISIONS + ("auto",)
-# Test-time augmentation in evaluation (`tta`).
+# Test-time augmentation in evaluation (`framework.core.evaluation`).
 TTA_MODES = ("none", "flip")
-# The gradient all-reduce (`communication`).
+# The gradient all-reduce (`framework.core.gradients`).
 ALL_REDUCE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
 ALL_REDUCE_DTYPES = ("float32", "bfloat16")
-# Which way `best_metric` improves (`best_checkpoint`).
+# Which way `best_metric` improves (`framework.core.checkpoints.best`).
 BEST_MODES = ("auto", "max", "min")
 
 

@@ -2,15 +2,19 @@
 
     restore the latest checkpoint; iterator = batches from its step on
     while step < train_steps:
-      n = steps to the next event (`framework.core.controller`)
+      n = steps to the next event (`steps_to_next_event`)
       outputs = trainer.train(iterator, n)   # fewer steps when asked to stop
-      summaries and log line (`loop_report`); train actions (NaN policy,
+      summaries and log line (`LoopReport`); train actions (NaN policy,
       stop_when, profiler, preemption, yours); save / evaluate (+ eval
       actions) when due; end here if a stop was asked
     save and evaluate at the end
 
 The trainer owns the math of a step (`framework.core.protocols` says what
-the Controller reads of it); the Controller everything around it.
+the Controller reads of it); the Controller everything around it. This
+module holds the loop and its parts: when a loop's events fall
+(`steps_to_next_event`), what a loop reports (`LoopReport`: outputs, the
+log line, non-finite steps) and INFO progress from plain Python
+(`enable_logging`).
 """
 
 import functools

@@ -6,7 +6,7 @@ trainer is declared here (`declared_names()`; a test runs a recording proxy
 through a whole run). `LoopTrainer` is required (and `LoopEvaluator` to
 evaluate); every other capability is optional, detected with `isinstance`
 against its own protocol, and has the default written here when absent
-(`framework.core.evaluation` and `loop_report` read them once for the
+(`framework.core.evaluation` and the controller's `LoopReport` read them once for the
 Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
 `framework.Trainer` implements all of them.
 

@@ -6,7 +6,7 @@ is removed straight after. A checkpoint that cannot be restored is an error,
 never a silent restart from scratch.
 
 Before restoring, the newest checkpoint is read in full
-(`checkpoint_integrity`). A damaged one is named in a warning and the newest
+(`latest_intact`, below). A damaged one is named in a warning and the newest
 intact one is restored instead (`restore_policy="latest_intact"`), or it is
 an error (`"error"`). The chief also keeps `run_config.json` beside the
 checkpoints (model, options, optimizer, global batch, dataset), so that
