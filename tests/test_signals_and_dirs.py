@@ -66,9 +66,8 @@ class _Controller:
     self.on_train_end = []
     self.on_loop_end = []
     self.stop_requests = 0
-    self.stop_requested = False  # protocols.Stoppable declares it
     self.stop_reason = None
-    self.trainer = self
+    self.parts = self  # its `request_stop`: LoopParts.request_stop
 
   def request_stop(self):
     self.stop_requests += 1

@@ -27,7 +27,6 @@ from absl import logging
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import protocols
 from framework.core.checkpoints import run_files
 from framework.core.config import StopCondition
 from framework.distribute import strategies
@@ -65,7 +64,7 @@ class StopWhen:
     results: `(split, results) -> results` of that eval split (e.g. the
       Controller's `eval_sets.results_of`); None: the results given.
     aliases: {metric: name the evaluator reports it under}
-      (`protocols.metric_aliases`).
+      (`LoopParts.metric_aliases`).
   """
 
   def __init__(self, condition: StopCondition,
@@ -103,15 +102,15 @@ class NanGuard:
 
   def __call__(self, step: int, outputs: Mapping[str, float]) -> None:
     c = self.controller
-    trainer = c.trainer
-    policy = protocols.nan_policy(trainer)
-    if policy == "skip" and isinstance(trainer, protocols.SkipCounting):
-      in_a_row = int(trainer.consecutive_skips.numpy())
-      if in_a_row >= trainer.max_skipped_steps:
+    parts = c.parts
+    policy = parts.nan_policy
+    if policy == "skip" and parts.consecutive_skips is not None:
+      in_a_row = parts.consecutive_skips()
+      if in_a_row >= parts.max_skipped_steps:
         raise NonFiniteLossError(
             f"{in_a_row} steps in a row were skipped (steps "
             f"{step - in_a_row + 1}..{step}: non-finite loss or gradient; "
-            f"max_skipped_steps={trainer.max_skipped_steps}); stopped "
+            f"max_skipped_steps={parts.max_skipped_steps}); stopped "
             f"without saving (latest good checkpoint: "
             f"{c.checkpoints.latest or 'none'}); lower learning_rate or set "
             "clip_norm")
@@ -153,7 +152,7 @@ def from_on_loop_end(fn: Callable[[int], Any]) -> Action:
 # building the model count too. A resumed run counts from its own start.
 #
 # The target's metric is `accuracy` under the name the evaluator reports it
-# (`protocols.metric_aliases`, e.g. a task's own name for it). With
+# (`LoopParts.metric_aliases`, e.g. a task's own name for it). With
 # `stop_at_accuracy` the chief writes `target_reached.json` beside the final
 # checkpoint (`framework.core.run_state`): relaunched with the same settings
 # the run trains nothing; with more steps it continues past the target
@@ -393,8 +392,8 @@ class _LocalPreemption:
         self._exit_after_training()
       logging.info("%s received: saving a checkpoint after the current step "
                    "(Ctrl-C again to quit without saving)", self.received)
-      if isinstance(self.controller.trainer, protocols.Stoppable):
-        self.controller.trainer.request_stop()
+      if self.controller.parts.request_stop is not None:
+        self.controller.parts.request_stop()
 
   def train_ended(self, step):
     """Training is over and its checkpoint at `step` saved (or restored)."""
@@ -434,7 +433,7 @@ class _MultiWorkerPreemption:
   def __init__(self, controller):
     self.controller = controller
     self._step = None
-    strategy = controller.trainer.strategy
+    strategy = controller.parts.strategy
     # The handler restores its run counter from the chief's directory on
     # every worker, so that all workers count loops alike.
     reader = tf.train.CheckpointManager(
@@ -503,7 +502,7 @@ def install(controller: Any) -> Callable[[int, Any], None]:
   Returns the train action `fn(step, outputs)` (also appended to
   `controller.train_actions`).
   """
-  strategy = controller.trainer.strategy
+  strategy = controller.parts.strategy
   if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
       strategies.task_info(strategy)[0] is not None):
     hook = _MultiWorkerPreemption(controller)

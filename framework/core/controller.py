@@ -104,10 +104,16 @@ class Controller:
                eval_actions: Sequence[actions_lib.Action] = (),
                evaluator: Optional[protocols.LoopEvaluator] = None,
                on_loop_end: Sequence[Callable[[int], Any]] = (),
-               metric_sinks: Sequence[Any] = ()):
+               metric_sinks: Sequence[Any] = (),
+               parts: Optional[protocols.LoopParts] = None):
     self.eval_sets = evaluation.collect(eval_input, eval_inputs)
-    self.evaluator = protocols.loop_evaluator(trainer, evaluator,
-                                              bool(self.eval_sets))
+    self.evaluator = protocols.loop_evaluator(
+        trainer, evaluator, bool(self.eval_sets), handed=parts is not None)
+    if parts is None:
+      parts = protocols.loop_parts(trainer, self.evaluator, checkpoint_items)
+    elif checkpoint_items:
+      parts.checkpoint.update(checkpoint_items)
+    self.parts = parts
     self.trainer = trainer
     self.config = config
     # Absolute once, here: checkpoints, summaries and the profiler join paths
@@ -118,11 +124,10 @@ class Controller:
     self.train_input = train_input
     self.eval_input = eval_input
     self.hparams = hparams or {}
-    chief = strategies.is_chief(trainer.strategy)
-    self.checkpoint = tf.train.Checkpoint(
-        **protocols.checkpoint_objects(trainer, checkpoint_items))
+    chief = strategies.is_chief(parts.strategy)
+    self.checkpoint = tf.train.Checkpoint(**parts.checkpoint)
     self.checkpoints = CheckpointManager(
-        self.checkpoint, model_dir, trainer.strategy,
+        self.checkpoint, model_dir, parts.strategy,
         max_to_keep=config.keep_checkpoints)
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
     self.metric_sinks = [summaries.JsonlSink(os.path.join(
@@ -144,12 +149,12 @@ class Controller:
                           actions_lib.ProfileReport(self),
                           *train_actions]
     self.eval_actions = list(eval_actions)
-    self.batching = evaluation.Batching(trainer, self.evaluator)
-    self.report = LoopReport(trainer, config.train_steps,
-                                         config.stop_condition())
+    self.batching = evaluation.Batching(parts)
+    self.report = LoopReport(parts, config.train_steps,
+                             config.stop_condition())
     self.targets = actions_lib.TargetTracker(
         config, model_dir, chief=chief, writer=self.writer,
-        aliases=protocols.metric_aliases(self.evaluator))
+        aliases=parts.metric_aliases)
     stop = self.targets.stop_action(
         functools.partial(evaluation.results_of, self))
     if stop is not None:
@@ -162,7 +167,7 @@ class Controller:
 
   @property
   def step(self) -> int:
-    return int(self.trainer.global_step.numpy())
+    return int(self.parts.global_step.numpy())
 
   def request_stop(self, reason: str = "requested") -> None:
     """Ends the run after the current loop's events, as at `train_steps`.
@@ -304,7 +309,7 @@ class Controller:
   def _train(self, iterator, num_steps):
     """`trainer.train` as floats; a partial batch becomes a DataError."""
     try:
-      with self.writer("train").as_default(self.trainer.global_step), (
+      with self.writer("train").as_default(self.parts.global_step), (
           tf.summary.record_if(record_every(self.config.summary_every))):
         return {k: float(v) for k, v in
                 self.trainer.train(iterator, num_steps).items()}
@@ -343,7 +348,7 @@ class Controller:
       if (due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
-      if protocols.take_stop_request(self.trainer):  # in the loop or after
+      if self.parts.take_stop_request():  # in the loop or after
         self.request_stop("trainer.request_stop()")
       if self.stop_reason is not None:
         logging.info("run ends at step %d of %d: %s", step, c.train_steps,
@@ -420,22 +425,18 @@ class LoopReport:
   """A run's loop outputs and log lines.
 
   Args:
-    trainer: the `LoopTrainer` (its `optimizer`, and `global_batch_size`
-      and skip counters where it declares them).
+    parts: the run's `LoopParts` (its `optimizer`, `global_batch_size`
+      and skip count).
     train_steps: where the run ends (the ETA's end).
     stop_condition: the run's condition, or None (said in the first line).
   """
 
-  def __init__(self, trainer: Any, train_steps: int,
+  def __init__(self, parts: protocols.LoopParts, train_steps: int,
                stop_condition: Any = None):
-    self.trainer = trainer
+    self.parts = parts
     self.train_steps = train_steps
     self.stop_condition = stop_condition
-    self.global_batch_size = (trainer.global_batch_size if isinstance(
-        trainer, protocols.BatchSized) else None)
-    self.counts_skips = isinstance(trainer, protocols.SkipCounting) and (
-        protocols.nan_policy(trainer) == "skip"
-        or trainer.loss_scale is not None)
+    self.global_batch_size = parts.global_batch_size
     self._start = None
     # Whether the last loop's watched metrics were finite (the restored
     # state counts as finite), and that loop (first, last, watched).
@@ -473,13 +474,14 @@ class LoopReport:
               elapsed: float) -> dict:
     """The loop's metrics plus learning rate, speed and skipped steps."""
     outputs = dict(metrics)
-    outputs["learning_rate"] = learning_rate(self.trainer.optimizer)
+    if self.parts.optimizer is not None:
+      outputs["learning_rate"] = learning_rate(self.parts.optimizer)
     outputs["steps_per_second"] = num_steps / elapsed
     if self.global_batch_size is not None:
       outputs["examples_per_second"] = (
           num_steps * self.global_batch_size / elapsed)
-    if self.counts_skips:
-      outputs["skipped_steps"] = float(self.trainer.skipped_steps.numpy())
+    if self.parts.skipped_steps is not None:
+      outputs["skipped_steps"] = float(self.parts.skipped_steps())
     return outputs
 
   def log(self, step: int, metrics: Mapping[str, float],

@@ -11,7 +11,6 @@ from typing import Any, Mapping, Optional, Callable
 from absl import logging
 import tensorflow as tf
 
-from framework.core import protocols
 from framework.core.config import TTA_MODES
 from framework.data import integrity, preprocessing
 from framework.data.inputs import MaskedBatch, pad_batches
@@ -234,25 +233,15 @@ def partial_batch_error(error: Exception,
 class Batching:
   """Prepares a run's plain datasets for its trainer and evaluator.
 
-  Reads, once: the trainer's `strategy`, `global_batch_size`
-  (`BatchSized`: checked training batches) and `distribute_dataset`
-  (`DatasetDistributing`: used instead of the strategy's); the
-  evaluator's `global_batch_size` (`MaskedEvaluator`: padded eval batches).
-
-  Args:
-    trainer: a `LoopTrainer`.
-    evaluator: a `LoopEvaluator`, or None.
+  Reads, once, the run's `LoopParts`: `global_batch_size` (checked
+  training batches), `distribute_dataset` and `eval_batch_size` (padded
+  eval batches).
   """
 
-  def __init__(self, trainer: Any, evaluator: Any = None):
-    self.global_batch_size = (trainer.global_batch_size if isinstance(
-        trainer, protocols.BatchSized) else None)
-    self._distribute = (
-        trainer.distribute_dataset
-        if isinstance(trainer, protocols.DatasetDistributing)
-        else trainer.strategy.experimental_distribute_dataset)
-    self.eval_batch_size = (evaluator.global_batch_size if isinstance(
-        evaluator, protocols.MaskedEvaluator) else None)
+  def __init__(self, parts: Any):
+    self.global_batch_size = parts.global_batch_size
+    self._distribute = parts.distribute_dataset
+    self.eval_batch_size = parts.eval_batch_size
     self._said_scaled = False
 
   def train(self, data: Any) -> Any:

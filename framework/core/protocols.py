@@ -62,7 +62,10 @@ returns.
 """
 
 import contextlib
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+import dataclasses
+import functools
+from typing import (Any, Callable, ContextManager, Mapping, Optional,
+                    Protocol, runtime_checkable)
 
 import keras
 import tensorflow as tf
@@ -284,16 +287,21 @@ def missing(trainer: Any, protocol: type) -> list:
                 if not hasattr(trainer, name))
 
 
-def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
+def loop_evaluator(trainer: Any, evaluator: Any, needed: bool,
+                   handed: bool = False) -> Any:
   """The evaluator a Controller uses (`evaluator`, else a `LoopEvaluator`
-  trainer); ConfigError when `trainer` is no `LoopTrainer`, or when an
+  trainer); ConfigError when `trainer` is no `LoopTrainer` (with `handed`
+  `LoopParts`: has no `train` and `sync_replica_state`), or when an
   evaluator is `needed` and there is none."""
   from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  if not isinstance(trainer, LoopTrainer):
+  lacks = ([name for name in ("train", "sync_replica_state")
+            if not callable(getattr(trainer, name, None))] if handed
+           else missing(trainer, LoopTrainer)
+           if not isinstance(trainer, LoopTrainer) else [])
+  if lacks:
     raise ConfigError(
-        f"trainer={type(trainer).__name__} lacks "
-        f"{', '.join(missing(trainer, LoopTrainer))}: a Controller needs "
-        "framework.core.protocols.LoopTrainer")
+        f"trainer={type(trainer).__name__} lacks {', '.join(lacks)}: a "
+        "Controller needs framework.core.protocols.LoopTrainer")
   if evaluator is None and isinstance(trainer, LoopEvaluator):
     evaluator = trainer
   if needed and not isinstance(evaluator, LoopEvaluator):
@@ -401,3 +409,101 @@ def watched_metrics(metrics: Mapping[str, Any]) -> dict:
   if "loss" in metrics:
     return {"loss": metrics["loss"]}
   return dict(metrics)
+
+
+@dataclasses.dataclass
+class LoopParts:
+  """What a `Controller` is handed besides the trainer it calls.
+
+  The Controller calls the trainer through `train` and
+  `sync_replica_state` (and the evaluator through `evaluate`) only; the
+  rest it is handed here, each read once. `loop_parts(trainer)` fills them
+  from a trainer that declares them (`framework.Trainer` does); a caller
+  with its own trainer builds one:
+
+      parts = LoopParts(global_step=step, strategy=strategy,
+                        checkpoint={"model": model, "optimizer": optimizer,
+                                    "global_step": step})
+
+  Fields: `global_step` (int64, advanced by the trainer), `strategy`,
+  `checkpoint` ({name: trackable}: what a checkpoint holds); the optimizer
+  whose learning rate is logged (none: not logged); `global_batch_size`
+  (training batches checked, examples/s; none: neither); `nan_policy`
+  ("stop" raises on a non-finite loop; "skip": the trainer skips such
+  steps); `skipped_steps` / `consecutive_skips` (`() -> int`) and
+  `max_skipped_steps` (none: no skip count or limit); `request_stop()` (an
+  in-graph stop, e.g. at SIGTERM) and `take_stop_request() -> bool` (the
+  trainer asked to stop; cleared); `distribute_dataset` (default: the
+  strategy's `experimental_distribute_dataset`); `eval_batch_size` (eval
+  batches padded to it, `MaskedBatch`; none: as given); `metric_aliases`;
+  `model` (best/ restores it; default `checkpoint["model"]`),
+  `export_model()` (best/'s weights; default `model`), `ema` and
+  `averaged_weights()` (a context holding the EMA weights).
+  """
+
+  global_step: Any
+  strategy: Any
+  checkpoint: Mapping[str, Any]
+  optimizer: Any = None
+  global_batch_size: Optional[int] = None
+  nan_policy: str = "stop"
+  skipped_steps: Optional[Callable[[], int]] = None
+  consecutive_skips: Optional[Callable[[], int]] = None
+  max_skipped_steps: Optional[int] = None
+  request_stop: Optional[Callable[[], None]] = None
+  take_stop_request: Callable[[], bool] = lambda: False
+  distribute_dataset: Optional[Callable[[Any], Any]] = None
+  eval_batch_size: Optional[int] = None
+  metric_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  model: Any = None
+  export_model: Optional[Callable[[], Any]] = None
+  ema: Any = None
+  averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
+
+  def __post_init__(self):
+    self.checkpoint = dict(self.checkpoint)
+    if self.model is None:
+      self.model = self.checkpoint.get("model")
+    if self.export_model is None:
+      self.export_model = lambda: self.model
+    if self.distribute_dataset is None:
+      self.distribute_dataset = self.strategy.experimental_distribute_dataset
+
+
+def loop_parts(trainer: Any, evaluator: Any = None,
+               checkpoint_items: Optional[Mapping[str, Any]] = None
+               ) -> LoopParts:
+  """A `LoopTrainer`'s `LoopParts`, read once through the protocols above
+  (each optional one's default when absent); `evaluator` (default: the
+  trainer) gives the eval batch size and metric aliases; `checkpoint_items`
+  join what the checkpoint holds."""
+  evaluator = trainer if evaluator is None else evaluator
+  policy = nan_policy(trainer)
+  counts = isinstance(trainer, SkipCounting)
+  skipped = consecutive = max_skipped = None
+  if counts and (policy == "skip" or trainer.loss_scale is not None):
+    skipped = lambda: int(trainer.skipped_steps.numpy())
+  if counts and policy == "skip":
+    consecutive = lambda: int(trainer.consecutive_skips.numpy())
+    max_skipped = trainer.max_skipped_steps
+  stoppable = isinstance(trainer, Stoppable)
+  return LoopParts(
+      global_step=trainer.global_step, strategy=trainer.strategy,
+      checkpoint=checkpoint_objects(trainer, checkpoint_items),
+      optimizer=trainer.optimizer,
+      global_batch_size=(trainer.global_batch_size
+                         if isinstance(trainer, BatchSized) else None),
+      nan_policy=policy, skipped_steps=skipped, consecutive_skips=consecutive,
+      max_skipped_steps=max_skipped,
+      request_stop=trainer.request_stop if stoppable else None,
+      take_stop_request=(functools.partial(take_stop_request, trainer)
+                         if stoppable else lambda: False),
+      distribute_dataset=(trainer.distribute_dataset if isinstance(
+          trainer, DatasetDistributing) else None),
+      eval_batch_size=(evaluator.global_batch_size if isinstance(
+          evaluator, MaskedEvaluator) else None),
+      metric_aliases=metric_aliases(evaluator),
+      model=trainer.model,
+      export_model=functools.partial(export_model, trainer),
+      ema=ema_of(trainer),
+      averaged_weights=functools.partial(averaged_weights, trainer))

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 from absl import logging
 import tensorflow as tf
 
-from framework.core import actions, protocols
+from framework.core import actions
 from framework.core import evaluation
 from framework.core.checkpoints import run_files
 from framework.core.config import parse_metric
@@ -141,7 +141,7 @@ class BestCheckpoint:
     self.split, self.name = parse_metric(config.best_metric)
     self.mode = resolve_mode(self.name, config.best_mode)
     self.model_dir = controller.model_dir
-    strategy = controller.trainer.strategy
+    strategy = controller.parts.strategy
     self.chief = strategies.is_chief(strategy)
     self.task = strategies.task_info(strategy)
     if self.chief and os.path.isdir(self.model_dir):
@@ -258,7 +258,7 @@ class BestCheckpoint:
     def write(tmp):
       tf.io.gfile.makedirs(tmp)
       c.checkpoint.write(os.path.join(tmp, CHECKPOINT_NAME))
-      _save_eval_weights(c.trainer, os.path.join(tmp, WEIGHTS_NAME))
+      _save_eval_weights(c.parts, os.path.join(tmp, WEIGHTS_NAME))
       info = os.path.join(self.model_dir, "model_info.json")
       if tf.io.gfile.exists(info):
         tf.io.gfile.copy(info, os.path.join(tmp, "model_info.json"))
@@ -301,18 +301,18 @@ class BestCheckpoint:
 def restore_weights(controller: Any, path: str) -> None:
   """Loads the model (and EMA) of checkpoint `path`, not its step or
   optimizer, into `controller`'s trainer."""
-  objects = {"model": controller.trainer.model}
-  ema = protocols.ema_of(controller.trainer)
+  objects = {"model": controller.parts.model}
+  ema = controller.parts.ema
   if ema is not None:
     objects.update(ema.checkpoint_items())
   tf.train.Checkpoint(**objects).restore(path).expect_partial(
   ).assert_existing_objects_matched()
 
 
-def _save_eval_weights(trainer, path):
+def _save_eval_weights(parts, path):
   """The weights evaluation uses (EMA averages swapped in), as `.h5`."""
-  model = protocols.export_model(trainer)
-  with protocols.averaged_weights(trainer):
+  model = parts.export_model()
+  with parts.averaged_weights():
     model.save_weights(path)
 
 
