@@ -205,7 +205,7 @@ _KILL = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from framework.app import experiment
-from framework.core import best_checkpoint
+from framework.core.checkpoints import best as best_checkpoint
 import test_best_checkpoint as t
 exports = []
 point = {point!r}

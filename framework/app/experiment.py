@@ -27,6 +27,7 @@ from framework.app import run_plan
 from framework.app import split_change
 from framework.core import optimizers, protocols, ps_training
 from framework.core import controller as progress
+from framework.core import checkpoints
 from framework.core.checkpoints import warm_start
 from framework.data import augment, inputs
 from framework.distribute import strategies
@@ -92,23 +93,26 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
     eval_inputs = eval_set_specs.eval_inputs(config, strategy, dataset,
                                              eval_input)
     eval_input = None
+  run_config = export.run_config(config, model)
+  if getattr(dataset, "generation", None):
+    # Resuming on re-converted data (another content) is a config change.
+    run_config["data_generation"] = dataset.generation
+  # What the loop is handed: its parts and the manager it saves through.
+  parts = protocols.loop_parts(trainer, checkpoint_items=checkpoint_items)
+  manager = checkpoints.for_loop(
+      parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
+      restore_policy=config.restore, run_config=run_config,
+      allow_config_change=config.allow_config_change)
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
-                checkpoint_items=checkpoint_items or None)
+                parts=parts, checkpoints=manager)
   if plan.is_segmentation:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
         samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
-  run_config = export.run_config(config, model)
-  if getattr(dataset, "generation", None):
-    # Resuming on re-converted data (another content) is a config change.
-    run_config["data_generation"] = dataset.generation
-  controller.checkpoints.configure(
-      restore_policy=config.restore, run_config=run_config,
-      allow_config_change=config.allow_config_change)
   return trainer, controller
 
 
@@ -292,7 +296,7 @@ def _run(plan, trainer_cls, prepare_controller, lock, *,
   # when the last loop's loss was not finite.
   results = controller.run()
   if chief:
-    if not isinstance(trainer, protocols.Exportable):
+    if protocols.optional(trainer, "export_model") is None:
       logging.info("trainer=%s has no export_model(): the weights file and "
                    "the export hold its model", type(trainer).__name__)
     model = protocols.export_model(trainer)

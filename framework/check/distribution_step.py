@@ -50,8 +50,9 @@ def state_variables(trainer):
   """What one step of `trainer` may change: its own `step_variables()`
   (a `Trainer`: the EMA, the loss scale and the skip counters too), else
   the model's and optimizer's variables and a `global_step` if any."""
-  if isinstance(trainer, protocols.LoopStep):
-    return list(trainer.step_variables())
+  step_variables = protocols.optional(trainer, "step_variables")
+  if step_variables is not None:
+    return list(step_variables())
   state = list(trainer.model.variables) + list(trainer.optimizer.variables)
   step = getattr(trainer, "global_step", None)
   return state + ([step] if step is not None else [])
@@ -83,11 +84,10 @@ def probe_optimizer(trainer):
 
 def _step_of(trainer):
   """`dist_batch -> (per-replica outputs, their SUM or None)`."""
-  if isinstance(trainer, protocols.LoopStep):
+  if protocols.optional(trainer, "run_step") is not None:
     return trainer.run_step  # the loop's own step
-  if isinstance(trainer, protocols.DistributedStep):
-    run = trainer.distributed_train_step
-  else:
+  run = protocols.optional(trainer, "distributed_train_step")
+  if run is None:
     run = lambda b: trainer.strategy.run(trainer.train_step, args=(b,))
   return lambda dist_batch: (run(dist_batch), None)
 

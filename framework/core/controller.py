@@ -31,7 +31,7 @@ import tensorflow as tf
 from framework.core import actions as actions_lib
 from framework.core import evaluation, protocols, summaries
 from framework.core.checkpoints import best as best_checkpoint
-from framework.core.checkpoints.manager import CheckpointManager
+from framework.core.checkpoints import CheckpointManager, for_loop
 from framework.core.config import LoopConfig
 from framework.core.summaries import Writers, markdown_table, record_every
 from framework.distribute import strategies
@@ -42,16 +42,20 @@ from framework.perf import profiling
 class Controller:
   """Runs a trainer for `config.train_steps` with checkpoints and summaries.
 
-  The trainer: a `framework.Trainer` (or subclass), or any object that
-  implements `framework.core.protocols.LoopTrainer` (`model`, `optimizer`,
-  `strategy`, `global_step`, `train(iterator, num_steps) -> {name:
-  scalar}`, `sync_replica_state()`; and `LoopEvaluator`'s
-  `evaluate(distributed_dataset)` to evaluate). The Controller reads
-  nothing else of it but the optional protocols declared there, each with
-  its default when absent (`global_batch_size`, `nan_policy`, the skip
-  counters, `request_stop`, `distribute_dataset`, `metric_aliases`, ...).
-  Every returned metric is logged and summarised under its own name; the
-  NaN policy watches `loss` if the trainer returns one, else every value.
+  The Controller calls the trainer through `train(iterator, num_steps) ->
+  {name: scalar}` and `sync_replica_state()` (before saves and
+  evaluations) only, and the evaluator through `evaluate(distributed_dataset)`
+  (`framework.core.protocols.LoopTrainer`, `LoopEvaluator`). What it does
+  not compute it is handed (Orbit's way): `parts`, a
+  `framework.core.protocols.LoopParts` (the global step, the strategy, what
+  a checkpoint holds, the NaN policy and skip count, the batch size, ...)
+  and `checkpoints`, the `CheckpointManager` it saves through
+  (`framework.core.checkpoints.for_loop(parts, model_dir, ...)`). Without
+  them it reads the parts once from the trainer
+  (`protocols.loop_parts(trainer)`: a `framework.Trainer` has them all) and
+  builds the manager itself. Every returned metric is logged and summarised
+  under its own name; the NaN policy watches `loss` if the trainer returns
+  one, else every value.
 
   Inputs (`framework.core.evaluation`): `train_input(start_step)`
   returns endless global batches from `start_step` on, `eval_input()` one
@@ -73,7 +77,8 @@ class Controller:
   `config.stop_when` / `stop_at_accuracy` (`framework.core.actions`).
 
   Args:
-    trainer: a `LoopTrainer` (e.g. `framework.Trainer`).
+    trainer: a `LoopTrainer` (e.g. `framework.Trainer`); without `parts`,
+      also its `model`, `optimizer`, `strategy` and `global_step`.
     config: a `LoopConfig`.
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
     train_input: `start_step -> dataset` of global batches.
@@ -90,6 +95,11 @@ class Controller:
     on_loop_end: deprecated: callables `fn(step)`, run as train actions.
     metric_sinks: `framework.core.summaries.MetricSink`s for every scalar
       point besides TensorBoard and `model_dir/metrics.jsonl` (chief only).
+    parts: the run's `LoopParts` (default: `protocols.loop_parts(trainer,
+      evaluator, checkpoint_items)`).
+    checkpoints: the `CheckpointManager` to save through, what it holds
+      its own (default: `checkpoints.for_loop(parts, model_dir,
+      max_to_keep=config.keep_checkpoints)`).
     `self.on_train_end`: `fn(step)` run after the final checkpoint, before
       the final evaluation (one that returns a dict: the run's results).
   """
@@ -105,10 +115,11 @@ class Controller:
                evaluator: Optional[protocols.LoopEvaluator] = None,
                on_loop_end: Sequence[Callable[[int], Any]] = (),
                metric_sinks: Sequence[Any] = (),
-               parts: Optional[protocols.LoopParts] = None):
+               parts: Optional[protocols.LoopParts] = None,
+               checkpoints: Optional[CheckpointManager] = None):
     self.eval_sets = evaluation.collect(eval_input, eval_inputs)
-    self.evaluator = protocols.loop_evaluator(
-        trainer, evaluator, bool(self.eval_sets), handed=parts is not None)
+    self.evaluator = protocols.loop_evaluator(trainer, evaluator,
+                                              bool(self.eval_sets))
     if parts is None:
       parts = protocols.loop_parts(trainer, self.evaluator, checkpoint_items)
     elif checkpoint_items:
@@ -125,10 +136,9 @@ class Controller:
     self.eval_input = eval_input
     self.hparams = hparams or {}
     chief = strategies.is_chief(parts.strategy)
-    self.checkpoint = tf.train.Checkpoint(**parts.checkpoint)
-    self.checkpoints = CheckpointManager(
-        self.checkpoint, model_dir, parts.strategy,
-        max_to_keep=config.keep_checkpoints)
+    self.checkpoints = checkpoints or for_loop(
+        parts, model_dir, max_to_keep=config.keep_checkpoints)
+    self.checkpoint = self.checkpoints.checkpoint
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
     self.metric_sinks = [summaries.JsonlSink(os.path.join(
         model_dir, summaries.METRICS_FILE)), *metric_sinks] if (
@@ -396,9 +406,9 @@ def steps_to_next_event(config: Any, step: int,
 # was not finite in it.
 #
 # A loop's outputs are the trainer's mean metrics plus `learning_rate`,
-# `steps_per_second`, `examples_per_second` (a `BatchSized` trainer) and
-# `skipped_steps` (a `SkipCounting` trainer that skips: nan_policy=skip or
-# float16 loss scaling); they are what the train actions get and what
+# `steps_per_second`, `examples_per_second` (with a `global_batch_size`)
+# and `skipped_steps` (a trainer that counts skipped steps and skips them:
+# nan_policy=skip or float16 loss scaling); they are what the train actions get and what
 # `train/` summarises. The log line puts `loss` first and counts the ETA to
 # `train_steps`.
 def learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

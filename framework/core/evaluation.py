@@ -180,8 +180,8 @@ def _per_example(values):
 #   a loss averaged over the wrong count.
 #
 #   eval_input() returns one pass over the eval set, as a `tf.data.Dataset`
-#   of batches (the last one may be partial: for a `MaskedEvaluator` such as
-#   `framework.Trainer` it is re-batched to `global_batch_size`, the last
+#   of batches (the last one may be partial: for an evaluator with
+#   `run_eval_step` such as `framework.Trainer` it is re-batched to `global_batch_size`, the last
 #   batch padded with masked rows, see `framework.data.inputs.pad_batches`,
 #   and distributed, so that every replica gets a full batch) or an already
 #   distributed dataset (used as is: pad it yourself).

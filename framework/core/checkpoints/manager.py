@@ -331,6 +331,15 @@ class CheckpointManager:
     return path
 
 
+def for_loop(parts, model_dir, *, max_to_keep=3, **options):
+  """The `CheckpointManager` a `Controller` with `parts` (a
+  `framework.core.protocols.LoopParts`) saves through: its checkpoint holds
+  `parts.checkpoint`; `options` are `CheckpointManager`'s
+  (`restore_policy`, `run_config`, `allow_config_change`)."""
+  return CheckpointManager(tf.train.Checkpoint(**parts.checkpoint), model_dir,
+                           parts.strategy, max_to_keep=max_to_keep, **options)
+
+
 def read_run_config(model_dir):
   """The dict the chief wrote with its checkpoints, or None."""
   path = os.path.join(model_dir, RUN_CONFIG_FILE)
