@@ -100,7 +100,8 @@ def test_a_minimal_trainer_runs_with_checkpoints_eval_and_tensorboard(
   assert again.step == 6
 
 
-def test_parts_read_from_a_framework_trainer_leave_three_names():
+def test_a_framework_trainer_handed_its_parts_is_touched_by_three_names(
+    tmp_path):
   inputs = keras.Input((3,))
   model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
   trainer = framework.Trainer(model, keras.optimizers.SGD(0.1),
@@ -110,3 +111,14 @@ def test_parts_read_from_a_framework_trainer_leave_three_names():
   assert parts.global_step is trainer.global_step
   assert parts.nan_policy == trainer.nan_policy
   assert set(parts.checkpoint) >= {"model", "optimizer", "global_step"}
+  touched = set()
+  labels = lambda: _data().map(lambda x, y: (x, tf.cast(y > 0, tf.int64)))
+  framework.Controller(
+      recording(trainer, touched),
+      framework.LoopConfig(train_steps=4, steps_per_loop=2, eval_every=2,
+                           checkpoint_every=2, best_metric="eval/accuracy"),
+      str(tmp_path), parts=parts,
+      train_input=lambda start: labels().repeat().batch(
+          8, drop_remainder=True).skip(start),
+      eval_input=lambda: labels().batch(8)).run()
+  assert touched == {"train", "sync_replica_state", "evaluate"}
