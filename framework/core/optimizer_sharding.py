@@ -1,4 +1,9 @@
-"""Optimizer-state sharding (ZeRO-1): each replica keeps 1/N of the slots.
+"""ZeRO-1, the one home: each replica, or each copy of a split on a mesh's
+data axis, keeps 1/N of the optimizer's slots.
+
+`ShardedOptimizerState` below shards over the replicas of one strategy;
+`CopyShardedState` (at the end) over the R copies of a split model
+(`--mesh=data:R,...`). Replicas first:
 
 Data parallelism keeps a full copy of the optimizer state on every replica
 (Adam: two slots, 2x the parameters). With `shard_optimizer_state` the
