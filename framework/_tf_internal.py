@@ -15,7 +15,7 @@ import importlib
 import keras
 import tensorflow as tf
 
-# --- Keras optimizers (core/fused_updates.py, trainer.py, optimizer_sharding.py).
+# --- Keras optimizers (core/optimizers.py, trainer.py, optimizer_sharding.py).
 
 
 def optimizer_variable_index(optimizer, variable):
@@ -235,7 +235,7 @@ def has_seed_generator(layer):
              for name in SEED_GENERATOR_ATTRIBUTES)
 
 
-# --- Preemption (core/preemption.py). ----------------------------------------
+# --- Preemption (core/actions.py). -------------------------------------------
 
 
 def stop_peer_watcher(handler):
@@ -303,7 +303,7 @@ def configure_coordination_service(spec, jobs, heartbeat_timeout_ms):
       coordinated_jobs=coordinated)
 
 
-# --- Checkpoint object graphs (core/warm_start.py). ---------------------------
+# --- Checkpoint object graphs (core/checkpoints/warm_start.py). ---------------
 
 
 def checkpoint_object_graph(reader):

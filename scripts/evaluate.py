@@ -66,8 +66,8 @@ def run():
       raise framework.ConfigError(
           "--weights=best evaluates the best checkpoint; it cannot be "
           "combined with --watch or --checkpoint")
-    from framework.core import best_checkpoint  # pylint: disable=g-import-not-at-top
-    checkpoint = best_checkpoint.resolve(FLAGS.model_dir)
+    from framework.core.checkpoints import best  # pylint: disable=g-import-not-at-top
+    checkpoint = best.resolve(FLAGS.model_dir)
   config = config_flags.build_config(EvalConfig, checkpoint=checkpoint)
   if FLAGS.watch:
     results = evaluation.watch(config)

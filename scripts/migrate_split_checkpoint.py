@@ -41,8 +41,9 @@ def migrate(config):
   # pylint: disable=g-import-not-at-top
   import tensorflow as tf
   from framework.app import export, factory, run_plan
-  from framework.core import checkpointing, protocols
-  from framework.core.run_lock import RunLock
+  from framework.core import protocols
+  from framework.core.checkpoints import manager
+  from framework.core.checkpoints.run_files import RunLock
   from framework.errors import CheckpointError, ConfigError
   # pylint: enable=g-import-not-at-top
   config, strategy = run_plan.place(config)
@@ -51,7 +52,7 @@ def migrate(config):
     trainer, controller = factory.build(plan)
     path = controller.checkpoints.latest
     previous = export.read_model_info_quietly(config.model_dir)
-    saved = checkpointing.read_run_config(config.model_dir)
+    saved = manager.read_run_config(config.model_dir)
     if not path or not run_plan.saved_before_cross_mesh(
         previous, saved,
         export.model_fingerprint(protocols.unsplit_model(trainer))):

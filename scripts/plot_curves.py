@@ -55,7 +55,7 @@ def main(argv):
 def plot():
   """Reads the flags' run, prints its table, writes the PNG (and JSON)."""
   # Here, not at the top: TensorFlow's own flags must not become this app's.
-  from framework.core import atomic  # pylint: disable=g-import-not-at-top
+  from framework.core.checkpoints import run_files  # pylint: disable=g-import-not-at-top
   from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(FLAGS.model_dir):
     raise ConfigError(f"model_dir={FLAGS.model_dir!r} is not a folder")
@@ -93,12 +93,12 @@ def plot():
     print(f"{FLAGS.baseline_name}: {format_value(FLAGS.baseline, percent)}")
   output = FLAGS.output or os.path.join(FLAGS.model_dir, f"{FLAGS.tag}.png")
   # Complete or as before: the PNG may land in the run's own folder.
-  atomic.write_atomically(output, lambda tmp: draw(
+  run_files.write_atomically(output, lambda tmp: draw(
       curves, tmp, f"{FLAGS.tag}: {FLAGS.model_dir}", x_label=FLAGS.x_axis,
       percent=percent))
   print(f"wrote {output}")
   if FLAGS.output_json:
-    atomic.write_text(FLAGS.output_json, json.dumps(curves, indent=2))
+    run_files.write_text(FLAGS.output_json, json.dumps(curves, indent=2))
 
 
 if __name__ == "__main__":

@@ -29,13 +29,13 @@ import pkgutil
 # used first. A package name stands for all of its modules. CORE_MODULES:
 # what every train.py run of the Trainer converts.
 CORE_MODULES = (
-    "framework.core.trainer", "framework.core.step_loop",
-    "framework.core.gradients", "framework.core.eval_step",
-    "framework.core.replica_sync", "framework.core.fused_updates",
+    "framework.core.trainer", "framework.core.trainer",
+    "framework.core.gradients", "framework.core.evaluation",
+    "framework.core.trainer", "framework.core.optimizers",
     "framework._tf_internal", "framework.data.inputs", "framework.app.export",
-    "framework.core.communication", "framework.core.tta")
+    "framework.core.gradients", "framework.core.evaluation")
 _MODULES = CORE_MODULES + (
-    "framework.core.losses", "framework.core.precision", "framework.core.ema",
+    "framework.core.trainer", "framework.core.precision", "framework.core.optimizers",
     "framework.core.optimizer_sharding",
     "framework.core.optimizers", "framework.core.summaries",
     "framework.tasks", "framework.data.preprocessing", "framework.model_parallel",
@@ -44,8 +44,8 @@ _MODULES = CORE_MODULES + (
     "framework.data.tfds_input", "framework.check", "framework.perf.flops")
 # Modules that hold the functions a tf.function wraps (converted with
 # user_requested=True; what they call is converted without).
-_ENTRY_MODULES = ("framework.core.trainer", "framework.core.step_loop",
-                  "framework.core.eval_step", "framework.app.export",
+_ENTRY_MODULES = ("framework.core.trainer", "framework.core.trainer",
+                  "framework.core.evaluation", "framework.app.export",
                   "framework.core.ps_training",
                   "framework.model_parallel.staged_trainer",
                   "framework.model_parallel.tensor_parallel",

@@ -7,7 +7,8 @@ while any of them runs; the Controller applies their `Stop`s."""
 import pytest
 
 from framework.app import experiment
-from framework.core import actions, best_checkpoint, controller
+from framework.core import actions, controller
+from framework.core.checkpoints import best as best_checkpoint
 from test_best_checkpoint import _config
 
 _ACTIVE = []

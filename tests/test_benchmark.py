@@ -189,7 +189,7 @@ sys.path.insert(0, sys.argv[1])
 from absl import flags
 import framework
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
-from framework.data import augment
+from framework.data import preprocessing
 from scripts.benchmarks import common
 flags.FLAGS(["x", "--recipe=fast", "--global_batch_size=512"])
 recipe = common._fast_recipe()
@@ -200,7 +200,7 @@ trainer = common.make_trainer(setup, strategy, 512)
 assert setup.optimizer.nesterov
 assert float(setup.optimizer.momentum) == float(recipe["momentum"])
 assert trainer.ema is not None
-assert common.augmentation() is augment.get_augmentation(recipe["augment"])
+assert common.augmentation() is preprocessing.get_augmentation(recipe["augment"])
 print("ok")
 """
   proc = helpers.run_code(code, ROOT, timeout=120)

@@ -16,7 +16,8 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from framework import ExperimentConfig, LoopConfig
 from framework.app import evaluation, experiment
-from framework.core import best_checkpoint, checkpoint_integrity
+from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import manager
 from framework.core.config import OptimizerConfig
 from helpers import assert_one_line_error, run_code, run_script, snapshot
 from shared_strategy import mirrored
@@ -76,7 +77,7 @@ def test_best_json_names_the_peak_and_the_run_stops_after_its_patience(run):
   assert best["split"] == "eval" and best["mode"] == "max"
   assert best["epoch"] == pytest.approx(peak / (2048 // 64), abs=1e-3)
   assert best["metrics"]["examples"] == 512
-  assert checkpoint_integrity.damage(str(model_dir / "best" / "ckpt")) is None
+  assert manager.damage(str(model_dir / "best" / "ckpt")) is None
   # The stop reason: the run's record, TensorBoard.
   with open(model_dir / "stopped_early.json") as f:
     record = json.load(f)
@@ -203,9 +204,8 @@ def test_mirrored_with_an_ema_restores_the_averaged_best_on_stop(tmp_path):
 _KILL = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-import tensorflow as tf
 from framework.app import experiment
-from framework.core import best_checkpoint
+from framework.core.checkpoints import best as best_checkpoint
 import test_best_checkpoint as t
 exports = []
 point = {point!r}
@@ -240,7 +240,7 @@ def test_kill_9_during_a_best_export_keeps_the_previous_best(
                                       else ".tmp_best.old")
   with open(os.path.join(folder, "best.json")) as f:
     assert json.load(f)["step"] == first
-  assert checkpoint_integrity.damage(os.path.join(folder, "ckpt")) is None
+  assert manager.damage(os.path.join(folder, "ckpt")) is None
   # What the next run does first: the previous best back in place.
   best_checkpoint.recover(str(model_dir))
   assert _best(model_dir)["step"] == first

@@ -120,29 +120,29 @@ def test_a_garbled_state_file_and_a_damaged_newest_checkpoint(
 ])
 def test_unreadable_state_files_are_rebuilt_from_the_files(tmp_path, content,
                                                            why):
-  from framework.core import checkpoint_state  # pylint: disable=g-import-not-at-top
+  from framework.core.checkpoints import manager  # pylint: disable=g-import-not-at-top
   for name in ("ckpt-10.index", "ckpt-10.data-00000-of-00001",
                "ckpt-9.index", "ckpt-100.data-00000-of-00001", "ckpt-7x.index",
                "notes.txt"):
     (tmp_path / name).write_text("x")
   (tmp_path / "checkpoint").write_bytes(content)
-  assert why in checkpoint_state.problem(str(tmp_path))
-  found = [os.path.basename(p) for p in checkpoint_state.recovered(
+  assert why in manager.problem(str(tmp_path))
+  found = [os.path.basename(p) for p in manager.recovered(
       str(tmp_path))]
   assert found == ["ckpt-9", "ckpt-10", "ckpt-100"]  # by number, not name
-  assert checkpoint_state.latest(str(tmp_path)).endswith("ckpt-100")
-  assert checkpoint_state.rebuild(str(tmp_path)) is not None
-  assert checkpoint_state.problem(str(tmp_path)) is None
+  assert manager.latest(str(tmp_path)).endswith("ckpt-100")
+  assert manager.rebuild(str(tmp_path)) is not None
+  assert manager.problem(str(tmp_path)) is None
   state = _state(tmp_path)
   assert 'model_checkpoint_path: "ckpt-100"' in state, state
   assert state.count("all_model_checkpoint_timestamps") == 3, state
-  assert checkpoint_state.rebuild(str(tmp_path)) is None  # nothing to do
+  assert manager.rebuild(str(tmp_path)) is None  # nothing to do
 
 
 def test_a_readable_or_absent_state_file_is_left_to_tensorflow(tmp_path):
-  from framework.core import checkpoint_state  # pylint: disable=g-import-not-at-top
-  assert checkpoint_state.problem(str(tmp_path)) is None
-  assert checkpoint_state.recovered(str(tmp_path)) is None
+  from framework.core.checkpoints import manager  # pylint: disable=g-import-not-at-top
+  assert manager.problem(str(tmp_path)) is None
+  assert manager.recovered(str(tmp_path)) is None
   (tmp_path / "checkpoint").write_text(GARBAGE)
-  assert checkpoint_state.rebuild(str(tmp_path)) is not None
+  assert manager.rebuild(str(tmp_path)) is not None
   assert not (tmp_path / "checkpoint").exists()  # no checkpoints: removed

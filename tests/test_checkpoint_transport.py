@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHIEF = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     import tensorflow as tf
-    from framework.core.checkpointing import CheckpointManager
+    from framework.core.checkpoints.manager import CheckpointManager
     from framework.distribute import launcher
     from framework.errors import ModelDirError
 

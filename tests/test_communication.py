@@ -18,8 +18,8 @@ from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g
 import framework
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 import models
-from framework.core import communication
-from framework.core.communication import AllReduceConfig
+from framework.core import gradients
+from framework.core.gradients import AllReduceConfig
 from framework.errors import ConfigError
 from test_trainer import data, max_diff, train  # pylint: disable=unused-import
 
@@ -93,10 +93,10 @@ def test_overlap_gives_today_s_weights_bucket_by_bucket(data, strategy_fn):
 
 def test_gradient_buckets_go_last_layer_first():
   grads = [tf.zeros([256]), tf.zeros([4]), tf.zeros([256]), tf.zeros([4])]
-  assert communication.gradient_buckets(grads, 1024) == [[3, 2], [1, 0]]
-  assert communication.gradient_buckets(grads, 1 << 20) == [[3, 2, 1, 0]]
-  assert communication.gradient_buckets(grads, 1) == [[3], [2], [1], [0]]
-  assert communication.gradient_buckets(grads, 2000) == [[3, 2, 1, 0]]
+  assert gradients.gradient_buckets(grads, 1024) == [[3, 2], [1, 0]]
+  assert gradients.gradient_buckets(grads, 1 << 20) == [[3, 2, 1, 0]]
+  assert gradients.gradient_buckets(grads, 1) == [[3], [2], [1], [0]]
+  assert gradients.gradient_buckets(grads, 2000) == [[3, 2, 1, 0]]
 
 
 def test_bfloat16_reduction_is_float32_within_its_rounding(data):

@@ -16,7 +16,8 @@ import framework
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
-from framework.core import losses, precision
+from framework.core import precision
+from framework.core import trainer as losses
 from tests import shared_strategy
 from tests.helpers import ROOT
 

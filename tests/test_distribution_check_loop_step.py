@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import framework
 from framework.check import distribution_check
-from framework.core import step_loop
+from framework.core import trainer as step_loop
 from framework.core.trainer import Trainer
 
 GLOBAL_BATCH = 16

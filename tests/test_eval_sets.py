@@ -14,7 +14,7 @@ import framework
 from framework import ExperimentConfig, LoopConfig
 from framework.app import experiment
 from framework.app import config as eval_set_specs
-from framework.core import eval_sets
+from framework.core import evaluation
 from helpers import assert_one_line_error, run_script, snapshot
 from shared_strategy import mirrored
 from framework.core.controller import Controller
@@ -74,7 +74,7 @@ def test_stop_when_on_the_second_set_stops_the_run(tmp_path):
                       "time_to_target_seconds")) == [4]
   # A split the run does not have is one ConfigError.
   with pytest.raises(framework.ConfigError, match="no eval set named"):
-    eval_sets.results_of(controller, "eval_val", {})
+    evaluation.results_of(controller, "eval_val", {})
   with pytest.raises(framework.ConfigError, match="given twice"):
     make_controller(tmp_path / "b", 4, eval_inputs={"eval": _data})
   with pytest.raises(framework.ConfigError, match="eval set name"):

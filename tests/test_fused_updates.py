@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.core import fused_updates
+from framework.core import optimizers as fused_updates
 from test_trainer import data, make_trainer, max_diff, train  # pylint: disable=unused-import
 
 OPTIMIZERS = [("sgd", 0.05), ("momentum", 0.05), ("adam", 1e-3),

@@ -15,7 +15,7 @@ import framework
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
-from framework.core import xla
+from framework.core import trainer as xla
 import models
 from tests import shared_strategy
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from framework import ConfigError
-from framework.core.losses import smoothed_sparse_categorical_loss
+from framework.core.trainer import smoothed_sparse_categorical_loss
 from framework.core.trainer import sparse_categorical_loss
 
 

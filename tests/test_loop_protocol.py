@@ -88,7 +88,7 @@ def _loop(train_steps, **kwargs):
 def test_protocol_only_trainer_trains_checkpoints_resumes_evaluates(tmp_path):
   trainer = MinimalTrainer()
   assert isinstance(trainer, protocols.LoopTrainer)
-  assert not isinstance(trainer, protocols.BatchSized)
+  assert not hasattr(trainer, "global_batch_size")
   controller = framework.Controller(trainer, _loop(4), str(tmp_path),
                                     train_input=train_input,
                                     eval_input=eval_input)

@@ -103,7 +103,7 @@ PENDING = {
     ("framework/app/export.py", "seed"): "read InputConfig's",
     ("framework/app/run_plan.py", "mode"): "read ModelParallelConfig's",
     ("framework/app/run_plan.py", "best_mode"): "read LoopConfig's",
-    ("framework/core/checkpointing.py", "allow_config_change"):
+    ("framework/core/checkpoints/manager.py", "allow_config_change"):
         "read ExperimentConfig's (or no default)",
     ("framework/core/ps_training.py", "seed"): "read InputConfig's",
     ("framework/model_parallel/pipeline.py", "recompute"): "read SplitConfig's",

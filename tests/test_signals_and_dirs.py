@@ -15,7 +15,7 @@ import pytest
 
 from framework import ExperimentConfig
 from framework.app import experiment
-from framework.core import preemption
+from framework.core import actions
 from helpers import ROOT, assert_one_line_error, run_script
 
 
@@ -51,7 +51,7 @@ def test_sigterm_while_loading_the_data_is_one_line_and_leaves_no_dir(
     if process.poll() is None:
       process.kill()
       process.wait()
-  assert process.returncode == preemption.EXIT_TERMINATED, stderr[-3000:]
+  assert process.returncode == actions.EXIT_TERMINATED, stderr[-3000:]
   assert stderr.rstrip().splitlines()[-1] == (
       "train.py: terminated (SIGTERM) before training started; nothing was "
       "saved")
@@ -66,9 +66,8 @@ class _Controller:
     self.on_train_end = []
     self.on_loop_end = []
     self.stop_requests = 0
-    self.stop_requested = False  # protocols.Stoppable declares it
     self.stop_reason = None
-    self.trainer = self
+    self.parts = self  # its `request_stop`: LoopParts.request_stop
 
   def request_stop(self):
     self.stop_requests += 1
@@ -78,17 +77,17 @@ class _Controller:
                                    "signal_stops_training"])
 def test_sigterm_after_training_says_it_exits_and_does(monkeypatch, caplog,
                                                        order):
-  monkeypatch.setattr(preemption, "_watch_signals", lambda *args: None)
+  monkeypatch.setattr(actions, "_watch_signals", lambda *args: None)
   exits = []
 
   def fake_exit(code):
     exits.append(code)
     raise SystemExit(code)
 
-  monkeypatch.setattr(preemption.os, "_exit", fake_exit)
+  monkeypatch.setattr(actions.os, "_exit", fake_exit)
   caplog.set_level(logging.INFO)
   controller = _Controller()
-  hook = preemption._LocalPreemption(controller)  # pylint: disable=protected-access
+  hook = actions._LocalPreemption(controller)  # pylint: disable=protected-access
   assert controller.on_train_end == [hook.train_ended]
   with pytest.raises(SystemExit):
     if order == "end_then_signal":  # during the final evaluation or export
@@ -102,7 +101,7 @@ def test_sigterm_after_training_says_it_exits_and_does(monkeypatch, caplog,
         # controller stops on the request and saves, then training ends.
         controller.stop_reason = "trainer.request_stop()"
       hook.train_ended(7)  # else: during the final save
-  assert exits == [preemption.EXIT_PREEMPTED]
+  assert exits == [actions.EXIT_PREEMPTED]
   if order == "signal_stops_training":
     assert ("Preempted: checkpoint saved at step 7; exiting with status 42 "
             "(relaunch to resume)") in caplog.text

@@ -10,8 +10,9 @@ import numpy as np
 import tensorflow as tf
 
 import framework
-from framework.core import actions, run_state
-from framework.core.stop_condition import StopCondition
+from framework.core import actions
+from framework.core.checkpoints import run_files
+from framework.core.config import StopCondition
 
 BATCH = 8
 
@@ -84,7 +85,7 @@ def test_the_target_is_read_under_the_evaluators_alias(tmp_path):
   # 0.25 * step reaches 0.5 at step 2: the run stops there.
   assert controller.step == 2
   assert controller.time_to_target is not None
-  record = json.loads((tmp_path / run_state.TARGET_FILE).read_text())
+  record = json.loads((tmp_path / run_files.TARGET_FILE).read_text())
   assert record["step"] == 2 and record["accuracy"] == 0.5
   assert record["metrics"]["pixel_accuracy"] == 0.5
 

@@ -12,7 +12,7 @@ import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import framework.tasks.segmentation  # noqa: F401  (the attribute chain below)
 import models
-from framework.core import tta
+from framework.core import evaluation
 from framework.data.inputs import to_float
 from tests.shared_strategy import mirrored
 
@@ -62,13 +62,13 @@ def test_per_pixel_outputs_are_mirrored_back():
   images = tf.random.stateless_normal([2, 4, 6, 3], seed=[1, 2])
   expected = 0.5 * (net(images) + tf.reverse(
       net(tf.reverse(images, [2])), [2]))
-  np.testing.assert_allclose(tta.flip_logits(net, images).numpy(),
+  np.testing.assert_allclose(evaluation.flip_logits(net, images).numpy(),
                              expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_mode_is_rejected():
   with pytest.raises(framework.ConfigError, match="eval_tta"):
-    tta.check_tta("rotate")
+    evaluation.check_tta("rotate")
 
 
 def test_model_parallel_runs_reject_ema_and_tta():

@@ -18,7 +18,7 @@ import pytest
 import framework
 import models
 from framework.app import experiment, export
-from framework.core import warm_start
+from framework.core.checkpoints import warm_start
 from framework.errors import CheckpointError
 from tests.helpers import assert_one_line_error, run_script, snapshot
 

@@ -21,7 +21,7 @@ import re
 from framework.core.config import (PRECISION_CHOICES, RESTORE_POLICIES,
                                    AllReduceConfig, LoopConfig,
                                    OptimizerConfig, TrainerConfig)
-from framework.core.stop_condition import StopCondition, parse_metric
+from framework.core.config import StopCondition, parse_metric
 from framework.data.config import AUGMENTATIONS, INPUT_MODES, DatasetOptions
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
@@ -253,8 +253,8 @@ class ExperimentConfig:
         raise ConfigError(f"init_exclude={self.init_exclude!r} is not a "
                           f"regular expression ({e})") from None
     if self.label_smoothing:
-      from framework.core import losses  # pylint: disable=g-import-not-at-top
-      losses.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
+      from framework.core import trainer  # pylint: disable=g-import-not-at-top
+      trainer.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
     TrainerConfig.of(self)  # checks the trainer's settings
     builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(

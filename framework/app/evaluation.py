@@ -25,10 +25,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from framework.core import losses, precision
+from framework.core import precision
+from framework.core import trainer as losses
 from framework.app import export
 from framework.app.config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
-from framework.core import checkpoint_integrity, checkpoint_state
+from framework.core.checkpoints import manager
 from framework.data import datasets, inputs
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
@@ -179,14 +180,14 @@ class Evaluator:
     path = path or self.config.checkpoint
     if path is None:
       # The newest intact one; a damaged newer one is named in a warning.
-      path, _ = checkpoint_integrity.latest_intact(self.config.model_dir)
+      path, _ = manager.latest_intact(self.config.model_dir)
     if path is None:
       raise CheckpointError(f"model_dir={self.config.model_dir!r} has no "
                             "checkpoint yet")
     if not tf.io.gfile.exists(path + ".index"):
       raise CheckpointError(f"checkpoint={path!r} does not exist (no "
                             f"{os.path.basename(path)}.index)")
-    problem = checkpoint_integrity.damage(path)
+    problem = manager.damage(path)
     if problem is not None:
       raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     writer = self.writer  # before the work: an unwritable folder fails now
@@ -237,11 +238,11 @@ def watch(config, strategy=None):
   evaluator = Evaluator(config, strategy=strategy, info=info)
   last = None
   while True:
-    path = checkpoint_state.latest(config.model_dir)
-    if path is not None and path != last and checkpoint_integrity.damage(path):
+    path = manager.latest(config.model_dir)
+    if path is not None and path != last and manager.damage(path):
       # Rotated away while we looked, or damaged: wait for the next one.
       logging.warning("Skipping checkpoint %s: %s", path,
-                      checkpoint_integrity.damage(path))
+                      manager.damage(path))
       last = path
     elif path is not None and path != last:
       try:

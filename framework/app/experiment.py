@@ -30,10 +30,12 @@ import tensorflow as tf
 
 from framework.app import export, factory, run_plan
 from framework.app.config import ExperimentConfig
-from framework.core import preemption, progress, protocols
-from framework.core import warm_start
+from framework.core import protocols
+from framework.core import actions
+from framework.core import controller as progress
+from framework.core.checkpoints import warm_start
 from framework.core.controller import Controller
-from framework.core.run_lock import RunLock
+from framework.core.checkpoints.run_files import RunLock
 from framework.distribute import cluster, strategies
 from framework.distribute.config import ClusterOptions
 from framework.distribute.tf_config import require_tf_config
@@ -156,7 +158,7 @@ def _resume(plan, trainer, controller, *, custom_train, custom_eval):
 def _export(config, trainer, info):
   """The chief's final weights (and raw weights with an EMA) and, if
   `config.export_saved_model`, the SavedModel."""
-  if not isinstance(trainer, protocols.Exportable):
+  if protocols.optional(trainer, "export_model") is None:
     logging.info("trainer=%s has no export_model(): the weights file and "
                  "the export hold its model", type(trainer).__name__)
   model = protocols.export_model(trainer)
@@ -178,7 +180,7 @@ def _export(config, trainer, info):
 # Slurm's variables): `ps` tasks, and `worker` tasks under parameter_server,
 # only serve; the chief (or every multi-worker task) trains. A start-up
 # watchdog turns a task that never starts into an error, and SIGTERM saves a
-# checkpoint and exits with status 42 (`framework.core.preemption`).
+# checkpoint and exits with status 42 (`framework.core.actions`).
 
 CLUSTER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 
@@ -223,7 +225,7 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
       cluster.run_server(tf_config)
       return None
   # SIGTERM before training: one line, exit 143, model_dir as it was.
-  preemption.guard_start(program)
+  actions.guard_start(program)
   watchdog = cluster.StartupWatchdog(tf_config,
                                      timeout=options.startup_timeout,
                                      program=program)
@@ -236,7 +238,7 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
       # The model's variables exist: under MultiWorkerMirroredStrategy
       # their creation needed every peer, so the cluster is up.
       watchdog.started()
-      preemption.install(controller)
+      actions.install(controller)
       controllers.append(controller)
 
     try:
@@ -259,7 +261,7 @@ def _coordinate(config, trainer_cls, watchdog, tf_config):
     # the first loop: the cluster is up once a loop ran.
     controller.train_actions.append(lambda step, outputs: watchdog.started())
     # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
-    preemption.install(controller)
+    actions.install(controller)
 
   try:
     return run(config, trainer_cls=trainer_cls,

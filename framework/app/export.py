@@ -32,7 +32,8 @@ import tensorflow as tf
 import models
 from models import registry
 from framework.app.config import EvalConfig
-from framework.core import atomic, optimizers
+from framework.core import optimizers
+from framework.core.checkpoints import run_files
 from framework.data import datasets, preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
@@ -179,14 +180,14 @@ def config_changes(previous, controller, config, split_entry=None):
 
 def write_model_info(model_dir, info):
   tf.io.gfile.makedirs(model_dir)
-  return atomic.write_text(os.path.join(model_dir, MODEL_INFO_FILE),
+  return run_files.write_text(os.path.join(model_dir, MODEL_INFO_FILE),
                            json.dumps(info, indent=2, sort_keys=True))
 
 
 def save_weights(model, path):
   """`model.save_weights(path)` through a temporary name (ModelDirError on
   a full disk; the previous weights file stays)."""
-  return atomic.write_atomically(path, model.save_weights)
+  return run_files.write_atomically(path, model.save_weights)
 
 
 def read_model_info(model_dir):
@@ -317,7 +318,7 @@ def export_saved_model(
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
   module = ServingModule(plain, info["input_shape"], info["class_names"],
                          task=info.get("task"))
-  return atomic.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
+  return run_files.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
       module, tmp, signatures={"serving_default": module.serve}))
 
 

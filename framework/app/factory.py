@@ -21,7 +21,9 @@ from framework.app import config as app_config
 from framework.app import run_plan
 from framework import settings
 from framework.app import export
-from framework.core import eval_sets, losses, optimizers, precision
+from framework.core import checkpoints, optimizers, precision
+from framework.core import evaluation
+from framework.core import trainer as losses
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig, TrainerConfig
 from framework.core.controller import Controller
@@ -225,25 +227,26 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
     # The run's own set (eval/) and --eval_sets (eval_<name>/).
     eval_inputs = build_eval_inputs(config, strategy, dataset, eval_input)
     eval_input = None
+  # What the loop is handed: its parts and the manager it saves through.
+  parts = protocols.loop_parts(trainer, checkpoint_items=checkpoint_items)
+  manager = checkpoints.for_loop(
+      parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
+      restore_policy=config.restore, run_config=run_config,
+      allow_config_change=config.allow_config_change)
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
-                checkpoint_items=checkpoint_items or None)
+                parts=parts, checkpoints=manager,
+                # best.json's epoch, when the run makes its own batches.
+                steps_per_epoch=inputs.steps_per_epoch(
+                    dataset.num_train_examples, config.global_batch_size)
+                if epoch_known else None)
   if plan.is_segmentation:
     controller = segmentation.SegmentationController(
         trainer, loop, config.model_dir,
         samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
-  # What the Controller takes no argument for (yet): the checkpoints'
-  # restore policy and the config a resume must agree on, and best.json's
-  # epoch length.
-  controller.checkpoints.configure(
-      restore_policy=config.restore, run_config=run_config,
-      allow_config_change=config.allow_config_change)
-  if epoch_known:
-    controller.steps_per_epoch = inputs.steps_per_epoch(
-        dataset.num_train_examples, config.global_batch_size)
   return trainer, controller
 
 
@@ -385,7 +388,7 @@ def _distributed(strategy, dataset, batch, split, steps):
   if split == "train" or steps is not None:
     if hasattr(dataset, "eval_dataset_fn"):  # streamed from files
       fn = dataset.eval_dataset_fn(batch)
-      return eval_sets.Distributed(strategy.distribute_datasets_from_function(
+      return evaluation.Distributed(strategy.distribute_datasets_from_function(
           lambda context: fn(context).take(steps)), steps)
     if hasattr(dataset, "eval_dataset"):
       return dataset.eval_dataset(batch)

@@ -30,7 +30,7 @@ from framework.app.config import EvalConfig, PredictConfig
 from framework.app.export import (MODEL_INFO_FILE, WEIGHTS_FILE,
                                   build_inference_model, read_model_info,
                                   with_model)
-from framework.core import best_checkpoint
+from framework.core.checkpoints import best as best_checkpoint
 from framework.data import datasets
 from framework.data.inputs import to_float
 from framework.errors import (CheckpointError, ConfigError, DataError,
@@ -62,7 +62,7 @@ def resolve_model(model_dir=None, weights=None, model=None):
 
   The architecture comes from model_info.json in `model_dir` (or beside
   `weights`; `weights="best"`: the run's best checkpoint, see
-  `framework.core.best_checkpoint`); `model` overrides its name (and, being named by the user, is
+  `framework.core.checkpoints.best`); `model` overrides its name (and, being named by the user, is
   trusted code: see `export.build_inference_model`), and without any
   model_info.json describes a CIFAR-10 model (32x32x3 inputs, 10 classes).
   """

@@ -30,7 +30,7 @@ import models
 from models import registry
 from framework.app import config as app_config
 from framework.app import export
-from framework.core import checkpointing
+from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
@@ -413,7 +413,7 @@ def check_resume(plan, previous_info, trainer, checkpoints):
   check_split_change(previous_info, record, model=plan.config.model,
                      whole_split=whole_split)
   if whole_split and saved_before_cross_mesh(
-      previous_info, checkpointing.read_run_config(checkpoints.model_dir),
+      previous_info, manager.read_run_config(checkpoints.model_dir),
       export.model_fingerprint(unsplit)):
     raise ConfigError(
         f"checkpoint {path} was saved before cross-mesh resume (its "

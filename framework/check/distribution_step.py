@@ -1,7 +1,7 @@
 """Running the trainer's own step for the distribution check, from one state.
 
 The check runs exactly what the training loop runs: a `Trainer`'s
-`run_step(dist_batch)` (`framework.core.step_loop`: the per-replica step,
+`run_step(dist_batch)` (`framework.core.trainer`: the per-replica step,
 its SUM over replicas, `global_step` + 1), so that a change to the step or
 to the loop around it is checked, not a copy. A trainer without it (any
 object with `strategy`, `model`, `optimizer` and `train_step`) runs its
@@ -59,8 +59,9 @@ def state_variables(trainer):
   """What one step of `trainer` may change: its own `step_variables()`
   (a `Trainer`: the EMA, the loss scale and the skip counters too), else
   the model's and optimizer's variables and a `global_step` if any."""
-  if isinstance(trainer, protocols.LoopStep):
-    return list(trainer.step_variables())
+  step_variables = protocols.optional(trainer, "step_variables")
+  if step_variables is not None:
+    return list(step_variables())
   state = list(trainer.model.variables) + list(trainer.optimizer.variables)
   step = getattr(trainer, "global_step", None)
   return state + ([step] if step is not None else [])
@@ -92,11 +93,10 @@ def probe_optimizer(trainer):
 
 def _step_of(trainer):
   """`dist_batch -> (per-replica outputs, their SUM or None)`."""
-  if isinstance(trainer, protocols.LoopStep):
+  if protocols.optional(trainer, "run_step") is not None:
     return trainer.run_step  # the loop's own step
-  if isinstance(trainer, protocols.DistributedStep):
-    run = trainer.distributed_train_step
-  else:
+  run = protocols.optional(trainer, "distributed_train_step")
+  if run is None:
     run = lambda b: trainer.strategy.run(trainer.train_step, args=(b,))
   return lambda dist_batch: (run(dist_batch), None)
 

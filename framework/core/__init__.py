@@ -1,4 +1,5 @@
-"""The loop: Trainer (one step's math), Controller (the outer loop),
-checkpoints, summaries, optimizers, precision, preemption and the
-parameter-server stepping.
+"""The loop: Trainer (one step's math), Controller (the outer loop), the
+protocols between them, evaluation, actions, checkpoints (a package),
+summaries, optimizers and ZeRO-1, precision and the parameter-server
+stepping.
 """

@@ -6,10 +6,14 @@ them (`controller`, `optimizers`, `trainer`, ...) import them from here.
 """
 
 import dataclasses
+import math
+import operator
+import re
+from typing import Mapping, Optional
 
-from framework.core.stop_condition import StopCondition, parse_metric
 from framework.errors import ConfigError
 from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
+
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step", "linear", "onecycle")
@@ -24,12 +28,12 @@ RESTORE_POLICIES = ("latest_intact", "error")
 # (`precision.resolve_precision`).
 PRECISIONS = ("float32", "bfloat16", "float16")
 PRECISION_CHOICES = PRECISIONS + ("auto",)
-# Test-time augmentation in evaluation (`tta`).
+# Test-time augmentation in evaluation (`framework.core.evaluation`).
 TTA_MODES = ("none", "flip")
-# The gradient all-reduce (`communication`).
+# The gradient all-reduce (`framework.core.gradients`).
 ALL_REDUCE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
 ALL_REDUCE_DTYPES = ("float32", "bfloat16")
-# Which way `best_metric` improves (`best_checkpoint`).
+# Which way `best_metric` improves (`framework.core.checkpoints.best`).
 BEST_MODES = ("auto", "max", "min")
 
 
@@ -56,7 +60,7 @@ class LoopConfig:
       `Controller.time_to_target`). None: train to `train_steps`. The same
       as `stop_when="eval/accuracy>=VALUE"`.
     stop_when: early stopping on any metric and direction,
-      `SPLIT/METRIC OP VALUE` (`framework.core.stop_condition`): e.g.
+      `SPLIT/METRIC OP VALUE` (`framework.core.config`): e.g.
       `eval/loss<0.1` (checked after each evaluation) or `train/loss<=0.05`
       (after each loop, on the loop's mean). The run ends as with
       `stop_at_accuracy`; `time_to_target_seconds` goes under the
@@ -66,7 +70,7 @@ class LoopConfig:
       its target yet. The final evaluation always happens.
     best_metric: `SPLIT/METRIC` of an eval set (`eval/accuracy`,
       `eval_test/loss`): after each evaluation that improves it the chief
-      writes `model_dir/best/` (`framework.core.best_checkpoint`). None: off.
+      writes `model_dir/best/` (`framework.core.checkpoints.best`). None: off.
     best_mode: `max`, `min` or `auto` (max for accuracy-like names: acc,
       auc, iou, precision, recall, f1; else min).
     best_min_delta: an improvement must exceed this (>= 0).
@@ -78,7 +82,7 @@ class LoopConfig:
     restore_best_on_stop: a run stopped early ends with the best weights
       (its final evaluation, weights file and export are the best ones).
     eval_steps: evaluate the first N global batches of each eval set only
-      (Keras `validation_steps`; `framework.core.eval_sets`). None: all.
+      (Keras `validation_steps`; `framework.core.evaluation`). None: all.
   """
   # Filled in from the run's --train_steps or --epochs.
   train_steps: int = setting(flag=False, minimum=POSITIVE)
@@ -283,7 +287,7 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class AllReduceConfig:
   """The gradient all-reduce's packing, implementation and wire dtype (see
-  `framework.core.communication`).
+  `framework.core.gradients`).
 
   Attributes:
     bytes_per_pack: pack size in bytes, >= 0 (0: one pack).
@@ -392,3 +396,79 @@ class TrainerConfig:
     e.g. an `ExperimentConfig`)."""
     return cls(**{f.name: getattr(config, f.name)
                   for f in dataclasses.fields(cls)})
+
+
+# Early-stopping conditions: `SPLIT/METRIC OP VALUE` (TensorFlow-free, so
+# that `LoopConfig` checks `stop_when` before TensorFlow loads).
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt,
+        ">=": operator.ge}
+# An eval set's split: eval (the run's own) or eval_<name> (`eval_sets`).
+_SPLIT = r"(train|eval(?:_[A-Za-z0-9][A-Za-z0-9_-]*)?)"
+_CONDITION = re.compile(
+    r"^\s*" + _SPLIT + r"/(\S+?)\s*(<=|>=|<|>)\s*([-+0-9.eEinfINFnaN]+)\s*$")
+_METRIC = re.compile(r"^" + _SPLIT.replace("train|", "") + r"/([^\s/]+)$")
+
+
+def parse_metric(text: str, name: str = "best_metric") -> tuple[str, str]:
+  """`eval/accuracy` or `eval_<set>/<metric>` as (split, metric);
+  ConfigError naming `name` if it is neither."""
+  match = _METRIC.match(text) if isinstance(text, str) else None
+  if match is None:
+    raise ConfigError(
+        f"{name}={text!r} must be SPLIT/METRIC with SPLIT eval (the run's "
+        "own eval set) or eval_<name> (an eval set), e.g. eval/accuracy, "
+        "eval/loss, eval_test/accuracy")
+  return match.group(1), match.group(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class StopCondition:
+  """`split/metric OP value`, e.g. `eval/loss<0.1`, `train/mae<=0.05`.
+
+  Attributes:
+    split: "train" (checked after every loop), "eval" or "eval_<name>"
+      (an eval set: after every evaluation).
+    metric: a name the trainer returns (or an evaluator's alias of it,
+      `metric_aliases`: e.g. the name a task reports accuracy under).
+    op: one of <, <=, >, >=.
+    value: the threshold.
+  """
+  split: str
+  metric: str
+  op: str
+  value: float
+
+  @classmethod
+  def parse(cls, text: str, name: str = "stop_when") -> "StopCondition":
+    """`text` as a condition; ConfigError naming `name` if it is not one."""
+    match = _CONDITION.match(text) if isinstance(text, str) else None
+    value = None
+    if match:
+      try:
+        value = float(match.group(4))
+      except ValueError:
+        pass
+    if value is None or not math.isfinite(value):
+      raise ConfigError(
+          f"{name}={text!r} must be SPLIT/METRIC OP VALUE with SPLIT train, "
+          "eval or eval_<set>, OP one of < <= > >= and a finite VALUE (e.g. "
+          "eval/loss<0.1, eval/accuracy>=0.9)")
+    return cls(match.group(1), match.group(2), match.group(3), value)
+
+  def __str__(self):
+    return f"{self.split}/{self.metric}{self.op}{self.value:g}"
+
+  def metric_value(self, outputs: Mapping[str, float],
+                   aliases: Optional[Mapping[str, str]] = None) -> float:
+    """The watched value in `outputs` (under `metric`, else its name in
+    `aliases`); ConfigError if there is none."""
+    for name in (self.metric, (aliases or {}).get(self.metric)):
+      if name in outputs:
+        return float(outputs[name])
+    raise ConfigError(
+        f"stop_when={self}: the {self.split} outputs have no "
+        f"{self.metric!r} (only {', '.join(sorted(outputs))})")
+
+  def met(self, outputs: Mapping[str, float],
+          aliases: Optional[Mapping[str, str]] = None) -> bool:
+    return _OPS[self.op](self.metric_value(outputs, aliases), self.value)

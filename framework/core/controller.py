@@ -2,58 +2,65 @@
 
     restore the latest checkpoint; iterator = batches from its step on
     while step < train_steps:
-      n = steps to the next event (`framework.core.loop_schedule`)
+      n = steps to the next event (`steps_to_next_event`)
       outputs = trainer.train(iterator, n)   # fewer steps when asked to stop
-      summaries and log line (`loop_report`); train actions (NaN policy,
+      summaries and log line (`LoopReport`); train actions (NaN policy,
       stop_when, profiler, preemption, yours); save / evaluate (+ eval
       actions) when due; end here if a stop was asked
     save and evaluate at the end
 
 The trainer owns the math of a step (`framework.core.protocols` says what
-the Controller reads of it); the Controller everything around it.
+the Controller reads of it); the Controller everything around it. This
+module holds the loop and its parts: when a loop's events fall
+(`steps_to_next_event`), what a loop reports (`LoopReport`: outputs, the
+log line, non-finite steps) and INFO progress from plain Python
+(`enable_logging`).
 """
 
 import functools
+import logging as std_logging
+import math
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Mapping, Union
 
-from absl import logging
+from absl import logging, flags
+import keras
 import tensorflow as tf
 
-from framework.distribute import strategies
-from framework.perf import profiling
 from framework.core import actions as actions_lib
-from framework.core import eval_sets as eval_sets_lib
-from framework.core import metric_sinks as metric_sinks_lib
-from framework.core import (best_checkpoint, eval_batching, loop_report,
-                            loop_schedule, progress, protocols,
-                            target_tracker)
-from framework.core.checkpointing import CheckpointManager
-from framework.core.config import LoopConfig  # pylint: disable=unused-import
-from framework.core.loop_report import learning_rate  # pylint: disable=unused-import
-from framework.errors import NonFiniteLossError
+from framework.core import evaluation, protocols, summaries
+from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import CheckpointManager, for_loop
+from framework.core.config import LoopConfig
 from framework.core.summaries import Writers, markdown_table, record_every
+from framework.distribute import strategies
+from framework.errors import NonFiniteLossError, ConfigError
+from framework.perf import profiling
 
 
 class Controller:
   """Runs a trainer for `config.train_steps` with checkpoints and summaries.
 
-  The trainer: a `framework.Trainer` (or subclass), or any object that
-  implements `framework.core.protocols.LoopTrainer` (`model`, `optimizer`,
-  `strategy`, `global_step`, `train(iterator, num_steps) -> {name:
-  scalar}`, `sync_replica_state()`; and `LoopEvaluator`'s
-  `evaluate(distributed_dataset)` to evaluate). The Controller reads
-  nothing else of it but the optional protocols declared there, each with
-  its default when absent (`global_batch_size`, `nan_policy`, the skip
-  counters, `request_stop`, `distribute_dataset`, `metric_aliases`, ...).
-  Every returned metric is logged and summarised under its own name; the
-  NaN policy watches `loss` if the trainer returns one, else every value.
+  The Controller calls the trainer through `train(iterator, num_steps) ->
+  {name: scalar}` and `sync_replica_state()` (before saves and
+  evaluations) only, and the evaluator through `evaluate(distributed_dataset)`
+  (`framework.core.protocols.LoopTrainer`, `LoopEvaluator`). What it does
+  not compute it is handed (Orbit's way): `parts`, a
+  `framework.core.protocols.LoopParts` (the global step, the strategy, what
+  a checkpoint holds, the NaN policy and skip count, the batch size, ...)
+  and `checkpoints`, the `CheckpointManager` it saves through
+  (`framework.core.checkpoints.for_loop(parts, model_dir, ...)`). Without
+  them it reads the parts once from the trainer
+  (`protocols.loop_parts(trainer)`: a `framework.Trainer` has them all) and
+  builds the manager itself. Every returned metric is logged and summarised
+  under its own name; the NaN policy watches `loss` if the trainer returns
+  one, else every value.
 
-  Inputs (`framework.core.eval_batching`): `train_input(start_step)`
+  Inputs (`framework.core.evaluation`): `train_input(start_step)`
   returns endless global batches from `start_step` on, `eval_input()` one
   pass over the eval set; `eval_inputs={"test": fn, ...}` adds named sets,
-  each evaluated into `model_dir/eval_<name>` (`framework.core.eval_sets`).
+  each evaluated into `model_dir/eval_<name>` (`framework.core.evaluation`).
 
   Actions (`framework.core.actions`): train actions `fn(step, outputs)`
   run after each loop's summaries and log line, before its checkpoint and
@@ -67,10 +74,11 @@ class Controller:
 
   `time_to_target`: the wall time from `start_time` (default: the start
   of `run()`) to the first evaluation (or loop) that meets
-  `config.stop_when` / `stop_at_accuracy` (`framework.core.target_tracker`).
+  `config.stop_when` / `stop_at_accuracy` (`framework.core.actions`).
 
   Args:
-    trainer: a `LoopTrainer` (e.g. `framework.Trainer`).
+    trainer: a `LoopTrainer` (e.g. `framework.Trainer`); without `parts`,
+      also its `model`, `optimizer`, `strategy` and `global_step`.
     config: a `LoopConfig`.
     model_dir: checkpoints here; TensorBoard in `train/` and `eval/`.
     train_input: `start_step -> dataset` of global batches.
@@ -87,6 +95,13 @@ class Controller:
     on_loop_end: deprecated: callables `fn(step)`, run as train actions.
     metric_sinks: `framework.core.summaries.MetricSink`s for every scalar
       point besides TensorBoard and `model_dir/metrics.jsonl` (chief only).
+    parts: the run's `LoopParts` (default: `protocols.loop_parts(trainer,
+      evaluator, checkpoint_items)`).
+    checkpoints: the `CheckpointManager` to save through, what it holds
+      its own (default: `checkpoints.for_loop(parts, model_dir,
+      max_to_keep=config.keep_checkpoints)`).
+    steps_per_epoch: the steps of one pass over the training data, when
+      known (`best.json` records the epoch of the best evaluation).
     `self.on_train_end`: `fn(step)` run after the final checkpoint, before
       the final evaluation (one that returns a dict: the run's results).
   """
@@ -101,10 +116,18 @@ class Controller:
                eval_actions: Sequence[actions_lib.Action] = (),
                evaluator: Optional[protocols.LoopEvaluator] = None,
                on_loop_end: Sequence[Callable[[int], Any]] = (),
-               metric_sinks: Sequence[Any] = ()):
-    self.eval_sets = eval_sets_lib.collect(eval_input, eval_inputs)
+               metric_sinks: Sequence[Any] = (),
+               parts: Optional[protocols.LoopParts] = None,
+               checkpoints: Optional[CheckpointManager] = None,
+               steps_per_epoch: Optional[int] = None):
+    self.eval_sets = evaluation.collect(eval_input, eval_inputs)
     self.evaluator = protocols.loop_evaluator(trainer, evaluator,
                                               bool(self.eval_sets))
+    if parts is None:
+      parts = protocols.loop_parts(trainer, self.evaluator, checkpoint_items)
+    elif checkpoint_items:
+      parts.checkpoint.update(checkpoint_items)
+    self.parts = parts
     self.trainer = trainer
     self.config = config
     # Absolute once, here: checkpoints, summaries and the profiler join paths
@@ -115,15 +138,13 @@ class Controller:
     self.train_input = train_input
     self.eval_input = eval_input
     self.hparams = hparams or {}
-    chief = strategies.is_chief(trainer.strategy)
-    self.checkpoint = tf.train.Checkpoint(
-        **protocols.checkpoint_objects(trainer, checkpoint_items))
-    self.checkpoints = CheckpointManager(
-        self.checkpoint, model_dir, trainer.strategy,
-        max_to_keep=config.keep_checkpoints)
+    chief = strategies.is_chief(parts.strategy)
+    self.checkpoints = checkpoints or for_loop(
+        parts, model_dir, max_to_keep=config.keep_checkpoints)
+    self.checkpoint = self.checkpoints.checkpoint
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
-    self.metric_sinks = [metric_sinks_lib.JsonlSink(os.path.join(
-        model_dir, metric_sinks_lib.METRICS_FILE)), *metric_sinks] if (
+    self.metric_sinks = [summaries.JsonlSink(os.path.join(
+        model_dir, summaries.METRICS_FILE)), *metric_sinks] if (
             chief) else []
     self.writer = Writers(model_dir, enabled=chief, sinks=self.metric_sinks)
     self._restored = False
@@ -132,7 +153,7 @@ class Controller:
     self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = []
     self.stop_reason = self.start_time = None
-    self.steps_per_epoch = None  # if known: best.json's epoch
+    self.steps_per_epoch = steps_per_epoch  # if known: best.json's epoch
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
         config.profile_steps if chief else (),
@@ -141,14 +162,14 @@ class Controller:
                           actions_lib.ProfileReport(self),
                           *train_actions]
     self.eval_actions = list(eval_actions)
-    self.batching = eval_batching.Batching(trainer, self.evaluator)
-    self.report = loop_report.LoopReport(trainer, config.train_steps,
-                                         config.stop_condition())
-    self.targets = target_tracker.TargetTracker(
+    self.batching = evaluation.Batching(parts)
+    self.report = LoopReport(parts, config.train_steps,
+                             config.stop_condition())
+    self.targets = actions_lib.TargetTracker(
         config, model_dir, chief=chief, writer=self.writer,
-        aliases=protocols.metric_aliases(self.evaluator))
+        aliases=parts.metric_aliases)
     stop = self.targets.stop_action(
-        functools.partial(eval_sets_lib.results_of, self))
+        functools.partial(evaluation.results_of, self))
     if stop is not None:
       (self.train_actions if stop.condition.split == "train"
        else self.eval_actions).append(stop)
@@ -159,7 +180,7 @@ class Controller:
 
   @property
   def step(self) -> int:
-    return int(self.trainer.global_step.numpy())
+    return int(self.parts.global_step.numpy())
 
   def request_stop(self, reason: str = "requested") -> None:
     """Ends the run after the current loop's events, as at `train_steps`.
@@ -204,7 +225,7 @@ class Controller:
     self.trainer.sync_replica_state()
     step = self.step
     self.eval_results = {
-        split: eval_sets_lib.evaluate_one(self, split, fn, step)
+        split: evaluation.evaluate_one(self, split, fn, step)
         for split, fn in self.eval_sets.items()}
     # The actions get the primary set's (eval/, else the first).
     results = next(iter(self.eval_results.values()))
@@ -215,7 +236,7 @@ class Controller:
   def report_profile(self, table: Optional[profiling.OpTable],
                      step: int) -> None:
     """Logs and summarises a profiler window's op table (if any)."""
-    loop_report.report_profile(table, self.config.profile_steps,
+    report_profile(table, self.config.profile_steps,
                                self.writer, step)
 
   def restore(self) -> None:
@@ -229,7 +250,7 @@ class Controller:
     """Trains to `train_steps` (or a stop request), resuming from the latest
     checkpoint; the final evaluation's results (None without eval_input)."""
     c = self.config
-    progress.show_progress_by_default()
+    show_progress_by_default()
     if self.start_time is None:
       self.start_time = time.time()
     self.restore()
@@ -301,7 +322,7 @@ class Controller:
   def _train(self, iterator, num_steps):
     """`trainer.train` as floats; a partial batch becomes a DataError."""
     try:
-      with self.writer("train").as_default(self.trainer.global_step), (
+      with self.writer("train").as_default(self.parts.global_step), (
           tf.summary.record_if(record_every(self.config.summary_every))):
         return {k: float(v) for k, v in
                 self.trainer.train(iterator, num_steps).items()}
@@ -316,7 +337,7 @@ class Controller:
     c = self.config
     last_saved = step
     while step < c.train_steps:
-      num_steps = loop_schedule.steps_to_next_event(
+      num_steps = steps_to_next_event(
           c, step, self.profiler.boundaries())
       self.profiler.maybe_start(step)
       self.report.before_loop(step, num_steps)
@@ -327,23 +348,219 @@ class Controller:
       step, num_steps = self.step, self.step - step
       self.report.watch(step - num_steps + 1, step, metrics, elapsed)
       outputs = self.report.outputs(metrics, num_steps, elapsed)
-      if loop_schedule.due(c.summary_every, step) or step == c.train_steps:
+      if due(c.summary_every, step) or step == c.train_steps:
         self.writer("train").scalars(step, outputs)
-      if loop_schedule.due(c.log_every, step) or step == c.train_steps:
+      if due(c.log_every, step) or step == c.train_steps:
         self.report.log(step, metrics, outputs)
       self._act(self.train_actions, step, outputs)
       for fn in self.on_loop_end:
         fn(step)
-      if loop_schedule.due(c.checkpoint_every, step):
+      if due(c.checkpoint_every, step):
         self.save(step)  # skipped with a warning after a non-finite loss
         last_saved = step if self.loss_finite else last_saved
-      if (loop_schedule.due(c.eval_every, step) and step != c.train_steps
+      if (due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
-      if protocols.take_stop_request(self.trainer):  # in the loop or after
+      if self.parts.take_stop_request():  # in the loop or after
         self.request_stop("trainer.request_stop()")
       if self.stop_reason is not None:
         logging.info("run ends at step %d of %d: %s", step, c.train_steps,
                      self.stop_reason)
         break
     return step, last_saved
+
+
+# When the loop's events fall: how many steps the next `train` call runs.
+#
+# Each call runs up to the next event: a summary, log line, checkpoint or
+# evaluation interval (`LoopConfig.*_every`), a profiler window's boundary,
+# or `train_steps`, and at most `steps_per_loop` steps (an int, or Orbit's
+# function of the global step, e.g. `lambda step: 10 if step < 100 else
+# 1000`; what it returns is checked each loop).
+def due(every: int, step: int) -> bool:
+  """Whether an interval of `every` steps (0: never) ends at `step`."""
+  return bool(every) and step % every == 0
+
+
+def steps_per_loop(config: Any, step: int) -> int:
+  """`steps_per_loop`, or what it returns for `step` if it is callable."""
+  every = config.steps_per_loop
+  steps = every(step) if callable(every) else every
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ConfigError(f"steps_per_loop({step}) returned {steps!r}; it must "
+                      "return an integer >= 1")
+  return steps
+
+
+def steps_to_next_event(config: Any, step: int,
+                        boundaries: Sequence[int] = ()) -> int:
+  """The steps from `step` to the next event (`boundaries`: the profiler
+  window's)."""
+  candidates = [steps_per_loop(config, step), config.train_steps - step]
+  for every in (config.checkpoint_every, config.eval_every,
+                config.summary_every, config.log_every):
+    if every:
+      candidates.append(every - step % every)
+  candidates += [b - step for b in boundaries if b > step]
+  return min(candidates)
+
+
+# What each training loop reports: its outputs, its log lines, and what
+# was not finite in it.
+#
+# A loop's outputs are the trainer's mean metrics plus `learning_rate`,
+# `steps_per_second`, `examples_per_second` (with a `global_batch_size`)
+# and `skipped_steps` (a trainer that counts skipped steps and skips them:
+# nan_policy=skip or float16 loss scaling); they are what the train actions get and what
+# `train/` summarises. The log line puts `loss` first and counts the ETA to
+# `train_steps`.
+def learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+  """The optimizer's current learning rate as a float, whatever it holds: a
+  constant, a (mirrored) variable, or a schedule evaluated at its step."""
+  return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def format_seconds(seconds: float) -> str:
+  """`H:MM:SS`."""
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def non_finite_text(first: int, last: int,
+                    watched: Mapping[str, float]) -> str:
+  """What was not finite in steps `first..last`."""
+  bad = ", ".join(f"{k} is {v}" for k, v in sorted(watched.items())
+                  if not math.isfinite(v))
+  return f"{bad} in steps {first}..{last}"
+
+
+class LoopReport:
+  """A run's loop outputs and log lines.
+
+  Args:
+    parts: the run's `LoopParts` (its `optimizer`, `global_batch_size`
+      and skip count).
+    train_steps: where the run ends (the ETA's end).
+    stop_condition: the run's condition, or None (said in the first line).
+  """
+
+  def __init__(self, parts: protocols.LoopParts, train_steps: int,
+               stop_condition: Any = None):
+    self.parts = parts
+    self.train_steps = train_steps
+    self.stop_condition = stop_condition
+    self.global_batch_size = parts.global_batch_size
+    self._start = None
+    # Whether the last loop's watched metrics were finite (the restored
+    # state counts as finite), and that loop (first, last, watched).
+    self.finite = True
+    self.last_loop = None
+
+  def before_loop(self, step: int, num_steps: int) -> None:
+    """Before the first loop, a line (nothing else prints while tracing)."""
+    if self._start is not None:
+      return
+    self._start = (step, time.time())
+    logging.info(
+        "training steps %d..%d (the ETA counts to step %d%s); the first "
+        "loop (%d steps) includes tracing the train step", step + 1,
+        self.train_steps, self.train_steps,
+        "" if self.stop_condition is None else
+        ", train_steps: the stop condition may end the run earlier",
+        num_steps)
+
+  def watch(self, first: int, last: int, metrics: Mapping[str, float],
+            elapsed: float) -> bool:
+    """Records whether the loop of steps `first..last` was finite."""
+    if self.last_loop is None:
+      logging.info("first loop done in %.1f s (tracing included)", elapsed)
+    watched = protocols.watched_metrics(metrics)
+    self.finite = all(math.isfinite(v) for v in watched.values())
+    self.last_loop = (first, last, watched)
+    return self.finite
+
+  def non_finite_text(self) -> str:
+    """What was not finite in the last loop."""
+    return non_finite_text(*self.last_loop)
+
+  def outputs(self, metrics: Mapping[str, float], num_steps: int,
+              elapsed: float) -> dict:
+    """The loop's metrics plus learning rate, speed and skipped steps."""
+    outputs = dict(metrics)
+    if self.parts.optimizer is not None:
+      outputs["learning_rate"] = learning_rate(self.parts.optimizer)
+    outputs["steps_per_second"] = num_steps / elapsed
+    if self.global_batch_size is not None:
+      outputs["examples_per_second"] = (
+          num_steps * self.global_batch_size / elapsed)
+    if self.parts.skipped_steps is not None:
+      outputs["skipped_steps"] = float(self.parts.skipped_steps())
+    return outputs
+
+  def log(self, step: int, metrics: Mapping[str, float],
+          outputs: Mapping[str, float]) -> None:
+    """The `train step N/M: ...` line, with the ETA since `first_loop`."""
+    start_step, start_time = self._start or (step, time.time())
+    rate = (step - start_step) / max(time.time() - start_time, 1e-9)
+    eta = (self.train_steps - step) / max(rate, 1e-9)
+    logging.info(
+        "train step %d/%d: %s%s ETA %s %s%s", step, self.train_steps,
+        " ".join(f"{k}={v:.4f}" for k, v in
+                 sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
+        (f" examples/s={outputs['examples_per_second']:.1f}"
+         if "examples_per_second" in outputs else
+         f" steps/s={outputs['steps_per_second']:.2f}"),
+        format_seconds(eta), f"to step {self.train_steps}",
+        f" skipped_steps={int(outputs['skipped_steps'])}"
+        if "skipped_steps" in outputs else "")
+
+
+def report_profile(table: Any, profile_steps: Any, writer: Any,
+                   step: int) -> None:
+  """Logs a profiler window's op table and writes it to `train/` (if any)."""
+  if table is None:
+    return
+  first, last = profile_steps
+  logging.info("profile of steps %d..%d (trace: %s):\n%s", first, last,
+               table.trace_path, table.markdown(top=10))
+  writer("train").text(step, "profile/op_time", table.markdown())
+
+
+# Progress lines (absl INFO) visible from a plain Python process.
+#
+# Under an absl app (`scripts/train.py`), `--verbosity`/`--logtostderr`
+# decide. From a plain `python` process absl shows only warnings, so the
+# Controller's progress lines (`train step ...`, `eval step ...`) would be
+# silent: `Controller.run()` turns INFO on there, once, unless the user
+# configured logging (absl's verbosity, or a handler on the root logger).
+# `enable_logging()` does it explicitly, at any level.
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO,
+           "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def enable_logging(level: Union[str, int] = "info") -> None:
+  """Shows distloop's (absl) log lines at `level` and above on stderr."""
+  if isinstance(level, str):
+    if level.lower() not in _LEVELS:
+      from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+      raise ConfigError(f"level={level!r} must be one of "
+                        f"{', '.join(_LEVELS)} (or an absl level number)")
+    level = _LEVELS[level.lower()]
+  logging.set_verbosity(level)
+
+
+def user_configured_logging() -> bool:
+  """Whether someone chose how logs show: an absl app's flags, absl's
+  verbosity, or Python logging's root handlers or level."""
+  root = std_logging.getLogger()
+  return (flags.FLAGS.is_parsed()
+          or logging.get_absl_logger().level != std_logging.NOTSET
+          or any(not isinstance(h, logging.ABSLHandler)
+                 for h in root.handlers)
+          or root.level != std_logging.WARNING)
+
+
+def show_progress_by_default() -> None:
+  """INFO from a plain Python process where nobody configured logging."""
+  if not user_configured_logging():
+    enable_logging("info")

@@ -19,7 +19,6 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-# `auto` resolves to one of PRECISIONS on this machine (`resolve_precision`).
 from framework.core.config import PRECISION_CHOICES, PRECISIONS
 from framework.errors import ConfigError, check_choice, check_positive
 

@@ -1,16 +1,10 @@
 """What the loop, the run and the self-check read of a trainer, written once.
 
-Every attribute that `framework.core` (the Controller), `framework.app`
-(`experiment.run`, export, evaluation) and `framework.check` read of a
-trainer is declared here (`declared_names()`; a test runs a recording proxy
-through a whole run). `LoopTrainer` is required (and `LoopEvaluator` to
-evaluate); every other capability is optional, detected with `isinstance`
-against its own protocol, and has the default written here when absent
-(`framework.core.eval_batching` and `loop_report` read them once for the
-Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
-`framework.Trainer` implements all of them.
+Three protocols and one table; `declared_names()` is all of it (a test runs
+a recording proxy through a whole run, and keeps docs/guide/python_api.md's
+tables equal to these):
 
-    class LoopTrainer(Protocol):          # required
+    class LoopTrainer(Protocol):          # what a Controller runs
       model: keras.Model                  # checkpointed
       optimizer: keras.optimizers.Optimizer  # checkpointed; its rate logged
       strategy: tf.distribute.Strategy
@@ -19,60 +13,40 @@ Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
           # the mean of the steps that ran: any names, scalar values
       def sync_replica_state(self) -> None: ...  # before saves (may no-op)
 
-    class LoopEvaluator(Protocol):        # needed with an eval_input
+    class LoopEvaluator(Protocol):        # needed with an eval input
       def evaluate(self, distributed_dataset) -> Mapping[str, float]: ...
 
-    # Optional (default when absent):
-    BatchSized:     global_batch_size: int         # none: no batch check,
-                                                   # no examples/s
-    NanPolicy:      nan_policy: str                # "stop"
-    SkipCounting:   max_skipped_steps, skipped_steps, consecutive_skips,
-                    loss_scale                     # no skipped-step limit
-    Stoppable:      request_stop(), stop_requested # no in-graph stop
-    DatasetDistributing: distribute_dataset(ds)    # the strategy's
-                                                   # experimental_distribute_dataset
-    MaskedEvaluator: global_batch_size, run_eval_step(batch)
-                                                   # eval batches as given
-    MetricAliases:  metric_aliases                 # {}: `accuracy` is
-                                                   # `accuracy`
-    Exportable:     export_model()                 # the weights file and
-                                                   # export save `model`
-    LossScaled:     loss_scale                     # None: nothing extra
-                                                   # checkpointed
-    WeightAveraged: ema, averaged_weights()        # no EMA: one weights
-                                                   # file, no swap
-    ConfusionReporting: last_confusion             # evaluate.py: no matrix
-    OptimizerCheckpointing: checkpointed_optimizer # `optimizer` itself
-    Split:          unsplit_model                  # `model`: what a resume
-                                                   # checks the architecture of
+    class Steppable(Protocol):            # the distribution self-check
+      model, optimizer (swapped for a probe and back), strategy
+      def train_step(self, batch) -> Mapping[str, Any]: ...
 
-    # What the distribution self-check reads (framework/check):
-    Steppable:      model, optimizer (swapped for a probe and back),
-                    strategy, train_step(batch)    # required
-    DistributedStep: distributed_train_step(dist_batch)
-                                                   # strategy.run(train_step)
-    LoopStep:       run_step(dist_batch), step_variables()
-                                                   # the step above, its
-                                                   # shares summed; model,
-                                                   # optimizer, global_step
-    GradientSettings: clip_norm, grad_accum_steps  # None, 1
-
-The NaN policy watches `loss` when `train` returns one, else every value it
-returns.
+The Controller calls `train`, `sync_replica_state` and `evaluate` only; the
+four attributes, and the `OPTIONAL` names below (each with its default
+when a trainer lacks it, written once there), are read once into the
+`LoopParts` it is handed (`loop_parts`), or by `framework.run`, the export
+and the self-check through the readers at the end of this module.
+`framework.Trainer` has them all; `ps_training.CoordinatedTrainer`
+forwards them.
 """
 
 import contextlib
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+import dataclasses
+import functools
+from typing import (Any, Callable, ContextManager, Mapping, Optional,
+                    Protocol, runtime_checkable)
 
 import keras
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.core.config import TrainerConfig
+from framework.settings import default
 
 
 @runtime_checkable
 class LoopTrainer(Protocol):
-  """The trainer a `Controller` runs (required)."""
+  """The trainer a `Controller` runs (required): it calls `train` and
+  `sync_replica_state`; `loop_parts` reads the four attributes."""
 
   model: keras.Model
   optimizer: keras.optimizers.Optimizer
@@ -96,124 +70,6 @@ class LoopEvaluator(Protocol):
 
 
 @runtime_checkable
-class BatchSized(Protocol):
-  """Every training batch has `global_batch_size` examples (checked)."""
-
-  global_batch_size: int
-
-
-@runtime_checkable
-class NanPolicy(Protocol):
-  """`nan_policy`: "stop" (the default) raises NonFiniteLossError on a
-  non-finite loop; "skip" lets the trainer skip such steps."""
-
-  nan_policy: str
-
-
-@runtime_checkable
-class SkipCounting(Protocol):
-  """Counts skipped updates (nan_policy=skip, float16 overflow); the run
-  stops after `max_skipped_steps` in a row."""
-
-  max_skipped_steps: int
-  skipped_steps: tf.Variable
-  consecutive_skips: tf.Variable
-  loss_scale: Any  # None without float16 loss scaling
-
-
-@runtime_checkable
-class Stoppable(Protocol):
-  """`request_stop()` ends a running `train` call at the next step;
-  `stop_requested` (a bool variable) says it was asked, and the Controller
-  clears it after the call and ends the run."""
-
-  stop_requested: tf.Variable
-
-  def request_stop(self) -> None:
-    """Thread-safe: may be called while `train` runs."""
-
-
-@runtime_checkable
-class MaskedEvaluator(Protocol):
-  """Evaluates padded batches (`framework.data.inputs.MaskedBatch`): the
-  Controller re-batches a plain eval dataset to `global_batch_size` and
-  pads its last batch, so that every replica gets a full batch."""
-
-  global_batch_size: int
-
-  def run_eval_step(self, batch: Any) -> Any:
-    """One evaluation step on a (masked) batch."""
-
-
-@runtime_checkable
-class DatasetDistributing(Protocol):
-  """Distributes datasets itself (e.g. a parameter-server coordinator)."""
-
-  def distribute_dataset(self, dataset: tf.data.Dataset) -> Any:
-    """`dataset` as the trainer's `train`/`evaluate` take it."""
-
-
-@runtime_checkable
-class MetricAliases(Protocol):
-  """Names the evaluator reports a loop metric under: e.g. a segmentation
-  evaluator's {"accuracy": "pixel_accuracy"} (`stop_at_accuracy`,
-  `stop_when=eval/accuracy...` and the run record read that name)."""
-
-  metric_aliases: Mapping[str, str]
-
-
-@runtime_checkable
-class Exportable(Protocol):
-  """Gives the model that the weights file and the SavedModel hold (a split
-  model reassembled). Optional: without it, `model` is saved."""
-
-  def export_model(self) -> keras.Model:
-    """The trained model as one plain Keras model."""
-
-
-@runtime_checkable
-class LossScaled(Protocol):
-  """A float16 loss scale (`framework.core.precision.LossScale`, or None)
-  whose state `experiment.run` checkpoints."""
-
-  loss_scale: Any
-
-
-@runtime_checkable
-class WeightAveraged(Protocol):
-  """An EMA of the weights (`framework.core.ema.WeightAverage`, or None):
-  checkpointed, and the weights file holds the averaged weights."""
-
-  ema: Any
-
-  def averaged_weights(self) -> Any:
-    """A context in which the model holds its averaged weights."""
-
-
-@runtime_checkable
-class ConfusionReporting(Protocol):
-  """`last_confusion`: the global confusion matrix of the last `evaluate`
-  (numpy), or None."""
-
-  last_confusion: Any
-
-
-@runtime_checkable
-class OptimizerCheckpointing(Protocol):
-  """What checkpoints hold under `optimizer` when that is not `optimizer`
-  itself (sharded optimizer state, saved whole under the same keys)."""
-  checkpointed_optimizer: Any
-
-
-@runtime_checkable
-class Split(Protocol):
-  """A model trained split (cut across devices): `unsplit_model` is the
-  model it was cut from, whose layers (not the pieces', which differ from
-  mesh to mesh) a resumed run must have (`export.model_fingerprint`)."""
-  unsplit_model: keras.Model
-
-
-@runtime_checkable
 class Steppable(Protocol):
   """What the distribution self-check runs: one `train_step` under the
   trainer's strategy, from its model's and optimizer's state (the check
@@ -227,41 +83,62 @@ class Steppable(Protocol):
     """One step on this replica's part of the batch: SUM-able shares."""
 
 
-@runtime_checkable
-class DistributedStep(Protocol):
-  """A step that is not `strategy.run(train_step)` (a model split with its
-  own schedule): the per-replica outputs before their SUM."""
+PROTOCOLS = (LoopTrainer, LoopEvaluator, Steppable)
 
-  def distributed_train_step(self, dist_batch: Any) -> Any:
-    """One step on a distributed batch."""
+# What else may be read of a trainer, each with its default when it lacks
+# the name (`optional(trainer, name)`), and what reads it.
+OPTIONAL = {
+    # Training batches checked, examples/s; padded eval batches (with
+    # run_eval_step).
+    "global_batch_size": None,
+    # "stop": a non-finite loop raises; "skip": the trainer skips the step.
+    "nan_policy": "stop",
+    # Skipped updates (nan_policy=skip, float16 overflow), counted; the run
+    # stops after max_skipped_steps in a row.
+    "max_skipped_steps": None,
+    "skipped_steps": None,
+    "consecutive_skips": None,
+    # The float16 loss scale (checkpointed), or None.
+    "loss_scale": None,
+    # An in-graph stop: request_stop() ends a running `train` at the next
+    # step; stop_requested (a bool variable) says it was asked.
+    "request_stop": None,
+    "stop_requested": None,
+    # `dataset -> distributed`: default the strategy's
+    # experimental_distribute_dataset (a parameter-server coordinator's own).
+    "distribute_dataset": None,
+    # One eval step on a padded batch (`MaskedBatch`): eval batches padded.
+    "run_eval_step": None,
+    # {metric: the name the evaluator reports it under}.
+    "metric_aliases": {},
+    # `() -> keras.Model` for the weights file and the export (a split model
+    # reassembled); default `model`.
+    "export_model": None,
+    # The weight EMA (checkpointed; the weights file holds its averages) and
+    # `averaged_weights()`, a context holding them.
+    "ema": None,
+    "averaged_weights": None,
+    # evaluate.py's confusion matrix of the last `evaluate` (numpy).
+    "last_confusion": None,
+    # What checkpoints hold as `optimizer` (sharded slots saved whole).
+    "checkpointed_optimizer": None,
+    # The model a split trainer was cut from: what a resume checks the
+    # architecture of; default `model`.
+    "unsplit_model": None,
+    # The self-check: a step that is not strategy.run(train_step); the
+    # loop's own step (run_step) and what it changes (step_variables);
+    # clipping and accumulation (None, 1).
+    "distributed_train_step": None,
+    "run_step": None,
+    "step_variables": None,
+    "clip_norm": None,
+    "grad_accum_steps": 1,
+}
 
 
-@runtime_checkable
-class LoopStep(Protocol):
-  """The training loop's own step, which the self-check runs (a `Trainer`
-  has it): one step as the loop runs it, and what a step changes."""
-
-  def run_step(self, dist_batch: Any) -> Any:
-    """(per-replica outputs, their SUM); advances `global_step`."""
-
-  def step_variables(self) -> list:
-    """Every variable one step may change."""
-
-
-@runtime_checkable
-class GradientSettings(Protocol):
-  """Clipping and accumulation, which the self-check's diagnosis and its
-  one-device batch order need (defaults None and 1)."""
-
-  clip_norm: Any
-  grad_accum_steps: int
-
-
-OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
-            DatasetDistributing, MetricAliases, Exportable, LossScaled,
-            WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
-            Split, DistributedStep, LoopStep, GradientSettings)
-ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
+def optional(trainer: Any, name: str) -> Any:
+  """`trainer.name`, or its `OPTIONAL` default."""
+  return getattr(trainer, name, OPTIONAL[name])
 
 
 def names_of(protocol: type) -> frozenset:
@@ -273,9 +150,9 @@ def names_of(protocol: type) -> frozenset:
 
 
 def declared_names() -> frozenset:
-  """Every name some protocol here declares: all that the loop, the run and
-  the self-check may read of a trainer."""
-  return frozenset().union(*(names_of(p) for p in ALL))
+  """Every name declared here: all that the loop, the run and the
+  self-check may read of a trainer."""
+  return frozenset(OPTIONAL).union(*(names_of(p) for p in PROTOCOLS))
 
 
 def missing(trainer: Any, protocol: type) -> list:
@@ -286,14 +163,16 @@ def missing(trainer: Any, protocol: type) -> list:
 
 def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
   """The evaluator a Controller uses (`evaluator`, else a `LoopEvaluator`
-  trainer); ConfigError when `trainer` is no `LoopTrainer`, or when an
-  evaluator is `needed` and there is none."""
+  trainer); ConfigError when `trainer` has no `train` and
+  `sync_replica_state`, or when an evaluator is `needed` and there is
+  none."""
   from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  if not isinstance(trainer, LoopTrainer):
+  lacks = [name for name in ("train", "sync_replica_state")
+           if not callable(getattr(trainer, name, None))]
+  if lacks:
     raise ConfigError(
-        f"trainer={type(trainer).__name__} lacks "
-        f"{', '.join(missing(trainer, LoopTrainer))}: a Controller needs "
-        "framework.core.protocols.LoopTrainer")
+        f"trainer={type(trainer).__name__} lacks {', '.join(lacks)}: a "
+        "Controller needs framework.core.protocols.LoopTrainer")
   if evaluator is None and isinstance(trainer, LoopEvaluator):
     evaluator = trainer
   if needed and not isinstance(evaluator, LoopEvaluator):
@@ -304,11 +183,8 @@ def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
 
 
 def metric_aliases(evaluator: Any) -> dict:
-  """{metric: the name `evaluator` reports it under} ({} unless it
-  declares `MetricAliases`)."""
-  if isinstance(evaluator, MetricAliases):
-    return dict(evaluator.metric_aliases)
-  return {}
+  """{metric: the name `evaluator` reports it under} ({} by default)."""
+  return dict(optional(evaluator, "metric_aliases"))
 
 
 def checkpoint_objects(trainer: Any,
@@ -327,24 +203,21 @@ def checkpoint_objects(trainer: Any,
 
 
 def unsplit_model(trainer: Any) -> keras.Model:
-  """The model whose architecture a run records: `trainer.unsplit_model`
-  if `Split`, else `trainer.model`."""
-  if isinstance(trainer, Split):
-    return trainer.unsplit_model
-  return trainer.model
+  """The model whose architecture a run records (`unsplit_model`, else
+  `model`)."""
+  model = optional(trainer, "unsplit_model")
+  return trainer.model if model is None else model
 
 
 def export_model(trainer: Any) -> keras.Model:
-  """The model to save: `trainer.export_model()` if `Exportable`, else
-  `trainer.model`."""
-  if isinstance(trainer, Exportable):
-    return trainer.export_model()
-  return trainer.model
+  """The model to save: `trainer.export_model()`, else `trainer.model`."""
+  fn = optional(trainer, "export_model")
+  return trainer.model if fn is None else fn()
 
 
 def ema_of(trainer: Any) -> Any:
   """The trainer's weight EMA, or None."""
-  return trainer.ema if isinstance(trainer, WeightAveraged) else None
+  return optional(trainer, "ema")
 
 
 def averaged_weights(trainer: Any) -> Any:
@@ -355,16 +228,15 @@ def averaged_weights(trainer: Any) -> Any:
 
 
 def checkpointed_optimizer(trainer: Any) -> Any:
-  """What a checkpoint holds as `optimizer` (`trainer.optimizer` unless the
-  trainer is `OptimizerCheckpointing`)."""
-  if isinstance(trainer, OptimizerCheckpointing):
-    return trainer.checkpointed_optimizer
-  return trainer.optimizer
+  """What a checkpoint holds as `optimizer` (`checkpointed_optimizer`, else
+  `trainer.optimizer`)."""
+  optimizer = optional(trainer, "checkpointed_optimizer")
+  return trainer.optimizer if optimizer is None else optimizer
 
 
 def loss_scale_of(trainer: Any) -> Any:
   """The trainer's float16 loss scale, or None."""
-  return trainer.loss_scale if isinstance(trainer, LossScaled) else None
+  return optional(trainer, "loss_scale")
 
 
 def checkpoint_items(trainer: Any) -> dict:
@@ -381,19 +253,21 @@ def checkpoint_items(trainer: Any) -> dict:
 
 
 def take_stop_request(trainer: Any) -> bool:
-  """Whether `trainer.request_stop()` was called (`Stoppable`); clears it,
-  so that the trainer's later calls run their steps again."""
-  if not isinstance(trainer, Stoppable):
+  """Whether `trainer.request_stop()` was called; clears it, so that the
+  trainer's later calls run their steps again."""
+  return _take(optional(trainer, "stop_requested"))
+
+
+def _take(requested):
+  if requested is None or not bool(requested.numpy()):
     return False
-  if not bool(trainer.stop_requested.numpy()):
-    return False
-  trainer.stop_requested.assign(False)
+  requested.assign(False)
   return True
 
 
 def nan_policy(trainer: Any) -> str:
-  """The trainer's NaN policy ("stop" unless it declares `NanPolicy`)."""
-  return trainer.nan_policy if isinstance(trainer, NanPolicy) else "stop"
+  """The trainer's NaN policy ("stop" by default)."""
+  return optional(trainer, "nan_policy")
 
 
 def watched_metrics(metrics: Mapping[str, Any]) -> dict:
@@ -401,3 +275,107 @@ def watched_metrics(metrics: Mapping[str, Any]) -> dict:
   if "loss" in metrics:
     return {"loss": metrics["loss"]}
   return dict(metrics)
+
+
+@dataclasses.dataclass
+class LoopParts:
+  """What a `Controller` is handed besides the trainer it calls.
+
+  The Controller calls the trainer through `train` and
+  `sync_replica_state` (and the evaluator through `evaluate`) only; the
+  rest it is handed here, each read once. `loop_parts(trainer)` fills them
+  from a trainer that declares them (`framework.Trainer` does); a caller
+  with its own trainer builds one:
+
+      parts = LoopParts(global_step=step, strategy=strategy,
+                        checkpoint={"model": model, "optimizer": optimizer,
+                                    "global_step": step})
+
+  Fields: `global_step` (int64, advanced by the trainer), `strategy`,
+  `checkpoint` ({name: trackable}: what a checkpoint holds); the optimizer
+  whose learning rate is logged (none: not logged); `global_batch_size`
+  (training batches checked, examples/s; none: neither); `nan_policy`
+  ("stop" raises on a non-finite loop; "skip": the trainer skips such
+  steps); `skipped_steps` / `consecutive_skips` (`() -> int`) and
+  `max_skipped_steps` (none: no skip count or limit); `request_stop()` (an
+  in-graph stop, e.g. at SIGTERM) and `take_stop_request() -> bool` (the
+  trainer asked to stop; cleared); `distribute_dataset` (default: the
+  strategy's `experimental_distribute_dataset`); `eval_batch_size` (eval
+  batches padded to it, `MaskedBatch`; none: as given); `metric_aliases`;
+  `model` (best/ restores it; default `checkpoint["model"]`),
+  `export_model()` (best/'s weights; default `model`), `ema` and
+  `averaged_weights()` (a context holding the EMA weights).
+  """
+
+  global_step: Any
+  strategy: Any
+  checkpoint: Mapping[str, Any]
+  optimizer: Any = None
+  global_batch_size: Optional[int] = None
+  nan_policy: str = default(TrainerConfig, "nan_policy")
+  skipped_steps: Optional[Callable[[], int]] = None
+  consecutive_skips: Optional[Callable[[], int]] = None
+  max_skipped_steps: Optional[int] = None
+  request_stop: Optional[Callable[[], None]] = None
+  take_stop_request: Callable[[], bool] = lambda: False
+  distribute_dataset: Optional[Callable[[Any], Any]] = None
+  eval_batch_size: Optional[int] = None
+  metric_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  model: Any = None
+  export_model: Optional[Callable[[], Any]] = None
+  ema: Any = None
+  averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
+
+  def __post_init__(self):
+    self.checkpoint = dict(self.checkpoint)
+    if self.model is None:
+      self.model = self.checkpoint.get("model")
+    if self.export_model is None:
+      self.export_model = lambda: self.model
+    if self.distribute_dataset is None:
+      self.distribute_dataset = self.strategy.experimental_distribute_dataset
+
+
+def loop_parts(trainer: Any, evaluator: Any = None,
+               checkpoint_items: Optional[Mapping[str, Any]] = None
+               ) -> LoopParts:
+  """A `LoopTrainer`'s `LoopParts`, read once (each `OPTIONAL` name's
+  default where it lacks one); `evaluator` (default: the trainer) gives
+  the eval batch size and metric aliases; `checkpoint_items` join what the
+  checkpoint holds. ConfigError when `trainer` is no `LoopTrainer`."""
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if not isinstance(trainer, LoopTrainer):
+    raise ConfigError(
+        f"trainer={type(trainer).__name__} lacks "
+        f"{', '.join(missing(trainer, LoopTrainer))}: a Controller needs "
+        "framework.core.protocols.LoopTrainer, or LoopParts handed to it")
+  evaluator = trainer if evaluator is None else evaluator
+  policy = nan_policy(trainer)
+  skips = [optional(trainer, name) for name in
+           ("skipped_steps", "consecutive_skips", "max_skipped_steps")]
+  counts = all(value is not None for value in skips)
+  skipped = consecutive = max_skipped = None
+  if counts and (policy == "skip" or loss_scale_of(trainer) is not None):
+    skipped = lambda: int(skips[0].numpy())
+  if counts and policy == "skip":
+    consecutive, max_skipped = lambda: int(skips[1].numpy()), skips[2]
+  requested = optional(trainer, "stop_requested")
+  masked = optional(evaluator, "run_eval_step") is not None
+  return LoopParts(
+      global_step=trainer.global_step, strategy=trainer.strategy,
+      checkpoint=checkpoint_objects(trainer, checkpoint_items),
+      optimizer=trainer.optimizer,
+      global_batch_size=optional(trainer, "global_batch_size"),
+      nan_policy=policy, skipped_steps=skipped, consecutive_skips=consecutive,
+      max_skipped_steps=max_skipped,
+      request_stop=(optional(trainer, "request_stop")
+                    if requested is not None else None),
+      take_stop_request=functools.partial(_take, requested),
+      distribute_dataset=optional(trainer, "distribute_dataset"),
+      eval_batch_size=(optional(evaluator, "global_batch_size") if masked
+                       else None),
+      metric_aliases=metric_aliases(evaluator),
+      model=trainer.model,
+      export_model=functools.partial(export_model, trainer),
+      ema=ema_of(trainer),
+      averaged_weights=functools.partial(averaged_weights, trainer))

@@ -99,7 +99,7 @@ class CoordinatedTrainer:
   exactly `FORWARDED` to the wrapped trainer, whose `train_step` and
   `eval_step` are the math: the loop contract's attributes
   (`framework.core.protocols`), each only where the wrapped trainer has it,
-  so that a protocol check on this object says what the trainer can do.
+  so that this object has the optional names the trainer has.
 
   Args:
     trainer: a `Trainer` built under a `ParameterServerStrategy`.

@@ -25,34 +25,52 @@ only the default `train_step` has (gradient accumulation, float16 loss
 scaling) are then a `ConfigError` at construction unless the subclass lists
 them in `train_step_handles`.
 
-The parts live beside this file, one concept each, as mixins of `Trainer`:
-`gradients.py` (accumulate, reduce, clip, apply, skip), `eval_step.py` (the
-masked evaluation sums), `step_loop.py` (`steps_per_loop` steps in one
-`tf.function` call, ending early at a stop request or too many skips) and
-`replica_sync.py` (BatchNorm statistics averaged over replicas).
+This module holds the step's own parts: the losses, `replica_sync_fn`
+(BatchNorm statistics averaged over replicas), `StepLoop` (`steps_per_loop`
+steps in one `tf.function` call, ending early at a stop request or too many
+skips), the XLA compilation of the step (`jit_compile`) and `Trainer`
+itself. Its other mixins live beside it: `gradients.py` (accumulate,
+reduce, clip, apply, skip) and `evaluation.py` (the masked evaluation
+sums).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any, Callable, Mapping
 
+from absl import logging
 import keras
 import tensorflow as tf
-from absl import logging
 
-from framework.core import optimizer_sharding, tta, xla
+from framework import _tf_internal
+from framework.core import evaluation, optimizer_sharding, summaries
 from framework.core.config import TrainerConfig
-from framework.core.ema import WeightAverage
-from framework.core.eval_step import (Evaluating, masked_sum,  # pylint: disable=unused-import
-                                      real_rows)
+from framework.core.evaluation import Evaluating, masked_sum, real_rows
 from framework.core.gradients import GradientPipeline
-from framework.core.replica_sync import replica_sync_fn
-from framework.core.step_loop import StepLoop
+from framework.core.optimizers import WeightAverage
 from framework.errors import ConfigError, check_positive
 from framework.settings import default
 
+
+# The in-graph step loop of a Trainer: `steps_per_loop` steps per call.
+#
+#     train(iterator, n):                 # one tf.function call
+#       metrics = one step                # always, so the mean is never 0 / 0
+#       while steps < n and keep_going:   # keep_going: no stop requested and,
+#         metrics += one step             # under nan_policy=skip, fewer than
+#                                         # max_skipped_steps skips in a row
+#       return metrics / steps            # global_step counts what ran
+#
+#     one step = run_step(next(iterator)):  SUM over replicas of
+#                distributed_train_step(batch); global_step += 1
+#
+# Python is not on the per-step path. `StepLoop` is a mixin of
+# `framework.Trainer`; it reads the trainer's `strategy`, `global_step`,
+# `stop_requested`, `nan_policy`, the skip counters, `ema`, `loss_scale`,
+# `model`, `optimizer` and `train_step`.
 SUM = tf.distribute.ReduceOp.SUM
 # The step settings' keyword defaults: `TrainerConfig`'s, declared once.
 _default = functools.partial(default, TrainerConfig)
@@ -66,6 +84,288 @@ def sparse_categorical_loss(labels: tf.Tensor,
   """Per-example (or per-pixel) cross-entropy from logits, in float32."""
   return keras.losses.sparse_categorical_crossentropy(
       labels, tf.cast(logits, tf.float32), from_logits=True)
+
+
+# Per-example losses for `Trainer(loss_fn=...)`.
+#
+# A Trainer averages per-example losses over the *global* batch itself (see
+# `Trainer.average`), so these return one value per example (or per pixel) and
+# never reduce: a Keras loss object would divide by the replica count.
+def smoothed_sparse_categorical_loss(label_smoothing):
+  """`(labels, logits) -> per-example cross-entropy` with label smoothing.
+
+  The target is `(1 - s) * one_hot(label) + s / K` over the K classes, as in
+  `keras.losses.CategoricalCrossentropy(label_smoothing=s)` on one-hot
+  labels, computed in float32 from integer labels of any shape (one per
+  example, or one per pixel):
+
+      loss = -(1 - s) * log_softmax(logits)[label] - s/K * sum(log_softmax)
+
+  Args:
+    label_smoothing: s in [0, 1); 0 is the plain sparse cross-entropy.
+  """
+  if not 0 <= label_smoothing < 1:
+    raise ConfigError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+  smoothing = float(label_smoothing)
+
+  def loss_fn(labels, logits):
+    log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32), axis=-1)
+    labels = tf.cast(labels, tf.int32)
+    if labels.shape.rank == log_probs.shape.rank:  # [..., 1] labels
+      labels = tf.squeeze(labels, -1)
+    true_term = -tf.gather(log_probs, labels[..., None], axis=-1,
+                           batch_dims=labels.shape.rank)[..., 0]
+    uniform_term = -tf.reduce_mean(log_probs, axis=-1)
+    return (1.0 - smoothing) * true_term + smoothing * uniform_term
+
+  loss_fn.label_smoothing = smoothing
+  return loss_fn
+
+
+# Averaging per-replica non-trainable state before it is read or saved.
+#
+# Keras 3 creates non-trainable variables (BatchNorm moving statistics) with
+# aggregation NONE, so each replica updates its own copy from its own part of
+# the batch. Moving averages are linear in the batch statistics, so averaging
+# the copies before they are read (evaluation, checkpoints) equals averaging
+# every update.
+def replica_sync_fn(model: keras.Model,
+                    strategy: tf.distribute.Strategy) -> Callable[[], None]:
+  """A function that sets every replica's copy of `model`'s float
+  non-trainable variables to their mean (a no-op where there is nothing to
+  average: one replica, no such variables, a parameter-server strategy)."""
+  variables = [
+      getattr(v, "value", v) for v in model.non_trainable_variables
+      if "float" in str(v.dtype) and not _tf_internal.is_seed_generator_state(v)]
+  variables = [v for v in variables
+               if isinstance(v, tf.distribute.DistributedValues)]
+  if strategy.num_replicas_in_sync == 1 or not variables or isinstance(
+      strategy, tf.distribute.experimental.ParameterServerStrategy):
+    return lambda: None
+
+  def replica_fn():
+    context = tf.distribute.get_replica_context()
+    means = context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                               [v.read_value() for v in variables])
+    for var, mean in zip(variables, means):
+      var.assign(mean)
+
+  return tf.function(lambda: strategy.run(replica_fn))
+
+
+class StepLoop:
+  """`train(iterator, num_steps)` over the trainer's `train_step`."""
+
+  # The compiled replica step under jit_compile (framework/core/trainer.py).
+  _replica_step = None
+  jit_compile = None
+
+  def _reduce(self, per_replica):
+    return {k: self.strategy.reduce(SUM, v, axis=None)
+            for k, v in per_replica.items()}
+
+  def distributed_train_step(self, dist_batch: Any) -> dict[str, Any]:
+    """`train_step` on every replica's part of `dist_batch`: the per-replica
+    outputs, before their SUM (what the loop and the distribution check
+    both run)."""
+    step = self._replica_step or self.train_step  # XLA-compiled or not
+    return self.strategy.run(step, args=(dist_batch,))
+
+  def run_step(self, dist_batch: Any) -> tuple[Any, dict[str, Any]]:
+    """One training step on a distributed batch, as the loop runs it.
+
+    Advances `global_step`. The distribution check calls it too, so that it
+    checks the loop's own step rather than a copy.
+
+    Returns:
+      (the per-replica outputs of `distributed_train_step`, their SUM over
+      replicas: the step's metrics).
+    """
+    self._applied_in_trace = False
+    # tf.summary calls inside the step record at the step it ends at (the
+    # Controller's train/ scalars use the same numbering).
+    with summaries.default_step(self.global_step + 1):
+      per_replica = self.distributed_train_step(dist_batch)
+    if not self._applied_in_trace and (self.ema is not None
+                                       or self.nan_policy == "skip"):
+      # Raised by `train` once traced (autograph would re-wrap it here).
+      feature = ("ema_decay (the EMA of the weights)" if self.ema is not None
+                 else "nan_policy=skip")
+      self._trace_error = (
+          f"{feature}: {type(self).__name__}.train_step never calls "
+          "self.apply_gradients, which does it; call it for the update or "
+          "override compute_loss instead")
+    metrics = self._reduce(per_replica)
+    self.global_step.assign_add(1)
+    return per_replica, metrics
+
+  def step_variables(self) -> list[Any]:
+    """Every variable one step may change: the model's, the optimizer's,
+    the EMA's, the float16 loss scale's, the skip counters and
+    `global_step` (what the distribution check puts back afterwards)."""
+    state = list(self.model.variables) + list(self.optimizer.variables)
+    if self.ema is not None:
+      state += list(self.ema.averages) + [self.ema.num_updates]
+    if self.loss_scale is not None:
+      state += [self.loss_scale.scale, self.loss_scale.good_steps]
+    return state + [self.skipped_steps, self.consecutive_skips,
+                    self.global_step]
+
+  def _one_step(self, iterator):
+    return self.run_step(next(iterator))[1]
+
+  def _keep_going(self):
+    """Whether the loop may run another step (read before each step)."""
+    keep_going = tf.logical_not(self.stop_requested)
+    if self.nan_policy == "skip":
+      keep_going = tf.logical_and(
+          keep_going, self.consecutive_skips < self.max_skipped_steps)
+    return keep_going
+
+  def _train_loop_fn(self, iterator, num_steps):
+    # The first step always runs, so that the metrics are never 0 / 0.
+    totals = self._one_step(iterator)
+    steps = tf.constant(1)
+    while tf.logical_and(steps < num_steps, self._keep_going()):
+      step_metrics = self._one_step(iterator)
+      totals = {k: totals[k] + step_metrics[k] for k in totals}
+      steps += 1
+    return {k: v / tf.cast(steps, v.dtype) for k, v in totals.items()}
+
+  def train(self, iterator: Any, num_steps: int) -> dict[str, Any]:
+    """Runs `num_steps` steps in one graph call; returns their mean metrics.
+
+    Fewer steps run when a stop was requested or, under `nan_policy=skip`,
+    `max_skipped_steps` steps in a row were skipped: `global_step` tells how
+    many ran.
+    """
+    num_steps = tf.constant(num_steps, tf.int32)
+    # Traced before it runs, so that a step that would drop a feature
+    # fails before it trains (the call reuses this trace).
+    self._train_loop.get_concrete_function(iterator, num_steps)
+    if self._trace_error:
+      raise ConfigError(self._trace_error)
+    if not self.jit_compile:
+      return self._train_loop(iterator, num_steps)
+    try:  # XLA compiles at the first call
+      return self._train_loop(iterator, num_steps)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+      line = compile_error(e)
+      if line is None:
+        raise
+      raise ConfigError(line) from None
+
+
+# `jit_compile`: the replica step compiled with XLA where TensorFlow can.
+#
+#     one replica (default, one_device)     the whole replica step: forward,
+#                                           backward, clip and the update
+#     several replicas (mirrored,           each replica's forward and backward
+#     multi_worker_mirrored,                pass (`compute_gradients`); the
+#     central_storage)                      all-reduce and the one update stay
+#                                           outside XLA
+#     tpu                                   compiled by the TPU strategy already
+#     parameter_server, model parallel      not compiled (one warning line)
+#
+# Why not the whole step under several replicas: the update is one
+# `merge_call` (the trainer applies the all-reduced gradient once), and
+# TensorFlow does not allow that synchronisation point inside a nested
+# `tf.function`, which an XLA function inside `strategy.run` is. The gradient
+# computation is where nearly all the arithmetic is, so it is what XLA fuses.
+#
+# An op that XLA cannot compile (no XLA kernel on this device) fails the first
+# call; `compile_error` turns TensorFlow's message into one line naming it.
+STEP = "step"            # the whole replica step
+GRADIENTS = "gradients"  # forward and backward of each replica
+
+
+def _strategy_name(strategy):
+  return type(strategy).__name__
+
+
+def jit_mode(jit_compile, strategy):
+  """STEP, GRADIENTS or None: what of the step XLA compiles under
+  `strategy`; logs one line saying so (a warning where it cannot)."""
+  if not jit_compile:
+    return None
+  name = _strategy_name(strategy)
+  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    logging.warning(
+        "jit_compile: not supported under %s (its workers read variables on "
+        "the parameter servers, outside any one XLA device); training "
+        "without XLA", name)
+    return None
+  if isinstance(strategy, tf.distribute.TPUStrategy):
+    logging.info("jit_compile: %s compiles the whole step with XLA already",
+                 name)
+    return None
+  # Mirrored kinds run each replica in a thread of its own and synchronise
+  # them in merge_call, even with one device.
+  mirrored = (tf.distribute.MirroredStrategy,
+              tf.distribute.MultiWorkerMirroredStrategy,
+              tf.distribute.experimental.CentralStorageStrategy)
+  if strategy.num_replicas_in_sync == 1 and not isinstance(strategy,
+                                                           mirrored):
+    logging.info("jit_compile: the whole replica step (forward, backward, "
+                 "update) is compiled with XLA under %s", name)
+    return STEP
+  logging.info(
+      "jit_compile: each replica's forward and backward pass is compiled "
+      "with XLA under %s (%d replicas); the all-reduce and the update stay "
+      "outside it (TensorFlow allows no merge_call inside a nested XLA "
+      "function)", name, strategy.num_replicas_in_sync)
+  return GRADIENTS
+
+
+def compiled(fn):
+  """`fn` as a `tf.function(jit_compile=True)`."""
+  return tf.function(fn, jit_compile=True)
+
+
+def compiled_step(trainer):
+  """`trainer.train_step` compiled, for `strategy.run`.
+
+  The step loop calls it once per step of its body, but Python traces it
+  once: what the trace saw (`apply_gradients` called) is replayed on every
+  call, so that the loop's feature check sees it each time.
+  """
+  traced = {}
+
+  def step(batch):
+    outputs = trainer.train_step(batch)
+    traced["applied"] = trainer._applied_in_trace  # pylint: disable=protected-access
+    return outputs
+
+  jitted = compiled(step)
+
+  def replica_step(batch):
+    outputs = jitted(batch)
+    if traced.get("applied"):
+      trainer._applied_in_trace = True  # pylint: disable=protected-access
+    return outputs
+
+  return replica_step
+
+
+_UNSUPPORTED = re.compile(
+    r"(?:Detected unsupported operations when trying to compile graph"
+    r"|No registered '(\w+)' OpKernel for XLA_\w+"
+    r"|XLA compilation requires)", re.S)
+
+
+def compile_error(error):
+  """One line for an XLA compilation failure (None if `error` is another
+  error): the ops XLA lacks, and what to do."""
+  text = str(error)
+  if not _UNSUPPORTED.search(text):
+    return None
+  ops = sorted(set(re.findall(r"No registered '(\w+)' OpKernel", text)) |
+               set(re.findall(r"\b(\w+) \(No registered", text)))
+  what = (f"the step's op{'s' if len(ops) > 1 else ''} {', '.join(ops)} "
+          "ha" + ("ve" if len(ops) > 1 else "s") + " no XLA kernel here"
+          if ops else "XLA cannot compile the step (" +
+          text.strip().splitlines()[0][:200] + ")")
+  return f"jit_compile: {what}; run without jit_compile"
 
 
 class Trainer(StepLoop, GradientPipeline, Evaluating):
@@ -108,17 +408,17 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       update as the whole batch at 1/grad_accum_steps of the activations.
     loss_scale: a `framework.core.precision.LossScale` (float16 training), or None.
     fused_updates: update with TensorFlow's one-kernel optimizer ops where
-      there is one (`framework.core.fused_updates`), else `update_step`.
+      there is one (`framework.core.optimizers`), else `update_step`.
     ema_decay: keep an exponential moving average of the trainable weights
-      (`framework.core.ema`) after each applied update, which evaluation
+      (`framework.core.optimizers`) after each applied update, which evaluation
       uses. None: off.
     ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
-    eval_tta: test-time augmentation in evaluation (`framework.core.tta`):
+    eval_tta: test-time augmentation in evaluation (`framework.core.evaluation`):
       `none` or `flip` (mean logits of each image and its mirror).
-    all_reduce: a `framework.core.communication.AllReduceConfig` (packing,
+    all_reduce: a `framework.core.gradients.AllReduceConfig` (packing,
       implementation, wire dtype of the gradient all-reduce); None: defaults.
     jit_compile: compile the replica step with XLA where TensorFlow can
-      (`framework.core.xla`: the whole step on one replica, each replica's
+      (`framework.core.trainer`: the whole step on one replica, each replica's
       forward and backward pass under several; a warning where it cannot).
     shard_optimizer_state: each replica keeps and updates 1/N of the
       optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1) under
@@ -168,7 +468,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
     self.max_skipped_steps = max_skipped_steps
-    self.eval_tta = tta.check_tta(eval_tta)
+    self.eval_tta = evaluation.check_tta(eval_tta)
     self.communication = all_reduce  # an AllReduceConfig, or None
     self.ema = None if ema_decay is None else WeightAverage(
         model.trainable_variables, strategy, ema_decay, warmup=ema_warmup)
@@ -203,14 +503,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
     self._trace_error = None
-    # What XLA compiles (framework/core/xla.py): the replica step (then
+    # What XLA compiles (framework/core/trainer.py): the replica step (then
     # `distributed_train_step` runs `_replica_step`) or its gradients.
-    self.jit_compile = xla.jit_mode(jit_compile, strategy)
+    self.jit_compile = jit_mode(jit_compile, strategy)
     self._replica_step = None  # None: `train_step` as it is at each trace
-    if self.jit_compile == xla.STEP:
-      self._replica_step = xla.compiled_step(self)
-    elif self.jit_compile == xla.GRADIENTS:
-      self.compute_gradients = xla.compiled(self.compute_gradients)
+    if self.jit_compile == STEP:
+      self._replica_step = compiled_step(self)
+    elif self.jit_compile == GRADIENTS:
+      self.compute_gradients = compiled(self.compute_gradients)
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
@@ -339,7 +639,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
 
   def sync_replica_state(self) -> None:
     """Averages per-replica non-trainable state (BatchNorm moving
-    statistics) before it is read or saved (`framework.core.replica_sync`)."""
+    statistics) before it is read or saved (`framework.core.trainer`)."""
     if self._sync_fn is None:
       self._sync_fn = replica_sync_fn(self.model, self.strategy)
     self._sync_fn()

@@ -59,7 +59,7 @@ from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig
 from framework.model_parallel.copies import PipelineCopies, tf_variable
-from framework.model_parallel.copy_sharding import CopyShardedState
+from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
                                               format_memory, memory_by_device,
                                               memory_metrics, variable_device)

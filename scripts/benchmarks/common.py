@@ -178,7 +178,7 @@ def augmentation():
 
 def make_trainer(setup, strategy, global_batch_size, fused_updates=True):
   import framework  # pylint: disable=g-import-not-at-top
-  from framework.core import losses  # pylint: disable=g-import-not-at-top
+  from framework.core import trainer as losses  # pylint: disable=g-import-not-at-top
   extra = {}
   if FLAGS.recipe == "fast":
     recipe = _fast_recipe()

@@ -36,12 +36,12 @@ flags.DEFINE_integer("batch_size", 500, "Test examples per batch.")
 def _accuracy(model, images, labels, mode):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from framework.core import tta  # pylint: disable=g-import-not-at-top
+  from framework.core import evaluation  # pylint: disable=g-import-not-at-top
   from framework.data import inputs  # pylint: disable=g-import-not-at-top
 
   @tf.function
   def predict(batch):
-    return tf.argmax(tta.eval_logits(model, inputs.to_float(batch), mode),
+    return tf.argmax(evaluation.eval_logits(model, inputs.to_float(batch), mode),
                      axis=-1, output_type=tf.int32)
 
   correct = 0

@@ -41,13 +41,12 @@ from absl import logging
 import tensorflow as tf
 
 from framework.core import actions
-from framework.core import atomic
-from framework.core import eval_sets
-from framework.core import protocols
-from framework.core import run_state
-from framework.core.stop_condition import parse_metric
+from framework.core import evaluation
+from framework.core.checkpoints import run_files
+from framework.core.config import parse_metric
 from framework.distribute import strategies
 from framework.errors import CheckpointError, ConfigError
+
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"
@@ -56,7 +55,7 @@ CHECKPOINT_NAME = "ckpt"
 WEIGHTS_NAME = "model.weights.h5"
 # What `write_atomically` names the folder while writing it, and the old
 # one while it swaps them.
-_TMP = atomic.TMP_PREFIX + BEST_DIR
+_TMP = run_files.TMP_PREFIX + BEST_DIR
 _OLD = _TMP + ".old"
 _MAX_LIKE = ("acc", "auc", "iou", "precision", "recall", "f1")
 
@@ -142,7 +141,7 @@ class BestCheckpoint:
     self.split, self.name = parse_metric(config.best_metric)
     self.mode = resolve_mode(self.name, config.best_mode)
     self.model_dir = controller.model_dir
-    strategy = controller.trainer.strategy
+    strategy = controller.parts.strategy
     self.chief = strategies.is_chief(strategy)
     self.task = strategies.task_info(strategy)
     if self.chief and os.path.isdir(self.model_dir):
@@ -174,16 +173,16 @@ class BestCheckpoint:
     """The early-stop record if the run restored at `step` already stopped
     early with these settings (then it says so in one line; the run reports
     the record's `metrics`); else None, and an old record is forgotten."""
-    record = run_state.read_target(self.model_dir, run_state.STOP_FILE)
-    if run_state.finished_early(record, step, self.metric,
+    record = run_files.read_target(self.model_dir, run_files.STOP_FILE)
+    if run_files.finished_early(record, step, self.metric,
                                 self.config.early_stopping_patience):
       logging.info("Already finished: %s at step %d (%s); nothing to train "
                    "(raise early_stopping_patience or unset it to continue)",
-                   record["reason"], step, run_state.STOP_FILE)
+                   record["reason"], step, run_files.STOP_FILE)
       self.stopped = True
       return record
     if record is not None and self.chief:
-      run_state.forget_target(self.model_dir, run_state.STOP_FILE)
+      run_files.forget_target(self.model_dir, run_files.STOP_FILE)
     return None
 
   # The action.
@@ -198,7 +197,7 @@ class BestCheckpoint:
 
   def __call__(self, step: int,
                results: Mapping[str, float]) -> Optional[actions.Stop]:
-    outputs = eval_sets.results_of(self.controller, self.split, results)
+    outputs = evaluation.results_of(self.controller, self.split, results)
     if self.name not in outputs:
       raise ConfigError(
           f"best_metric={self.metric}: the {self.split} results have no "
@@ -210,7 +209,7 @@ class BestCheckpoint:
     self.history = [(s, v) for s, v in self.history if s < step]
     self.history.append((step, value))
     if self.chief:
-      atomic.write_text(os.path.join(self.model_dir, HISTORY_FILE),
+      run_files.write_text(os.path.join(self.model_dir, HISTORY_FILE),
                         json.dumps({"metric": self.metric,
                                     "evaluations": self.history}))
     patience = self.config.early_stopping_patience
@@ -259,14 +258,14 @@ class BestCheckpoint:
     def write(tmp):
       tf.io.gfile.makedirs(tmp)
       c.checkpoint.write(os.path.join(tmp, CHECKPOINT_NAME))
-      _save_eval_weights(c.trainer, os.path.join(tmp, WEIGHTS_NAME))
+      _save_eval_weights(c.parts, os.path.join(tmp, WEIGHTS_NAME))
       info = os.path.join(self.model_dir, "model_info.json")
       if tf.io.gfile.exists(info):
         tf.io.gfile.copy(info, os.path.join(tmp, "model_info.json"))
       with tf.io.gfile.GFile(os.path.join(tmp, BEST_FILE), "w") as f:
         f.write(json.dumps(record, indent=2, sort_keys=True))
 
-    atomic.write_atomically(os.path.join(self.model_dir, BEST_DIR), write)
+    run_files.write_atomically(os.path.join(self.model_dir, BEST_DIR), write)
     self.best = record
     logging.info("best %s=%.4f at step %d: wrote %s", self.metric, value,
                  step, os.path.join(self.model_dir, BEST_DIR))
@@ -280,7 +279,7 @@ class BestCheckpoint:
     if not self.stopped:
       return None
     if self.chief and c.stop_reason is not None:
-      run_state.record_early_stop(
+      run_files.record_early_stop(
           self.model_dir, step=step, reason=c.stop_reason,
           best_metric=self.metric,
           patience=self.config.early_stopping_patience,
@@ -302,18 +301,18 @@ class BestCheckpoint:
 def restore_weights(controller: Any, path: str) -> None:
   """Loads the model (and EMA) of checkpoint `path`, not its step or
   optimizer, into `controller`'s trainer."""
-  objects = {"model": controller.trainer.model}
-  ema = protocols.ema_of(controller.trainer)
+  objects = {"model": controller.parts.model}
+  ema = controller.parts.ema
   if ema is not None:
     objects.update(ema.checkpoint_items())
   tf.train.Checkpoint(**objects).restore(path).expect_partial(
   ).assert_existing_objects_matched()
 
 
-def _save_eval_weights(trainer, path):
+def _save_eval_weights(parts, path):
   """The weights evaluation uses (EMA averages swapped in), as `.h5`."""
-  model = protocols.export_model(trainer)
-  with protocols.averaged_weights(trainer):
+  model = parts.export_model()
+  with parts.averaged_weights():
     model.save_weights(path)
 
 

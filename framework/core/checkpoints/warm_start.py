@@ -29,9 +29,10 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import checkpoint_integrity
 from framework.core import protocols
+from framework.core.checkpoints import manager
 from framework.errors import CheckpointError, ConfigError, first_line
+
 
 WEIGHTS_FILE_SUFFIX = ".weights.h5"
 # The root object under which `Controller` (and most users) save the model.
@@ -59,7 +60,7 @@ def resolve(path):
   if tf.io.gfile.isdir(path):
     if tf.io.gfile.exists(os.path.join(path, "checkpoint")):
       try:
-        prefix, _ = checkpoint_integrity.latest_intact(path)
+        prefix, _ = manager.latest_intact(path)
       except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
       if prefix is not None:
@@ -94,7 +95,7 @@ def resolve(path):
 
 
 def _checked_prefix(where, prefix):
-  problem = checkpoint_integrity.damage(prefix)
+  problem = manager.damage(prefix)
   if problem is not None:
     raise CheckpointError(f"{where}: checkpoint {prefix} is damaged: "
                           f"{problem}")

@@ -6,14 +6,13 @@ is removed straight after. A checkpoint that cannot be restored is an error,
 never a silent restart from scratch.
 
 Before restoring, the newest checkpoint is read in full
-(`checkpoint_integrity`). A damaged one is named in a warning and the newest
+(`latest_intact`, below). A damaged one is named in a warning and the newest
 intact one is restored instead (`restore_policy="latest_intact"`), or it is
 an error (`"error"`). The chief also keeps `run_config.json` beside the
 checkpoints (model, options, optimizer, global batch, dataset), so that
 resuming with another configuration is an error unless allowed.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -24,13 +23,11 @@ from google.protobuf import text_format
 import keras
 import tensorflow as tf
 
-from framework.core import atomic, checkpoint_state
-from framework.core.checkpoint_integrity import (absolute, damage,
-                                                 latest_intact)
+from framework.core.checkpoints import run_files
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
-from framework.errors import (CheckpointError, ModelDirError, check_choice,
-                              check_positive, first_line)
+from framework.errors import (CheckpointError, ModelDirError, check_choice, check_positive, first_line)
+
 
 _WORKER_TMP = ".tmp_worker_"
 RUN_CONFIG_FILE = "run_config.json"
@@ -42,7 +39,7 @@ _ORPHAN_NAMES = re.compile(
     r"ckpt-\d+_temp(_[0-9a-f]{32})?"
     r"|ckpt-\d+\.(index|data-\d{5}-of-\d{5})\.tempstate\d+"
     r"|" + re.escape(_WORKER_TMP) + r".+"
-    r"|" + atomic.ORPHAN_NAMES.pattern)
+    r"|" + run_files.ORPHAN_NAMES.pattern)
 
 
 def _save_reason(error):
@@ -99,9 +96,12 @@ class CheckpointManager:
     model_dir = absolute(model_dir)
     self.model_dir = model_dir
     self.is_chief = strategies.is_chief(strategy)
-    self._accepted, self._consume_all = {}, False
-    self.configure(restore_policy=restore_policy, run_config=run_config,
-                   allow_config_change=allow_config_change)
+    self.restore_policy = check_choice("restore_policy", restore_policy,
+                                       RESTORE_POLICIES)
+    self.run_config = run_config
+    self.allow_config_change = bool(allow_config_change)
+    # [(key, old, new)] an allowed resume changed (see _check_run_config).
+    self.config_changes = []
     if self.is_chief:
       self.directory = model_dir
     else:
@@ -114,27 +114,6 @@ class CheckpointManager:
     self._check_state_file()
     self._max_to_keep = max_to_keep
     self.manager = self._new_manager()
-
-  def configure(self, *, restore_policy="latest_intact", run_config=None,
-                allow_config_change=False):
-    """Sets the restore policy and the configuration checked on resume."""
-    self.restore_policy = check_choice("restore_policy", restore_policy,
-                                       RESTORE_POLICIES)
-    self.run_config = run_config
-    self.allow_config_change = bool(allow_config_change)
-    # [(key, old, new)] an allowed resume changed (see _check_run_config).
-    self.config_changes = []
-
-  @contextlib.contextmanager
-  def restoring_older(self, **accepted):
-    """Within: a restore accepts the `run_config` values an older version
-    wrote (`{key: value}`, e.g. another model_fingerprint) as unchanged,
-    and fails unless it consumes every value the checkpoint holds."""
-    self._accepted, self._consume_all = dict(accepted), True
-    try:
-      yield
-    finally:
-      self._accepted, self._consume_all = {}, False
 
   def _new_manager(self):
     return tf.train.CheckpointManager(
@@ -160,7 +139,7 @@ class CheckpointManager:
       return
     # Garbled: rewritten from the ckpt-* files before TensorFlow reads it
     # (it would log a ParseError and see no checkpoint at all).
-    checkpoint_state.rebuild(self.directory)
+    rebuild(self.directory)
     has_data = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index"))
     try:
       state = tf.train.get_checkpoint_state(self.directory)
@@ -196,8 +175,6 @@ class CheckpointManager:
     try:
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
-      if self._consume_all:
-        status.assert_consumed()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
       raise CheckpointError(
           f"checkpoint {path} does not match this model and optimizer "
@@ -224,7 +201,7 @@ class CheckpointManager:
     if all(t is not None for _, t in keep):
       fresh.all_model_checkpoint_timestamps.extend(t for _, t in keep)
     fresh.last_preserved_timestamp = state.last_preserved_timestamp
-    atomic.write_text(os.path.join(self.directory, "checkpoint"),
+    run_files.write_text(os.path.join(self.directory, "checkpoint"),
                       text_format.MessageToString(fresh))
     logging.warning("Dropped the damaged %s from %s/checkpoint",
                     ", ".join(sorted(bad)), self.directory)
@@ -243,9 +220,7 @@ class CheckpointManager:
     # version) is not a change.
     changes = [(k, saved.get(k), current.get(k))
                for k in sorted(set(saved) | set(current))
-               if k in saved and saved.get(k) != current.get(k)
-               and not (k in self._accepted and
-                        saved.get(k) == self._accepted[k])]
+               if k in saved and saved.get(k) != current.get(k)]
     if not changes:
       return
     what = "; ".join(f"{k} was {_describe(old)}, now {_describe(new)}"
@@ -327,10 +302,19 @@ class CheckpointManager:
       shutil.rmtree(self.directory, ignore_errors=True)
       return None
     if self.run_config is not None:
-      atomic.write_text(os.path.join(self.model_dir, RUN_CONFIG_FILE),
+      run_files.write_text(os.path.join(self.model_dir, RUN_CONFIG_FILE),
                         json.dumps(self.run_config, indent=2, sort_keys=True))
     logging.info("Saved checkpoint %s", path)
     return path
+
+
+def for_loop(parts, model_dir, *, max_to_keep=3, **options):
+  """The `CheckpointManager` a `Controller` with `parts` (a
+  `framework.core.protocols.LoopParts`) saves through: its checkpoint holds
+  `parts.checkpoint`; `options` are `CheckpointManager`'s
+  (`restore_policy`, `run_config`, `allow_config_change`)."""
+  return CheckpointManager(tf.train.Checkpoint(**parts.checkpoint), model_dir,
+                           parts.strategy, max_to_keep=max_to_keep, **options)
 
 
 def read_run_config(model_dir):
@@ -345,3 +329,237 @@ def read_run_config(model_dir):
     raise CheckpointError(f"{path} is not valid JSON ({e}); delete it to "
                           "resume without the configuration check") from None
 
+
+# The `checkpoint` state file: read strictly, and rebuilt when garbled.
+#
+# TensorFlow's `get_checkpoint_state` logs a `ParseError` and returns None
+# for a state file it cannot parse, which reads the same as no state file:
+# a run with intact `ckpt-*` files would then look like one with no
+# checkpoint at all. Here a state file that exists but does not parse (or is
+# empty, or names no checkpoint) is *unreadable*, with the reason; the
+# checkpoints are then found from their own files (`ckpt-<N>.index`,
+# `ckpt-<N>.data-*`), and the training chief rewrites the state file from
+# them, atomically, so that the next run reads it cleanly.
+STATE_FILE = "checkpoint"
+_CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(index|data-\d{5}-of-\d{5})")
+# (directory, problem) pairs already warned about: `evaluate.py --watch`
+# looks the checkpoints up on every poll.
+_warned = set()
+
+
+def _first_line(text):
+  lines = str(text).strip().splitlines()
+  return lines[0] if lines else ""
+
+
+def _empty_state():
+  # The public API builds a CheckpointState only through this function.
+  state = tf.compat.v1.train.generate_checkpoint_state_proto("/", "/x")
+  state.Clear()
+  return state
+
+
+def problem(directory):
+  """Why `directory`'s state file is unreadable; None if it reads (or is
+  absent: that is no state, not a damaged one)."""
+  path = os.path.join(directory, STATE_FILE)
+  if not tf.io.gfile.exists(path):
+    return None
+  try:
+    with tf.io.gfile.GFile(path, "rb") as f:
+      text = f.read().decode("utf-8")
+  except UnicodeDecodeError:
+    return "it is not text"
+  except tf.errors.OpError as e:
+    return f"it cannot be read: {_first_line(e.message)}"
+  if not text.strip():
+    return "it is empty"
+  state = _empty_state()
+  try:
+    text_format.Merge(text, state)
+  except text_format.ParseError as e:
+    return f"it does not parse: {_first_line(e)}"
+  if not state.model_checkpoint_path:
+    return "it names no checkpoint (no model_checkpoint_path)"
+  return None
+
+
+def on_disk(directory):
+  """The `ckpt-<N>` prefixes that have files in `directory`, oldest
+  (lowest N) first; a prefix with only some of its files is included, so
+  that the damage check names what is missing."""
+  numbers = set()
+  for name in tf.io.gfile.listdir(directory):
+    match = _CHECKPOINT_FILE.fullmatch(name.rstrip("/"))
+    if match:
+      numbers.add(int(match.group(1)))
+  return [os.path.join(directory, f"ckpt-{n}") for n in sorted(numbers)]
+
+
+def recovered(directory):
+  """The checkpoints found from their own files when the state file is
+  unreadable (warned once per folder and reason), else None."""
+  why = problem(directory)
+  if why is None:
+    return None
+  found = on_disk(directory)
+  if (directory, why) not in _warned:
+    _warned.add((directory, why))
+    logging.warning(
+        "The checkpoint state file %s is unreadable (%s); using the "
+        "checkpoints found from their own files: %s", os.path.join(
+            directory, STATE_FILE), why,
+        ", ".join(os.path.basename(p) for p in found) or "none")
+  return found
+
+
+def rebuild(directory):
+  """Rewrites an unreadable state file from the checkpoints' own files
+  (atomically; their files' times as the checkpoints' times), or
+  removes it when there are none. Returns the reason it was unreadable,
+  or None (nothing written)."""
+  why = problem(directory)
+  if why is None:
+    return None
+  path = os.path.join(directory, STATE_FILE)
+  found = on_disk(directory)
+  if not found:
+    tf.io.gfile.remove(path)
+    logging.warning("Removed the unreadable checkpoint state file %s (%s); "
+                    "no checkpoint files beside it", path, why)
+    return why
+  names = [os.path.basename(p) for p in found]
+  times = [max(tf.io.gfile.stat(f).mtime_nsec / 1e9
+               for f in tf.io.gfile.glob(p + ".*")) for p in found]
+  state = tf.compat.v1.train.generate_checkpoint_state_proto(
+      directory, names[-1], all_model_checkpoint_paths=list(names),
+      all_model_checkpoint_timestamps=times,
+      # Older than every checkpoint: TensorFlow's manager never rotates
+      # (nor lists again) one stamped at or before it.
+      last_preserved_timestamp=min(times) - 1)
+  run_files.write_text(path, text_format.MessageToString(state))
+  logging.warning("The checkpoint state file %s was unreadable (%s); "
+                  "rewrote it from the checkpoints' own files: %s", path,
+                  why, ", ".join(names))
+  return why
+
+
+def latest(directory):
+  """`tf.train.latest_checkpoint(directory)`, but from the checkpoints' own
+  files when the state file is unreadable (the newest ckpt-<N>)."""
+  found = recovered(directory)
+  if found is None:
+    return tf.train.latest_checkpoint(directory)
+  return found[-1] if found else None
+
+
+# Which checkpoints can be restored: read in full before trusting one.
+#
+# A checkpoint is intact when its index and every data file exist and every
+# tensor reads back with a valid checksum. `latest_intact` walks the state
+# file's list newest first and returns the newest intact one, naming each
+# damaged newer one, so that a run killed mid-save or a disk that lost a file
+# resumes from what is really there, never silently from scratch.
+def damage(prefix):
+  """None if checkpoint `prefix` reads back in full, else what is wrong.
+
+  The answer names the damaged file: a missing index or data file, or a
+  data file that is short or fails its checksum when every tensor is read.
+  """
+  index = prefix + ".index"
+  if not tf.io.gfile.exists(index):
+    return f"{index} is missing"
+  data = sorted(tf.io.gfile.glob(prefix + ".data-*-of-*"))
+  shards = {int(m.group(1)) for m in (re.search(r"-of-(\d+)$", d)
+                                      for d in data) if m}
+  for count in shards:
+    for i in range(count):
+      name = f"{prefix}.data-{i:05d}-of-{count:05d}"
+      if name not in data:
+        return f"{name} is missing"
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{index} cannot be read ({first_line(e)})"
+  try:
+    for name in sorted(reader.get_variable_to_shape_map()):
+      reader.get_tensor(name)
+  except Exception as e:  # pylint: disable=broad-except
+    named = re.search(r"\S+\.data-\d{5}-of-\d{5}", str(e))
+    if named and not tf.io.gfile.exists(named.group(0)):
+      return f"{named.group(0)} is missing"
+    # The bundle reader names the shard ("shard 1") or nothing at all.
+    shard = re.search(r"shard (\d+)", str(e))
+    named = [d for d in data if shard and d.endswith(
+        f".data-{int(shard.group(1)):05d}-of-{len(data):05d}")]
+    files = " or ".join(named or data) or f"{prefix}.data-*"
+    return f"{files} is damaged ({first_line(e)})"
+  return None
+
+
+def _listed_checkpoints(directory):
+  """The checkpoints the state file lists, oldest first (None: no state).
+
+  An unreadable state file (garbled, empty) is named in a warning and the
+  checkpoints are those found from their own files.
+
+  `get_checkpoint_state` joins relative entries onto the directory it is
+  given, so an absolute directory makes every entry absolute, whatever form
+  the state file stores.
+  """
+  directory = absolute(directory)
+  found = recovered(directory)
+  if found is not None:  # a garbled state file: the files themselves
+    return found
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except Exception as e:  # pylint: disable=broad-except  (a parse error)
+    raise CheckpointError(f"the checkpoint state file {directory}/checkpoint "
+                          f"is corrupt ({first_line(e)})") from None
+  if state is None:
+    return None
+  paths = list(state.all_model_checkpoint_paths)
+  if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+    paths.append(state.model_checkpoint_path)
+  return [p if os.path.isabs(p) or "://" in p else os.path.join(directory, p)
+          for p in paths]
+
+
+def absolute(path):
+  """`path` made absolute, unless it is a URL (gs://, hdfs://, ...)."""
+  return path if "://" in path else os.path.abspath(path)
+
+
+def latest_intact(directory, restore_policy="latest_intact"):
+  """(newest intact checkpoint or None, [(damaged path, problem), ...]).
+
+  Reads only. Damaged checkpoints newer than the one returned are logged as
+  warnings. Raises CheckpointError if the newest is damaged and the policy
+  is "error", or if checkpoint files exist but none is intact.
+  """
+  check_choice("restore_policy", restore_policy, RESTORE_POLICIES)
+  paths = _listed_checkpoints(directory) or []
+  damaged = []
+  for path in reversed(paths):
+    problem = damage(path)
+    if problem is None:
+      for bad, why in damaged:
+        logging.warning("Checkpoint %s is damaged: %s; restoring the newest "
+                        "intact checkpoint, %s, instead", bad, why, path)
+      return path, damaged
+    if restore_policy == "error":
+      raise CheckpointError(
+          f"checkpoint {path} is damaged: {problem}; restore the file, or "
+          "use restore=latest_intact to resume from the newest intact "
+          "checkpoint")
+    damaged.append((path, problem))
+  if any(tf.io.gfile.glob(p + ".*") for p, _ in damaged):
+    raise CheckpointError(
+        "no intact checkpoint to resume from: " + "; ".join(
+            why for _, why in damaged) + "; refusing to start from scratch: "
+        "restore the files or move the ckpt-* files away")
+  if damaged:
+    logging.warning("The checkpoint state in %s lists %s but none of their "
+                    "files exist; starting from scratch", directory,
+                    ", ".join(os.path.basename(p) for p, _ in damaged))
+  return None, []

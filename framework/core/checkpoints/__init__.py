@@ -1,0 +1,15 @@
+"""Checkpoints and resume: one package, reached from the loop by one name.
+
+    manager = for_loop(parts, model_dir, restore_policy="latest_intact",
+                       run_config=..., allow_config_change=False)
+    Controller(trainer, config, model_dir, parts=parts, checkpoints=manager)
+
+`CheckpointManager` (`manager.py`: save, restore, the state file, the
+integrity checks, the configuration checked on resume) is the seam the
+loop saves and restores through; `for_loop` builds the one a Controller
+uses (its checkpoint holds `parts.checkpoint`). Beside it: `best.py`
+(best/ and early stopping), `warm_start.py` (initialising from another
+run) and `run_files.py` (atomic writes, the run lock, the run state).
+"""
+
+from framework.core.checkpoints.manager import CheckpointManager, for_loop
