@@ -155,7 +155,8 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     config = dataclasses.replace(config, model=path)
     _warn_if_main(path)
   else:
-    registry.get_builder(config.model)  # a bad --model fails before any work
+    # A bad --model (or weights file) fails before any work.
+    registry.check_model(config.model, config.model_options)
   start_time = time.time()  # time_to_target counts from here
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
