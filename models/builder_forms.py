@@ -95,13 +95,15 @@ def _no_weights(value):
 
 def keyword_arguments(name, signature, input_shape, num_classes, options):
   """The keyword-form call's arguments: the input shape, the class count,
-  `KEYWORD_DEFAULTS` the signature names, then the options it names (only
-  those: the built-in models' flags are not for it)."""
+  `KEYWORD_DEFAULTS` the signature names, then the options it names (all
+  of them if it takes `**kwargs`, as a positional builder)."""
   check_weights(name, options)
   names = set(signature.parameters)
   kwargs = {k: v for k, v in KEYWORD_DEFAULTS.items() if k in names}
+  takes_any = any(p.kind == p.VAR_KEYWORD
+                  for p in signature.parameters.values())
   kwargs.update({k: v for k, v in options.items()
-                 if k in option_parameters(signature)})
+                 if takes_any or k in option_parameters(signature)})
   if "weights" in kwargs and _no_weights(kwargs["weights"]):
     kwargs["weights"] = None
   kwargs[SHAPE] = tuple(input_shape)

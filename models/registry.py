@@ -227,6 +227,24 @@ def check_model(name, options=None, search_dir=None):
   return builder
 
 
+def taken_options(name, options, search_dir=None):
+  """The subset of `options` that `build_model(name, ...)` passes to the
+  builder (what `model_info.json` records): the keywords its signature
+  names, all of them for a positional builder with `**kwargs`; `options`
+  as they are if the builder cannot be found here."""
+  try:
+    builder = get_builder(name, search_dir)
+  except ConfigError:
+    return dict(options)
+  signature = builder_forms.signature_of(builder)
+  if signature is None:
+    return dict(options)
+  if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+    return dict(options)
+  accepted = builder_forms.option_parameters(signature)
+  return {k: v for k, v in options.items() if k in accepted}
+
+
 def check_outputs(name, model, num_classes, dataset):
   """ConfigError naming model `name` unless its last output axis has one
   logit per class of `dataset`."""
@@ -299,9 +317,8 @@ def parse_options(name, text):
   """
   signature = inspect.signature(get_builder(name))
   keyword_form = builder_forms.classes_keyword(signature)
-  # A keyword-form builder gets only the options it names.
-  takes_any = not keyword_form and any(
-      p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+  takes_any = any(p.kind == p.VAR_KEYWORD
+                  for p in signature.parameters.values())
   options = builder_forms.option_parameters(signature)
   valid = ", ".join(options) or "none"
   items = []

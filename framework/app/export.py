@@ -23,7 +23,7 @@ import models
 from models import registry
 from framework.core import atomic
 from framework.errors import CheckpointError, ConfigError
-from framework.data import preprocessing
+from framework.data import config as data_config, preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 from framework.app.eval_config import EvalConfig
@@ -41,13 +41,16 @@ def model_info(config, dataset):
           # A `module:function` model is imported from here when it is not
           # on the reading process's sys.path (another cwd, no PYTHONPATH).
           "model_import_dir": registry.import_dir(config.model),
-          "model_options": _jsonable(config.model_options),
+          # Only the options the builder took (not every model's flags).
+          "model_options": _jsonable(registry.taken_options(
+              config.model, config.model_options)),
           "input_shape": list(dataset.input_shape),
           "num_classes": dataset.num_classes,
           "class_names": list(dataset.class_names),
           "dataset": config.dataset,
           "data_dir": config.data_dir,
-          "dataset_options": _jsonable(getattr(config, "dataset_options", {})),
+          "dataset_options": _jsonable(data_config.read_options(
+              config.dataset, getattr(config, "dataset_options", {}))),
           "global_batch_size": config.global_batch_size,
           "strategy": config.strategy,
           "seed": config.seed,
