@@ -21,7 +21,7 @@ import types
 import typing
 
 from framework.errors import ConfigError
-from models import builder_forms
+from models import builder_forms, input_scale
 
 _BUILDERS = {}
 _TASKS = {}  # name -> "classification" or "segmentation", where declared
@@ -215,7 +215,8 @@ def call_builder(builder, input_shape, num_classes, options, name=None):
     raise ConfigError(
         f"model={name!r} returned {got}, not a keras.Model: the model "
         "function must return the model (a keras.Model of logits)")
-  return model
+  # A model that rescales its own input gets the 0-255 pixels it expects.
+  return input_scale.give_pixels(model, name)
 
 
 def check_model(name, options=None, search_dir=None):

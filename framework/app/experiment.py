@@ -25,7 +25,8 @@ from framework.app import factory
 from framework.app import old_split_checkpoint
 from framework.app import run_plan
 from framework.app import split_change
-from framework.core import optimizers, progress, protocols, ps_training
+from framework.core import actions, optimizers, progress, protocols
+from framework.core import ps_training
 from framework.core import warm_start
 from framework.data import augment, inputs
 from framework.distribute import strategies
@@ -101,6 +102,9 @@ def build(config, strategy, dataset, trainer_cls=None, *, build_model=None,
         samples=dataset.test_samples(3), **kwargs)
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
+  # One line if the loss stays at chance (double scaling, lr, frozen).
+  controller.train_actions.append(actions.LossAtChance(
+      dataset.num_classes, config.global_batch_size))
   run_config = export.run_config(config, model)
   if getattr(dataset, "generation", None):
     # Resuming on re-converted data (another content) is a config change.

@@ -12,11 +12,15 @@ evaluation, and with `experiment.run` the weights file and the export).
 Built in: the NaN policy (`NanGuard`), early stopping (`StopWhen`, from
 `LoopConfig.stop_when` / `stop_at_accuracy`), the profiler's report,
 preemption (`framework.core.preemption.install`) and the segmentation mask
-summaries.
+summaries; `LossAtChance`, a one-line warning when the training loss
+stays at chance.
 """
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Optional
+
+from absl import logging
 
 from framework.core import protocols
 from framework.core.stop_condition import StopCondition
@@ -125,3 +129,40 @@ class ProfileReport:
 def from_on_loop_end(fn: Callable[[int], Any]) -> Action:
   """An old `on_loop_end` hook `fn(step)` as a train action."""
   return lambda step, outputs: fn(step)
+
+
+class LossAtChance:
+  """Warns once, in one line, when the training loss has not moved from
+  chance (ln(classes), a classifier's loss at uniform logits) after
+  `examples_per_class` examples per class: the run is learning nothing.
+
+  The usual causes are named: inputs scaled twice (a model that rescales
+  images the pipeline already divided by 255), a learning rate of 0 or far
+  too small, or frozen (non-trainable) weights.
+  """
+
+  def __init__(self, num_classes, global_batch_size, examples_per_class=300,
+               tolerance=0.01):
+    self.num_classes = num_classes
+    self.chance = math.log(num_classes) if num_classes > 1 else None
+    self.after_examples = examples_per_class * num_classes
+    self.global_batch_size = global_batch_size
+    self.tolerance = tolerance
+    self.done = False
+
+  def __call__(self, step, outputs):
+    loss = outputs.get("loss")
+    if (self.done or self.chance is None or loss is None
+        or step * self.global_batch_size < self.after_examples):
+      return None
+    self.done = True  # once: the first loop past the threshold decides
+    if abs(float(loss) - self.chance) <= self.tolerance * self.chance:
+      logging.warning(
+          "train loss %.4f at step %d is still ln(classes)=%.4f, chance, "
+          "after %d examples (%d per class): the model is not learning; "
+          "usual causes: inputs scaled twice (a model that rescales what "
+          "the pipeline already divided by 255), a learning rate of 0 or "
+          "far too small, frozen (non-trainable) weights", float(loss),
+          step, self.chance, step * self.global_batch_size,
+          step * self.global_batch_size // self.num_classes)
+    return None
