@@ -45,6 +45,9 @@ Controller; `ps_training.CoordinatedTrainer` forwards exactly these names).
     OptimizerCheckpointing: checkpointed_optimizer # `optimizer` itself
     Split:          unsplit_model                  # `model`: what a resume
                                                    # checks the architecture of
+    TracksObjects:  tracked_objects                # {}: a trainer's extra
+                                                   # models, optimizers, ...
+                                                   # checkpointed by name
 
     # What the distribution self-check reads (framework/check):
     Steppable:      model, optimizer (swapped for a probe and back),
@@ -68,6 +71,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.errors import ConfigError
 
 
 @runtime_checkable
@@ -191,6 +195,14 @@ class WeightAveraged(Protocol):
 
 
 @runtime_checkable
+class TracksObjects(Protocol):
+  """{name: trackable} a trainer checkpoints besides its model and
+  optimizer (`Trainer.track`: a teacher, a discriminator, its optimizer)."""
+
+  tracked_objects: Mapping[str, Any]
+
+
+@runtime_checkable
 class ConfusionReporting(Protocol):
   """`last_confusion`: the global confusion matrix of the last `evaluate`
   (numpy), or None."""
@@ -260,7 +272,7 @@ class GradientSettings(Protocol):
 OPTIONAL = (BatchSized, NanPolicy, SkipCounting, Stoppable, MaskedEvaluator,
             DatasetDistributing, MetricAliases, Exportable, LossScaled,
             WeightAveraged, ConfusionReporting, OptimizerCheckpointing,
-            Split, DistributedStep, LoopStep, GradientSettings)
+            Split, DistributedStep, LoopStep, GradientSettings, TracksObjects)
 ALL = (LoopTrainer, LoopEvaluator, Steppable) + OPTIONAL
 
 
@@ -323,7 +335,39 @@ def checkpoint_objects(trainer: Any,
                 if _tf_internal.is_seed_generator_state(v)]
   if rng_states:
     objects["rng_states"] = rng_states
+  tracked = tracked_objects(trainer)
+  for name, value in tracked.items():
+    if name in objects or name == "rng_states":
+      raise ConfigError(f"{type(trainer).__name__}.track({name}=...): "
+                        f"{name!r} is a name the checkpoint already uses; "
+                        "choose another")
+  objects.update(tracked)
   return objects
+
+
+def tracked_objects(trainer: Any) -> dict:
+  """The trainer's `tracked_objects` ({} unless `TracksObjects`).
+
+  Raises ConfigError, in one line, for a keras.Model or optimizer attribute
+  of a trainer class of one's own that is neither its `model`/`optimizer`
+  nor tracked: it would be left out of every checkpoint, so a resumed run
+  would silently restart it.
+  """
+  tracked = dict(trainer.tracked_objects) if isinstance(
+      trainer, TracksObjects) else {}
+  if type(trainer).__module__.startswith("framework."):
+    return tracked  # the framework's own trainers declare theirs
+  known = [trainer.model, trainer.optimizer, *tracked.values()]
+  for name, value in sorted(vars(trainer).items()):
+    if (isinstance(value, (keras.Model, keras.optimizers.Optimizer))
+        and not any(value is k for k in known)):
+      kind = ("keras.Model" if isinstance(value, keras.Model)
+              else "optimizer")
+      raise ConfigError(
+          f"{type(trainer).__name__}.{name} (a {kind}) is not checkpointed: "
+          f"create it in __init__ under `with self.strategy.scope():` and "
+          f"register it with self.track({name}=self.{name})")
+  return tracked
 
 
 def unsplit_model(trainer: Any) -> keras.Model:
