@@ -2,8 +2,9 @@
 subclass creates go under `self.strategy.scope()` and `self.track(...)`,
 are checkpointed by name and restored; one created outside the scope, an
 unbuilt optimizer, or one left untracked is refused in one line (before
-anything is written to model_dir); the distillation port resumes after
-kill -9 exactly as an uninterrupted run, on one device and on mirrored."""
+anything is written to model_dir); the distillation and GAN ports resume
+after kill -9 exactly as an uninterrupted run, on one device and on
+mirrored."""
 
 import os
 import re
@@ -111,11 +112,10 @@ def test_an_extra_model_not_declared_is_one_line_before_model_dir(
   assert not model_dir.exists()
 
 
-def _distill(model_dir, strategy, popen=False):
+def _example(example, model_dir, strategy, popen=False):
   args = [sys.executable,
-          os.path.join(ROOT, "scripts", "examples", "distillation.py"),
-          "--model=mlp", "--hidden_units=16", "--teacher_model=mlp",
-          "--dataset=synthetic", f"--strategy={strategy}", "--cpu_devices=2",
+          os.path.join(ROOT, "scripts", "examples", example),
+          "--model=mlp", "--hidden_units=16", "--dataset=synthetic", f"--strategy={strategy}", "--cpu_devices=2",
           "--global_batch_size=32", "--train_steps=6", "--steps_per_loop=1",
           "--checkpoint_every=1", "--eval_steps=1",
           "--export_saved_model=false", f"--model_dir={model_dir}"]
@@ -129,13 +129,19 @@ def _distill(model_dir, strategy, popen=False):
   return re.search(r"final weights sha256=(\w+)", proc.stderr).group(1)
 
 
-@pytest.mark.parametrize("strategy", [
-    "default", pytest.param("mirrored", marks=pytest.mark.slow)])
-def test_distillation_resumes_after_kill_9_as_uninterrupted(tmp_path,
-                                                            strategy):
-  whole = _distill(tmp_path / "whole", strategy)
+@pytest.mark.parametrize("example,strategy", [
+    ("distillation.py", "default"),
+    pytest.param("distillation.py", "mirrored", marks=pytest.mark.slow),
+    pytest.param("gan.py", "default", marks=pytest.mark.slow),
+    ("gan.py", "mirrored")])
+def test_several_model_trainers_resume_after_kill_9_as_uninterrupted(
+    tmp_path, example, strategy):
+  """The teacher-student and the GAN port (generator and its optimizer
+  tracked): kill -9 after step 2's checkpoint, relaunch, same final
+  weights as an uninterrupted run."""
+  whole = _example(example, tmp_path / "whole", strategy)
   killed = tmp_path / "killed"
-  process = _distill(killed, strategy, popen=True)
+  process = _example(example, killed, strategy, popen=True)
   try:
     deadline = time.time() + 240
     while not (killed / "ckpt-2.index").exists():
@@ -147,4 +153,4 @@ def test_distillation_resumes_after_kill_9_as_uninterrupted(tmp_path,
     process.wait()
   assert process.returncode == -signal.SIGKILL
   assert not (killed / "ckpt-6.index").exists()
-  assert _distill(killed, strategy) == whole
+  assert _example(example, killed, strategy) == whole
