@@ -1,0 +1,122 @@
+"""A keras-io port against Keras's own `model.fit`, same model, data, steps,
+seed and optimizer, on one device and on `mirrored`, back to back.
+
+    python scripts/examples/keras_ports_vs_fit.py --steps=200 --batch=64
+
+Port: keras-io's MNIST convnet (`mnist_convnet.build`) on generated
+MNIST-shaped uint8 arrays (`mnist_convnet.synthetic_digits`; no download).
+Prints one table row per (trainer, strategy): test loss and accuracy after
+`--steps`, and the examples/s of the second half of the steps (the first
+half includes tracing), with distloop's as a ratio of fit's.
+docs/results/keras_ports.md records a run.
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+# The installed package only (`pip install -e .`): a copy of this file runs
+# from any folder.
+from distloop_cli import cli
+cli.quiet_startup()
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_integer("steps", 200, "Training steps of each run.")
+flags.DEFINE_integer("batch", 64, "Global batch size.")
+flags.DEFINE_integer("examples", 4096, "Generated training examples.")
+flags.DEFINE_integer("seed", 0, "Seed of both trainers.")
+FLAGS = flags.FLAGS
+
+
+def _data(path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import mnist_convnet  # pylint: disable=g-import-not-at-top
+  (x, y), (x_test, y_test) = mnist_convnet.synthetic_digits(FLAGS.examples)
+  np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
+  return (x, y), (x_test, y_test)
+
+
+def _distloop(strategy_name, strategy, data_path):
+  import framework  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  from framework.app import experiment  # pylint: disable=g-import-not-at-top
+  import mnist_convnet  # pylint: disable=g-import-not-at-top
+  model_dir = tempfile.mkdtemp()
+  half = FLAGS.steps // 2
+  config = framework.ExperimentConfig(
+      dataset="numpy", data_dir=data_path, model_dir=model_dir,
+      strategy=strategy_name, global_batch_size=FLAGS.batch,
+      train_steps=FLAGS.steps, seed=FLAGS.seed, export_saved_model=False,
+      optimizer=framework.OptimizerConfig(name="adam", learning_rate=1e-3),
+      loop=framework.LoopConfig(train_steps=FLAGS.steps, steps_per_loop=half))
+  results = experiment.run(config, strategy=strategy,
+                           build_model=mnist_convnet.build)
+  speed = None
+  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      if row["split"] == "train" and row["name"] == "examples_per_second":
+        speed = row["value"]  # the last loop's: steady state
+  return results["loss"], results["accuracy"], speed
+
+
+def _fit(strategy, train, test):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import mnist_convnet  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(FLAGS.seed)
+  (x, y), (x_test, y_test) = train, test
+  with strategy.scope():
+    model = mnist_convnet.build((28, 28, 1), 10)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), metrics=["accuracy"])
+  data = tf.data.Dataset.from_tensor_slices((x.astype("float32") / 255, y))
+  data = data.shuffle(len(x), seed=FLAGS.seed).repeat().batch(
+      FLAGS.batch, drop_remainder=True)
+  half = FLAGS.steps // 2
+  times = {}
+
+  class Clock(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      if batch + 1 in (half, FLAGS.steps):
+        times[batch + 1] = time.perf_counter()
+
+  model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
+            callbacks=[Clock()])
+  loss, accuracy = model.evaluate(x_test.astype("float32") / 255, y_test,
+                                  batch_size=FLAGS.batch, verbose=0)
+  speed = (FLAGS.steps - half) * FLAGS.batch / (times[FLAGS.steps]
+                                                - times[half])
+  return loss, accuracy, speed
+
+
+def main(argv):
+  del argv
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import framework  # pylint: disable=g-import-not-at-top
+  framework.configure_cpu_devices(2)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.get_logger().setLevel("ERROR")
+  data_path = os.path.join(tempfile.mkdtemp(), "digits.npz")
+  train, test = _data(data_path)
+  print(f"| port | strategy | trainer | steps | test loss | test accuracy "
+        f"| examples/s | distloop / fit |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name in ("default", "mirrored"):
+    strategy = framework.make_strategy(name)
+    fit = _fit(strategy, train, test)
+    ours = _distloop(name, strategy, data_path)
+    for trainer, (loss, accuracy, speed) in (("model.fit", fit),
+                                            ("distloop", ours)):
+      ratio = f"{ours[2] / fit[2]:.2f}" if trainer == "distloop" else ""
+      print(f"| mnist_convnet | {name} | {trainer} | {FLAGS.steps} | "
+            f"{loss:.4f} | {accuracy:.4f} | {speed:.0f} | {ratio} |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
