@@ -40,13 +40,16 @@ def test_resnet50_port_trains_by_name(tmp_path):
   assert "final eval" in proc.stderr
 
 
-def test_port_beside_model_fit_prints_its_table(tmp_path):
+@pytest.mark.parametrize("port", [
+    "mnist_convnet", pytest.param("distillation", marks=pytest.mark.slow)])
+def test_port_beside_model_fit_prints_its_table(tmp_path, port):
   proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
-                    "--steps=4", "--batch=32", "--examples=256",
-                    cwd=str(tmp_path), fresh=True)
+                    f"--port={port}", "--steps=4", "--teacher_steps=4",
+                    "--batch=32", "--examples=256", cwd=str(tmp_path),
+                    fresh=True)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [line for line in proc.stdout.splitlines()
-          if line.startswith("| mnist_convnet |")]
+          if line.startswith(f"| {port} |")]
   assert [r.split("|")[2:4] for r in rows] == [
       [" default ", " model.fit "], [" default ", " distloop "],
       [" mirrored ", " model.fit "], [" mirrored ", " distloop "]]

@@ -2,9 +2,14 @@
 seed and optimizer, on one device and on `mirrored`, back to back.
 
     python scripts/examples/keras_ports_vs_fit.py --steps=200 --batch=64
+    python scripts/examples/keras_ports_vs_fit.py --port=distillation
 
-Port: keras-io's MNIST convnet (`mnist_convnet.build`) on generated
-MNIST-shaped uint8 arrays (`mnist_convnet.synthetic_digits`; no download).
+Ports, on generated MNIST-shaped uint8 arrays
+(`mnist_convnet.synthetic_digits`; no download): keras-io's MNIST convnet
+(`mnist_convnet.build`), and keras-io's knowledge distillation (its
+`Distiller` model's `compute_loss` under `fit` against distillation.py's
+`Distiller` trainer) of `mnist_convnet.build_student` from a teacher
+(`mnist_convnet.build`) trained first by `fit` for `--teacher_steps`.
 Prints one table row per (trainer, strategy): test loss and accuracy after
 `--steps`, and the examples/s of the second half of the steps (the first
 half includes tracing), with distloop's as a ratio of fit's.
@@ -26,7 +31,12 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 flags.DEFINE_integer("steps", 200, "Training steps of each run.")
 flags.DEFINE_integer("batch", 64, "Global batch size.")
 flags.DEFINE_integer("examples", 4096, "Generated training examples.")
-flags.DEFINE_integer("seed", 0, "Seed of both trainers.")
+flags.DEFINE_integer("run_seed", 0, "Seed of both trainers.")
+flags.DEFINE_enum("port", "mnist_convnet", ["mnist_convnet", "distillation"],
+                  "Which port.")
+flags.DEFINE_integer("teacher_steps", 200, "distillation: the teacher's "
+                     "training steps (model.fit, one device).")
+ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's
 FLAGS = flags.FLAGS
 
 
@@ -48,11 +58,20 @@ def _distloop(strategy_name, strategy, data_path):
   config = framework.ExperimentConfig(
       dataset="numpy", data_dir=data_path, model_dir=model_dir,
       strategy=strategy_name, global_batch_size=FLAGS.batch,
-      train_steps=FLAGS.steps, seed=FLAGS.seed, export_saved_model=False,
+      train_steps=FLAGS.steps, seed=FLAGS.run_seed, export_saved_model=False,
       optimizer=framework.OptimizerConfig(name="adam", learning_rate=1e-3),
       loop=framework.LoopConfig(train_steps=FLAGS.steps, steps_per_loop=half))
-  results = experiment.run(config, strategy=strategy,
-                           build_model=mnist_convnet.build)
+  if FLAGS.port == "distillation":
+    import functools  # pylint: disable=g-import-not-at-top
+    import distillation  # pylint: disable=g-import-not-at-top
+    results = experiment.run(
+        config, strategy=strategy, build_model=mnist_convnet.build_student,
+        trainer_cls=functools.partial(
+            distillation.Distiller, teacher_model="mnist_convnet:build",
+            teacher_weights=TEACHER, alpha=ALPHA, temperature=TEMPERATURE))
+  else:
+    results = experiment.run(config, strategy=strategy,
+                             build_model=mnist_convnet.build)
   speed = None
   with open(os.path.join(model_dir, "metrics.jsonl")) as f:
     for line in f:
@@ -66,15 +85,24 @@ def _fit(strategy, train, test):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
-  keras.utils.set_random_seed(FLAGS.seed)
+  keras.utils.set_random_seed(FLAGS.run_seed)
   (x, y), (x_test, y_test) = train, test
+  cross_entropy = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True)
   with strategy.scope():
-    model = mnist_convnet.build((28, 28, 1), 10)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), metrics=["accuracy"])
+    if FLAGS.port == "distillation":
+      student = mnist_convnet.build_student((28, 28, 1), 10)
+      teacher = mnist_convnet.build((28, 28, 1), 10)
+      teacher.load_weights(TEACHER)
+      model = _KerasIoDistiller(student, teacher)
+      model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                    metrics=["accuracy"])
+    else:
+      model = mnist_convnet.build((28, 28, 1), 10)
+      model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                    loss=cross_entropy, metrics=["accuracy"])
   data = tf.data.Dataset.from_tensor_slices((x.astype("float32") / 255, y))
-  data = data.shuffle(len(x), seed=FLAGS.seed).repeat().batch(
+  data = data.shuffle(len(x), seed=FLAGS.run_seed).repeat().batch(
       FLAGS.batch, drop_remainder=True)
   half = FLAGS.steps // 2
   times = {}
@@ -87,11 +115,65 @@ def _fit(strategy, train, test):
 
   model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
             callbacks=[Clock()])
+  if FLAGS.port == "distillation":  # the student, on its own loss
+    model = model.student
+    with strategy.scope():
+      model.compile(loss=cross_entropy, metrics=["accuracy"])
   loss, accuracy = model.evaluate(x_test.astype("float32") / 255, y_test,
                                   batch_size=FLAGS.batch, verbose=0)
   speed = (FLAGS.steps - half) * FLAGS.batch / (times[FLAGS.steps]
                                                 - times[half])
   return loss, accuracy, speed
+
+
+TEACHER = None  # the teacher's weights file (distillation)
+_KerasIoDistiller = None  # its class, made once TensorFlow is set up
+
+
+def _keras_io_distiller():
+  """keras-io's `Distiller` (Keras 3 version: a `compute_loss` override)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from keras import ops  # pylint: disable=g-import-not-at-top
+
+  class Distiller(keras.Model):
+
+    def __init__(self, student, teacher):
+      super().__init__()
+      self.teacher = teacher
+      self.student = student
+      self.teacher.trainable = False
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     allow_empty=False):
+      teacher_pred = self.teacher(x, training=False)
+      student_loss = keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True)(y, y_pred)
+      distillation_loss = keras.losses.KLDivergence()(
+          ops.softmax(teacher_pred / TEMPERATURE, axis=1),
+          ops.softmax(y_pred / TEMPERATURE, axis=1)) * TEMPERATURE ** 2
+      return ALPHA * student_loss + (1 - ALPHA) * distillation_loss
+
+    def call(self, x):
+      return self.student(x)
+
+  return Distiller
+
+
+def _train_teacher(train):
+  """The teacher's weights file: mnist_convnet.build after `fit`."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import mnist_convnet  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(FLAGS.run_seed + 1)
+  teacher = mnist_convnet.build((28, 28, 1), 10)
+  teacher.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+  x, y = train
+  teacher.fit(x.astype("float32") / 255, y, batch_size=FLAGS.batch,
+              epochs=1, steps_per_epoch=FLAGS.teacher_steps, verbose=0)
+  path = os.path.join(tempfile.mkdtemp(), "teacher.weights.h5")
+  teacher.save_weights(path)
+  return path
 
 
 def main(argv):
@@ -103,6 +185,10 @@ def main(argv):
   tf.get_logger().setLevel("ERROR")
   data_path = os.path.join(tempfile.mkdtemp(), "digits.npz")
   train, test = _data(data_path)
+  global TEACHER, _KerasIoDistiller  # pylint: disable=global-statement
+  if FLAGS.port == "distillation":
+    TEACHER = _train_teacher(train)
+    _KerasIoDistiller = _keras_io_distiller()
   print(f"| port | strategy | trainer | steps | test loss | test accuracy "
         f"| examples/s | distloop / fit |")
   print("|---|---|---|---|---|---|---|---|")
@@ -113,7 +199,7 @@ def main(argv):
     for trainer, (loss, accuracy, speed) in (("model.fit", fit),
                                             ("distloop", ours)):
       ratio = f"{ours[2] / fit[2]:.2f}" if trainer == "distloop" else ""
-      print(f"| mnist_convnet | {name} | {trainer} | {FLAGS.steps} | "
+      print(f"| {FLAGS.port} | {name} | {trainer} | {FLAGS.steps} | "
             f"{loss:.4f} | {accuracy:.4f} | {speed:.0f} | {ratio} |",
             flush=True)
 

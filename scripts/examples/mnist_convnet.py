@@ -37,6 +37,21 @@ def build(input_shape, num_classes):
   ], name="mnist_convnet")
 
 
+def build_student(input_shape, num_classes):
+  """keras-io distillation's student: a smaller convnet; logits."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.Sequential([
+      keras.Input(shape=input_shape),
+      keras.layers.Conv2D(16, (3, 3), strides=(2, 2), padding="same"),
+      keras.layers.LeakyReLU(negative_slope=0.2),
+      keras.layers.MaxPooling2D(pool_size=(2, 2), strides=(1, 1),
+                                padding="same"),
+      keras.layers.Conv2D(32, (3, 3), strides=(2, 2), padding="same"),
+      keras.layers.Flatten(),
+      keras.layers.Dense(num_classes),
+  ], name="student")
+
+
 def synthetic_digits(num_train, seed=0):
   """uint8 [N, 28, 28, 1] images and int labels: each class a faint 8x8
   patch (noise + 48) at its own place over noise: learnable, not at once;
