@@ -41,7 +41,8 @@ def test_resnet50_port_trains_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("port", [
-    "mnist_convnet", pytest.param("distillation", marks=pytest.mark.slow)])
+    "mnist_convnet", pytest.param("distillation", marks=pytest.mark.slow),
+    pytest.param("resnet50", marks=pytest.mark.slow)])
 def test_port_beside_model_fit_prints_its_table(tmp_path, port):
   proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
                     f"--port={port}", "--steps=4", "--teacher_steps=4",

@@ -9,7 +9,9 @@ Ports, on generated MNIST-shaped uint8 arrays
 (`mnist_convnet.build`), and keras-io's knowledge distillation (its
 `Distiller` model's `compute_loss` under `fit` against distillation.py's
 `Distiller` trainer) of `mnist_convnet.build_student` from a teacher
-(`mnist_convnet.build`) trained first by `fit` for `--teacher_steps`.
+(`mnist_convnet.build`) trained first by `fit` for `--teacher_steps`; and
+`keras.applications.ResNet50` by name (`--port=resnet50`, the digits padded
+to 32x32x3).
 Prints one table row per (trainer, strategy): test loss and accuracy after
 `--steps`, and the examples/s of the second half of the steps (the first
 half includes tracing), with distloop's as a ratio of fit's.
@@ -32,8 +34,8 @@ flags.DEFINE_integer("steps", 200, "Training steps of each run.")
 flags.DEFINE_integer("batch", 64, "Global batch size.")
 flags.DEFINE_integer("examples", 4096, "Generated training examples.")
 flags.DEFINE_integer("run_seed", 0, "Seed of both trainers.")
-flags.DEFINE_enum("port", "mnist_convnet", ["mnist_convnet", "distillation"],
-                  "Which port.")
+flags.DEFINE_enum("port", "mnist_convnet",
+                  ["mnist_convnet", "distillation", "resnet50"], "Which port.")
 flags.DEFINE_integer("teacher_steps", 200, "distillation: the teacher's "
                      "training steps (model.fit, one device).")
 ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's
@@ -44,6 +46,11 @@ def _data(path):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   (x, y), (x_test, y_test) = mnist_convnet.synthetic_digits(FLAGS.examples)
+  if FLAGS.port == "resnet50":  # its smallest input: 32x32x3
+    def rgb32(images):
+      return np.repeat(np.pad(images, ((0, 0), (2, 2), (2, 2), (0, 0))), 3,
+                       axis=-1)
+    x, x_test = rgb32(x), rgb32(x_test)
   np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
   return (x, y), (x_test, y_test)
 
@@ -69,6 +76,10 @@ def _distloop(strategy_name, strategy, data_path):
         trainer_cls=functools.partial(
             distillation.Distiller, teacher_model="mnist_convnet:build",
             teacher_weights=TEACHER, alpha=ALPHA, temperature=TEMPERATURE))
+  elif FLAGS.port == "resnet50":
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    results = experiment.run(dataclasses.replace(
+        config, model="keras.applications:ResNet50"), strategy=strategy)
   else:
     results = experiment.run(config, strategy=strategy,
                              build_model=mnist_convnet.build)
@@ -97,6 +108,12 @@ def _fit(strategy, train, test):
       model = _KerasIoDistiller(student, teacher)
       model.compile(optimizer=keras.optimizers.Adam(1e-3),
                     metrics=["accuracy"])
+    elif FLAGS.port == "resnet50":
+      model = keras.applications.ResNet50(
+          weights=None, input_shape=x.shape[1:], classes=10,
+          classifier_activation=None)
+      model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                    loss=cross_entropy, metrics=["accuracy"])
     else:
       model = mnist_convnet.build((28, 28, 1), 10)
       model.compile(optimizer=keras.optimizers.Adam(1e-3),
