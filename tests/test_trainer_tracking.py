@@ -116,7 +116,7 @@ def _example(example, model_dir, strategy, popen=False):
   args = [sys.executable,
           os.path.join(ROOT, "scripts", "examples", example),
           "--model=mlp", "--hidden_units=16", "--dataset=synthetic", f"--strategy={strategy}", "--cpu_devices=2",
-          "--global_batch_size=32", "--train_steps=6", "--steps_per_loop=1",
+          "--global_batch_size=32", "--train_steps=24", "--steps_per_loop=1",
           "--checkpoint_every=1", "--eval_steps=1",
           "--export_saved_model=false", f"--model_dir={model_dir}"]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -147,10 +147,10 @@ def test_several_model_trainers_resume_after_kill_9_as_uninterrupted(
     while not (killed / "ckpt-2.index").exists():
       assert process.poll() is None, "the run ended before it was killed"
       assert time.time() < deadline
-      time.sleep(0.05)
+      time.sleep(0.01)
     process.send_signal(signal.SIGKILL)  # kill -9 mid-run
   finally:
     process.wait()
   assert process.returncode == -signal.SIGKILL
-  assert not (killed / "ckpt-6.index").exists()
+  assert not (killed / "ckpt-24.index").exists()
   assert _example(example, killed, strategy) == whole
