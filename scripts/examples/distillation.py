@@ -39,8 +39,8 @@ flags.DEFINE_string("teacher_weights", None, "A weights file of the teacher "
                     "(model.weights.h5 of a train.py run); default random.")
 flags.DEFINE_float("distillation_alpha", 0.1, "Weight of the student's own "
                    "loss; 1 - alpha weighs the distillation loss.")
-flags.DEFINE_float("temperature", 10.0, "Softmax temperature of both "
-                   "models' logits in the distillation loss.")
+flags.DEFINE_float("distillation_temperature", 10.0, "Softmax temperature "
+                   "of both models' logits in the distillation loss.")
 FLAGS = flags.FLAGS
 
 
@@ -52,15 +52,16 @@ class Distiller(framework.Trainer):
     teacher_model: the teacher's model name, built for the student's input
       shape and classes.
     teacher_weights: its weights file, or None.
-    alpha, temperature: as keras-io's.
+    alpha, distillation_temperature: keras-io's alpha and temperature.
     **kwargs: `framework.Trainer`'s.
   """
 
   def __init__(self, model, optimizer, strategy, *, teacher_model="mlp",
-               teacher_weights=None, alpha=0.1, temperature=10.0, **kwargs):
+               teacher_weights=None, alpha=0.1, distillation_temperature=10.0,
+               **kwargs):
     super().__init__(model, optimizer, strategy, **kwargs)
     self.alpha = float(alpha)
-    self.temperature = float(temperature)
+    self.temperature = float(distillation_temperature)
     # A second model: under the strategy (one copy per replica), tracked
     # (in every checkpoint, restored on resume).
     with strategy.scope():
@@ -92,7 +93,8 @@ def main(argv):
   train.run_main(trainer_cls=functools.partial(
       Distiller, teacher_model=FLAGS.teacher_model,
       teacher_weights=FLAGS.teacher_weights,
-      alpha=FLAGS.distillation_alpha, temperature=FLAGS.temperature))
+      alpha=FLAGS.distillation_alpha,
+      distillation_temperature=FLAGS.distillation_temperature))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def _distloop(strategy_name, strategy, data_path):
         config, strategy=strategy, build_model=mnist_convnet.build_student,
         trainer_cls=functools.partial(
             distillation.Distiller, teacher_model="mnist_convnet:build",
-            teacher_weights=TEACHER, alpha=ALPHA, temperature=TEMPERATURE))
+            teacher_weights=TEACHER, alpha=ALPHA,
+            distillation_temperature=TEMPERATURE))
   elif FLAGS.port == "resnet50":
     import dataclasses  # pylint: disable=g-import-not-at-top
     results = experiment.run(dataclasses.replace(

@@ -37,6 +37,10 @@ def build(input_shape, num_classes):
   ], name="mnist_convnet")
 
 
+# The generated digits are one data set: the same arrays in every program.
+DIGITS_SEED = 0
+
+
 def build_student(input_shape, num_classes):
   """keras-io distillation's student: a smaller convnet; logits."""
   import keras  # pylint: disable=g-import-not-at-top
@@ -52,7 +56,7 @@ def build_student(input_shape, num_classes):
   ], name="student")
 
 
-def synthetic_digits(num_train, seed=0):
+def synthetic_digits(num_train, seed=DIGITS_SEED):
   """uint8 [N, 28, 28, 1] images and int labels: each class a faint 8x8
   patch (noise + 48) at its own place over noise: learnable, not at once;
   MNIST's shape and dtype."""
