@@ -1,9 +1,10 @@
 """Model builders found by name or by import path.
 
 A builder is `build(input_shape, num_classes, **options) -> keras.Model` that
-returns logits. `build_model` passes each builder only the options its
-signature names (all of them if it takes `**kwargs`), so one set of script
-flags serves every model.
+returns logits, or takes the keyword form `input_shape=, classes=` of
+`keras.applications` (see `models.builder_forms`). `build_model` passes each
+builder only the options its signature names (all of them if a positional
+builder takes `**kwargs`), so one set of script flags serves every model.
 
 A model is either a registered name (`cifar_cnn`, see `register`) or the
 import path of any builder, `package.module:function`: no registration, so
@@ -20,6 +21,7 @@ import types
 import typing
 
 from framework.errors import ConfigError
+from models import builder_forms, input_scale
 
 _BUILDERS = {}
 _TASKS = {}  # name -> "classification" or "segmentation", where declared
@@ -142,6 +144,8 @@ def get_builder(name, search_dir=None):
       if module_name == "__main__":
         hint = (" (it was defined in the script that trained; move it to a "
                 "module so that other processes can import it)")
+      if not hint:
+        hint = builder_forms.unknown_attribute_hint(builder, part)
       raise ConfigError(f"model={name!r}: module {module_name} has no "
                         f"attribute {attribute!r}{hint}")
     builder = getattr(builder, part)
@@ -185,40 +189,69 @@ def import_path_of(builder):
 
 
 def call_builder(builder, input_shape, num_classes, options, name=None):
-  """`builder(input_shape, num_classes, **options it accepts)`.
+  """Calls `builder` in its form (`models.builder_forms`) with the options
+  it accepts: `builder(input_shape=, classes=, ...)` or
+  `builder(input_shape, num_classes, **options)`.
 
   Raises ConfigError naming the builder (`name`, else its import path) if
-  its signature does not take `(input_shape, num_classes)` or it returns no
-  `keras.Model`; the user's function is only called once its arguments fit.
+  its signature fits neither form or it returns no `keras.Model`; the
+  user's function is only called once its arguments fit.
   """
   name = name or import_path_of(builder) or repr(builder)
-  try:
-    signature = inspect.signature(builder)
-  except (TypeError, ValueError):
-    signature = None
-  parameters = signature.parameters.values() if signature else ()
-  if signature and not any(p.kind == p.VAR_KEYWORD for p in parameters):
-    accepted = {p.name for p in parameters}
-    options = {k: v for k, v in options.items() if k in accepted}
-  try:
-    if signature is None:
-      raise TypeError("its signature cannot be read")
-    signature.bind(tuple(input_shape), num_classes, **options)
-  except TypeError as e:
-    raise ConfigError(
-        f"model={name!r}: {getattr(builder, '__name__', 'it')}"
-        f"{signature or '(...)'} cannot be called as build(input_shape, "
-        f"num_classes, **options) ({e}); a model function takes the input "
-        "shape and the number of classes and returns a keras.Model of "
-        "logits") from None
-  model = builder(tuple(input_shape), num_classes, **options)
+  signature = builder_forms.signature_of(builder)
+  if builder_forms.classes_keyword(signature):
+    kwargs = builder_forms.keyword_arguments(name, signature, input_shape,
+                                             num_classes, options)
+    model = builder(**kwargs)
+  else:
+    if builder_forms.names_one_only(signature):
+      raise builder_forms.refuse(name, builder, signature)
+    parameters = signature.parameters.values() if signature else ()
+    if signature and not any(p.kind == p.VAR_KEYWORD for p in parameters):
+      accepted = {p.name for p in parameters}
+      options = {k: v for k, v in options.items() if k in accepted}
+    try:
+      if signature is None:
+        raise TypeError("its signature cannot be read")
+      signature.bind(tuple(input_shape), num_classes, **options)
+    except TypeError as e:
+      raise builder_forms.refuse(name, builder, signature, e) from None
+    model = builder(tuple(input_shape), num_classes, **options)
   import keras  # pylint: disable=g-import-not-at-top
   if not isinstance(model, keras.Model):
     got = "None" if model is None else f"a {type(model).__name__}"
     raise ConfigError(
         f"model={name!r} returned {got}, not a keras.Model: the model "
         "function must return the model (a keras.Model of logits)")
-  return model
+  # A model that rescales its own input gets the 0-255 pixels it expects.
+  return input_scale.give_pixels(model, name)
+
+
+def check_model(name, options=None, search_dir=None):
+  """ConfigError, before any work, if model `name` cannot be found or the
+  options name a weights file that is not there (keyword form)."""
+  builder = get_builder(name, search_dir)
+  if builder_forms.classes_keyword(builder_forms.signature_of(builder)):
+    builder_forms.check_weights(name, options or {})
+  return builder
+
+
+def taken_options(name, options, search_dir=None):
+  """The subset of `options` that `build_model(name, ...)` passes to the
+  builder (what `model_info.json` records): the keywords its signature
+  names, all of them for a positional builder with `**kwargs`; `options`
+  as they are if the builder cannot be found here."""
+  try:
+    builder = get_builder(name, search_dir)
+  except ConfigError:
+    return dict(options)
+  signature = builder_forms.signature_of(builder)
+  if signature is None:
+    return dict(options)
+  if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+    return dict(options)
+  accepted = builder_forms.option_parameters(signature)
+  return {k: v for k, v in options.items() if k in accepted}
 
 
 def check_outputs(name, model, num_classes, dataset):
@@ -284,16 +317,18 @@ def parse_options(name, text):
 
   Each value is typed from the builder's signature (annotation, else the
   default's type); a list value continues after commas
-  (`hidden_units=32,16,dropout=false`). The builder's first two arguments
-  (input_shape, num_classes) are not options.
+  (`hidden_units=32,16,dropout=false`). The input shape and the class
+  count (a positional builder's first two arguments) are not options; a
+  `weights` file of a keyword-form builder must exist.
 
   Raises:
     ConfigError: naming the bad key or value and the valid keys.
   """
-  parameters = list(inspect.signature(get_builder(name)).parameters.values())
-  takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
-  options = {p.name: p for p in parameters[2:]
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  signature = inspect.signature(get_builder(name))
+  keyword_form = builder_forms.classes_keyword(signature)
+  takes_any = any(p.kind == p.VAR_KEYWORD
+                  for p in signature.parameters.values())
+  options = builder_forms.option_parameters(signature)
   valid = ", ".join(options) or "none"
   items = []
   for token in text.split(",") if text else []:
@@ -327,6 +362,8 @@ def parse_options(name, text):
                         f"{what} ({e}); valid keys for model={name!r}: "
                         f"{valid}") from None
     values[key] = value
+  if keyword_form:
+    builder_forms.check_weights(name, values)
   return values
 
 

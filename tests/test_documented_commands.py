@@ -189,8 +189,12 @@ for script, argvs in jobs:
     if name in FLAGS:
       delattr(FLAGS, name)
   for name in set(sys.modules) - modules_before:
-    if name == "documented_app" or name.split(".")[0] == "scripts":
-      del sys.modules[name]  # The apps only: C extensions load once.
+    if (name == "documented_app"
+        or name.split(".")[0] in ("scripts", "distloop_cli")):
+      # The apps only (scripts/ installed as distloop_cli: an example that
+      # imports distloop_cli.train defines train.py's flags again): C
+      # extensions load once.
+      del sys.modules[name]
 json.dump(results, open(sys.argv[2], "w"))
 """
 

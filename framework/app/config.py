@@ -120,16 +120,20 @@ class ExperimentConfig:
   the raw final weights. `model_options` go to the model's builder (the
   ones its signature takes), `dataset_options` to the dataset's loader.
   """
-  model: str = setting("cifar_cnn", "Model name (see models/) or the import "
-                       "path package.module:function of a builder.", key=True)
+  model: str = setting("cifar_cnn", "Model name (see models/), the import "
+                       "path package.module:function of a builder, or "
+                       "keras.applications:NAME.", key=True)
   dataset: str = setting(
       "cifar10", "cifar10, synthetic, shapes (generated segmentation) or "
       "oxford_pet (in memory); text (byte-level language modelling: "
       "--data_dir of text files, default the Python standard library's "
       "sources); tfrecord (--data_dir written by "
-      "make_tfrecords.py), image_folder (--data_dir/<class>/*.png|jpg) or "
+      "make_tfrecords.py), image_folder (--data_dir/<class>/*.png|jpg), "
       "tfds:NAME[:VERSION] (prepared under --data_dir; pip install -e "
-      '".[tfds]"), streamed.', key=True)
+      '".[tfds]") or numpy (--data_dir: an .npz, or a folder of .npy, of '
+      "x_train, y_train, x_test, y_test [, class_names]: x numbers "
+      "[examples, ...], uint8 divided by 255, other dtypes as given; y "
+      "integer class indices [examples]), streamed.", key=True)
   data_dir: str | None = setting(
       None, "CIFAR-10 python directory (default: Keras's cache, "
       "~/.keras/datasets/cifar-10-batches-py) or the Oxford-IIIT Pet "

@@ -34,7 +34,7 @@ from models import registry
 from framework.app.config import EvalConfig
 from framework.core import optimizers
 from framework.core.checkpoints import run_files
-from framework.data import datasets, preprocessing
+from framework.data import config as data_config, datasets, preprocessing
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 from framework.errors import CheckpointError, ConfigError
@@ -55,13 +55,16 @@ def model_info(config, dataset):
           # A `module:function` model is imported from here when it is not
           # on the reading process's sys.path (another cwd, no PYTHONPATH).
           "model_import_dir": registry.import_dir(config.model),
-          "model_options": _jsonable(config.model_options),
+          # Only the options the builder took (not every model's flags).
+          "model_options": _jsonable(registry.taken_options(
+              config.model, config.model_options)),
           "input_shape": list(dataset.input_shape),
           "num_classes": dataset.num_classes,
           "class_names": list(dataset.class_names),
           "dataset": config.dataset,
           "data_dir": config.data_dir,
-          "dataset_options": _jsonable(getattr(config, "dataset_options", {})),
+          "dataset_options": _jsonable(data_config.read_options(
+              config.dataset, getattr(config, "dataset_options", {}))),
           "global_batch_size": config.global_batch_size,
           "strategy": config.strategy,
           "seed": config.seed,

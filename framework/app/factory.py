@@ -21,7 +21,7 @@ from framework.app import config as app_config
 from framework.app import run_plan
 from framework import settings
 from framework.app import export
-from framework.core import checkpoints, optimizers, precision
+from framework.core import actions, checkpoints, optimizers, precision
 from framework.core import evaluation
 from framework.core import trainer as losses
 from framework.core import protocols, ps_training
@@ -237,6 +237,10 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
                 parts=parts, checkpoints=manager,
+                # One line if the loss stays at chance (double scaling, lr,
+                # frozen weights).
+                train_actions=[actions.LossAtChance(
+                    dataset.num_classes, config.global_batch_size)],
                 # best.json's epoch, when the run makes its own batches.
                 steps_per_epoch=inputs.steps_per_epoch(
                     dataset.num_train_examples, config.global_batch_size)

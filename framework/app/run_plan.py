@@ -154,7 +154,8 @@ def named_model(config, build_model):
   """`config` naming `build_model` by its import path (or, without one,
   `config.model` checked against the registry before any work)."""
   if build_model is None:
-    registry.get_builder(config.model)  # a bad --model fails before any work
+    # A bad --model (or weights file) fails before any work.
+    registry.check_model(config.model, config.model_options)
     return config
   path = registry.import_path_of(build_model)
   if path is None:

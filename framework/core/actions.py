@@ -12,10 +12,12 @@ evaluation, and with `experiment.run` the weights file and the export).
 Built in: the NaN policy (`NanGuard`), early stopping (`StopWhen`, from
 `LoopConfig.stop_when` / `stop_at_accuracy`), the profiler's report,
 preemption (`framework.core.actions.install`) and the segmentation mask
-summaries.
+summaries; `LossAtChance`, a one-line warning when the training loss
+stays at chance.
 """
 
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -136,6 +138,43 @@ class ProfileReport:
 def from_on_loop_end(fn: Callable[[int], Any]) -> Action:
   """An old `on_loop_end` hook `fn(step)` as a train action."""
   return lambda step, outputs: fn(step)
+
+
+class LossAtChance:
+  """Warns once, in one line, when the training loss has not moved from
+  chance (ln(classes), a classifier's loss at uniform logits) after
+  `examples_per_class` examples per class: the run is learning nothing.
+
+  The usual causes are named: inputs scaled twice (a model that rescales
+  images the pipeline already divided by 255), a learning rate of 0 or far
+  too small, or frozen (non-trainable) weights.
+  """
+
+  def __init__(self, num_classes, global_batch_size, examples_per_class=300,
+               tolerance=0.01):
+    self.num_classes = num_classes
+    self.chance = math.log(num_classes) if num_classes > 1 else None
+    self.after_examples = examples_per_class * num_classes
+    self.global_batch_size = global_batch_size
+    self.tolerance = tolerance
+    self.done = False
+
+  def __call__(self, step, outputs):
+    loss = outputs.get("loss")
+    if (self.done or self.chance is None or loss is None
+        or step * self.global_batch_size < self.after_examples):
+      return None
+    self.done = True  # once: the first loop past the threshold decides
+    if abs(float(loss) - self.chance) <= self.tolerance * self.chance:
+      logging.warning(
+          "train loss %.4f at step %d is still ln(classes)=%.4f, chance, "
+          "after %d examples (%d per class): the model is not learning; "
+          "usual causes: inputs scaled twice (a model that rescales what "
+          "the pipeline already divided by 255), a learning rate of 0 or "
+          "far too small, frozen (non-trainable) weights", float(loss),
+          step, self.chance, step * self.global_batch_size,
+          step * self.global_batch_size // self.num_classes)
+    return None
 
 
 # Time to target: when a run first meets its stop condition, and the

@@ -125,6 +125,10 @@ OPTIONAL = {
     # The model a split trainer was cut from: what a resume checks the
     # architecture of; default `model`.
     "unsplit_model": None,
+    # {name: trackable} a trainer checkpoints besides its model and
+    # optimizer (`Trainer.track`: a teacher, a discriminator, its
+    # optimizer).
+    "tracked_objects": {},
     # The self-check: a step that is not strategy.run(train_step); the
     # loop's own step (run_step) and what it changes (step_variables);
     # clipping and accumulation (None, 1).
@@ -191,7 +195,12 @@ def checkpoint_objects(trainer: Any,
                        extra: Optional[Mapping[str, Any]] = None) -> dict:
   """What a run's checkpoint holds: model, optimizer, global step, the
   model's random-generator state (a resumed run draws the same dropout
-  masks) and `extra`."""
+  masks), `extra` and the trainer's `tracked_objects`.
+
+  Raises ConfigError, in one line, for a tracked name the checkpoint
+  already uses.
+  """
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
   objects = dict(model=trainer.model,
                  optimizer=checkpointed_optimizer(trainer),
                  global_step=trainer.global_step, **(extra or {}))
@@ -199,7 +208,39 @@ def checkpoint_objects(trainer: Any,
                 if _tf_internal.is_seed_generator_state(v)]
   if rng_states:
     objects["rng_states"] = rng_states
+  tracked = tracked_objects(trainer)
+  for name in tracked:
+    if name in objects or name == "rng_states":
+      raise ConfigError(f"{type(trainer).__name__}.track({name}=...): "
+                        f"{name!r} is a name the checkpoint already uses; "
+                        "choose another")
+  objects.update(tracked)
   return objects
+
+
+def tracked_objects(trainer: Any) -> dict:
+  """The trainer's `tracked_objects` ({} by default).
+
+  Raises ConfigError, in one line, for a keras.Model or optimizer attribute
+  of a trainer class of one's own that is neither its `model`/`optimizer`
+  nor tracked: it would be left out of every checkpoint, so a resumed run
+  would silently restart it.
+  """
+  from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  tracked = dict(optional(trainer, "tracked_objects"))
+  if type(trainer).__module__.startswith("framework."):
+    return tracked  # the framework's own trainers declare theirs
+  known = [trainer.model, trainer.optimizer, *tracked.values()]
+  for name, value in sorted(vars(trainer).items()):
+    if (isinstance(value, (keras.Model, keras.optimizers.Optimizer))
+        and not any(value is k for k in known)):
+      kind = ("keras.Model" if isinstance(value, keras.Model)
+              else "optimizer")
+      raise ConfigError(
+          f"{type(trainer).__name__}.{name} (a {kind}) is not checkpointed: "
+          f"create it in __init__ under `with self.strategy.scope():` and "
+          f"register it with self.track({name}=self.{name})")
+  return tracked
 
 
 def unsplit_model(trainer: Any) -> keras.Model:

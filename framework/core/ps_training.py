@@ -113,7 +113,8 @@ class CoordinatedTrainer:
               "max_skipped_steps", "skipped_steps", "consecutive_skips",
               "loss_scale", "request_stop", "stop_requested",
               "run_eval_step", "metric_aliases", "export_model", "ema",
-              "averaged_weights", "last_confusion", "checkpointed_optimizer")
+              "averaged_weights", "last_confusion", "checkpointed_optimizer",
+              "tracked_objects")
   FORWARDED = REQUIRED + OPTIONAL
 
   def __init__(self, trainer):

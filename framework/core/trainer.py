@@ -517,6 +517,38 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
 
   # Features of STEP_FEATURES that a `train_step` override implements itself.
   train_step_handles = ()
+  # Extra objects the checkpoint holds by name (see `track`).
+  tracked_objects = {}
+
+  def track(self, **objects: Any) -> None:
+    """Checkpoints `objects` (extra models, optimizers, variables: a
+    teacher, a discriminator and its optimizer) with the run, by name.
+
+    `__init__` does not run under `strategy.scope()`: create them in
+    `with self.strategy.scope():` (an optimizer built there, `opt.build(
+    variables)`, so that a resume restores its slots), then track them.
+    Raises ConfigError, in one line, for an object whose variables were
+    created outside the scope or an optimizer not yet built.
+    """
+    for name, value in objects.items():
+      where = f"{type(self).__name__}.track({name}=...)"
+      if (isinstance(value, keras.optimizers.Optimizer)
+          and not value.built):
+        raise ConfigError(f"{where}: the optimizer is not built; call "
+                          f"{name}.build(variables) under "
+                          "self.strategy.scope() before tracking it")
+      variables = getattr(value, "variables", None)
+      if variables is None and isinstance(value, tf.Variable):
+        variables = [value]
+      for v in variables or ():
+        if not self.strategy.extended.variable_created_in_scope(
+            getattr(v, "value", v)):
+          raise ConfigError(
+              f"{where}: its variable {v.name!r} was created outside "
+              f"strategy.scope(); create it under `with "
+              f"self.strategy.scope():` in __init__ (under "
+              f"{type(self.strategy).__name__} each replica needs its copy)")
+    self.tracked_objects = dict(self.tracked_objects, **objects)
 
   @property
   def num_replicas(self) -> int:

@@ -6,6 +6,7 @@ makes flags from it before TensorFlow loads.
 
 import dataclasses
 
+from framework import settings
 from framework.settings import POSITIVE, check_settings, setting
 
 # global: experimental_distribute_dataset; per_replica:
@@ -81,3 +82,15 @@ class DatasetOptions:
     if self.file_shuffle != "shards":
       options["file_shuffle"] = self.file_shuffle
     return options
+
+
+def read_options(name, options):
+  """The entries of a run's `dataset_options` that dataset `name`'s loader
+  reads (what `model_info.json` records): `image_size` only for the
+  datasets it sizes, not for numpy or cifar10. Keys that are not
+  `DatasetOptions` fields are kept."""
+  fields = {f.name: f for f in dataclasses.fields(DatasetOptions)}
+  return {k: v for k, v in options.items()
+          if k not in fields or settings.is_read(
+              settings.info(fields[k])["read_by"], {"dataset": name},
+              {"dataset": DATASET_NAMES})}

@@ -13,7 +13,9 @@ Batches are the same pure function of (seed, step) as for in-memory arrays
 (`framework.data.inputs`), so a resumed run gets exactly the batches an
 uninterrupted one would, and the same batches as the same arrays in memory.
 Features are scaled by the input pipeline like every dataset's
-(`inputs.to_float`: uint8 divided by 255, floats as they are).
+(`inputs.to_float`: uint8 divided by 255, floats as they are). `CONTRACT`
+says it all in one line: the `--dataset` flag's help, docs/guide/data.md and
+every error about a bad file say the same.
 """
 
 import os
@@ -32,6 +34,18 @@ from framework.settings import default
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 CLASS_NAMES_KEY = "class_names"
+# The data contract, appended to every error about the arrays.
+CONTRACT = ("x_train, x_test: numbers of shape [examples, ...] (e.g. "
+            "[N, 28, 28, 1]), uint8 divided by 255 to [0, 1], any other "
+            "dtype reaching the model as float32 as given; y_train, y_test: "
+            "integer class indices 0..classes-1 of shape [examples] (or "
+            "[examples, height, width] masks); "
+            "class_names: optional strings")
+
+
+def _contract_error(message):
+  """DataError of `message` followed by the data contract."""
+  return DataError(f"{message} (dataset=numpy: {CONTRACT})")
 
 
 def _npz_member(path, key):
@@ -63,17 +77,18 @@ def _npz_member(path, key):
 def _open_arrays(data_dir):
   """{key: array} of `data_dir` (an .npz or a folder of .npy files)."""
   if not data_dir:
-    raise DataError("dataset=numpy needs data_dir (--data_dir): an .npz "
-                    f"file with {', '.join(KEYS)}, or a folder of those .npy "
-                    "files")
+    raise _contract_error(
+        "dataset=numpy needs data_dir (--data_dir): an .npz file with "
+        f"{', '.join(KEYS)}, or a folder of those .npy files")
   arrays = {}
   if os.path.isdir(data_dir):
     missing = [k for k in KEYS
                if not os.path.isfile(os.path.join(data_dir, k + ".npy"))]
     if missing:
-      raise DataError(f"data_dir={data_dir!r} has no "
-                      f"{', '.join(k + '.npy' for k in missing)} (a numpy "
-                      f"folder holds {', '.join(k + '.npy' for k in KEYS)})")
+      raise _contract_error(
+          f"data_dir={data_dir!r} has no "
+          f"{', '.join(k + '.npy' for k in missing)}; a numpy folder holds "
+          f"{', '.join(k + '.npy' for k in KEYS)}")
     for key in KEYS + (CLASS_NAMES_KEY,):
       path = os.path.join(data_dir, key + ".npy")
       if os.path.isfile(path):
@@ -89,9 +104,9 @@ def _open_arrays(data_dir):
     raise DataError(f"data_dir={data_dir!r} is not an .npz file ({e})") from None
   missing = [k for k in KEYS if k not in members]
   if missing:
-    raise DataError(f"data_dir={data_dir!r} has no {', '.join(missing)} "
-                    f"(an .npz for dataset=numpy holds {', '.join(KEYS)}; "
-                    f"it has {', '.join(sorted(members)) or 'nothing'})")
+    raise _contract_error(
+        f"data_dir={data_dir!r} has no {', '.join(missing)}; it has "
+        f"{', '.join(sorted(members)) or 'nothing'}")
   compressed = []
   for key in KEYS + (CLASS_NAMES_KEY,):
     if key not in members:
@@ -139,18 +154,21 @@ class NumpyDataset(splits.ArraySplits):
     for split, x, y in (("train", self.train_x, self.train_y),
                         ("test", self.test_x, self.test_y)):
       if x.ndim < 2 or len(x) == 0:
-        raise DataError(f"data_dir={data_dir!r}: x_{split} has shape "
-                        f"{x.shape}; expected [examples, features...] with "
-                        "at least one example")
+        raise _contract_error(
+            f"data_dir={data_dir!r}: x_{split} has shape {x.shape}; expected "
+            "[examples, features...] with at least one example")
       if len(y) != len(x):
-        raise DataError(f"data_dir={data_dir!r}: x_{split} has {len(x)} "
-                        f"examples but y_{split} has {len(y)} labels")
+        raise _contract_error(
+            f"data_dir={data_dir!r}: x_{split} has {len(x)} examples but "
+            f"y_{split} has {len(y)} labels")
       if not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"data_dir={data_dir!r}: y_{split} is {y.dtype}; "
-                        "labels are integer class indices")
+        raise _contract_error(
+            f"data_dir={data_dir!r}: y_{split} is {y.dtype}; labels are "
+            "integer class indices")
       if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise DataError(f"data_dir={data_dir!r}: x_{split} is {x.dtype}; "
-                        "features are numbers")
+        raise _contract_error(
+            f"data_dir={data_dir!r}: x_{split} is {x.dtype}; features are "
+            "numbers")
     if self.train_x.shape[1:] != self.test_x.shape[1:]:
       raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
                       f"{self.train_x.shape[1:]}, x_test's "
