@@ -152,7 +152,7 @@ def trainer_options(config, strategy):
 
 
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
-                  build_model=None, make_trainer=None, model_parallel=True,
+                  build_model=None, make_trainer=None, split=True,
                   compute_precision=None, plan=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
@@ -161,8 +161,8 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
     build_model: as for `experiment.run` (default: `config.model`).
     make_trainer: `(model, optimizer, strategy, **trainer_options) ->
       trainer`, replacing `trainer_cls` and the model split.
-    model_parallel: bind `trainer_cls` to `config.model_parallel`'s split
-      (False: the unsplit trainer, the self-check's reference).
+    split: bind `trainer_cls` to `config.model_parallel`'s split (False:
+      the unsplit trainer, the self-check's reference).
     compute_precision: the model's dtype policy instead of the run's (the
       float16 loss scale still follows `config.mixed_precision`).
     plan: the run's `RunPlan`, whose dataset task is read instead of
@@ -175,7 +175,7 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       compute_precision=compute_precision, task=task)
   if make_trainer is None:
     # The model-parallel trainers load only when a split is asked for.
-    split = model_parallel and config.model_parallel.mode != "none"
+    split = split and config.model_parallel.mode != "none"
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                     if split else trainer_cls)
   trainer = make_trainer(model, optimizer, strategy,
@@ -300,12 +300,12 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
         "the run's), so the sharded update itself is not covered (it "
         "equals the unsharded one: tests/test_optimizer_sharding_mesh.py)"))
 
-  def factory_for(s, model_parallel=True, reference_cls=None):
+  def factory_for(s, split_model=True, reference_cls=None):
     def make():
       trainer, _ = build_trainer(
           config, s, dataset, trainer_cls, build_model=build_model,
           make_trainer=make_trainer or reference_cls,
-          model_parallel=model_parallel,
+          split=split_model,
           compute_precision="float32" if notes else None, plan=plan)
       return trainer
     return make
@@ -313,7 +313,7 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
   split = config.model_parallel
   # Distributed: the run's trainer under `strategy` (or its model split);
   # the reference: the unsplit step on one device ...
-  reference = factory_for(one_device, model_parallel=False)
+  reference = factory_for(one_device, split_model=False)
   if split.mode == "tensor":
     # ... but a tensor split against its own shards all on one device (the
     # same variables).

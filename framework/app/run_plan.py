@@ -38,6 +38,8 @@ from framework.data import datasets, inputs
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
+from framework.model_parallel.config import ModelParallelConfig
+from framework.settings import default
 from framework.tasks import language_model
 
 CLASSIFICATION = "classification"
@@ -56,7 +58,7 @@ class EvalPlan:
   """
   splits: tuple[str, ...] = ("eval",)
   best_metric: Optional[str] = None
-  best_mode: str = "auto"
+  best_mode: str = default(LoopConfig, "best_mode")
   stop_when: Optional[str] = None
 
   @classmethod
@@ -330,7 +332,7 @@ def split_flags(record):
   """{flag: value} of the split a run_plan `model_parallel` record
   describes (only the flags its mode reads)."""
   record = record or {}
-  mode = record.get("mode", "none")
+  mode = record.get("mode", default(ModelParallelConfig, "mode"))
   flags = {"mesh": record.get("mesh") or "", "model_parallel": mode}
   if mode == "tensor":
     flags["num_shards"] = record.get("num_shards")

@@ -206,10 +206,10 @@ class Controller:
     """Whether the last loop's watched metrics were finite."""
     return self.report.finite
 
-  def non_finite_text(self, checkpoint: bool = True) -> str:
+  def non_finite_text(self, name_checkpoint: bool = True) -> str:
     """What was not finite in the last loop (and the latest checkpoint)."""
     text = self.report.non_finite_text()
-    if checkpoint:
+    if name_checkpoint:
       text += (f" (latest good checkpoint: "
                f"{self.checkpoints.latest or 'none'})")
     return text
