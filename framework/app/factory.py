@@ -184,12 +184,15 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
 
 
 def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
-          eval_input=None, make_trainer=None):
+          eval_input=None, make_trainer=None, train_actions=(),
+          start_time=None, handle_preemption=False):
   """(trainer, controller) of the run `plan` describes.
 
   Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
   `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries. The
   keyword arguments replace the defaults; see `experiment.run`.
+  `train_actions`, `start_time` and `handle_preemption` go to the
+  Controller (finished here: nothing is added to it after).
   """
   config, strategy, dataset = plan.config, plan.strategy, plan.dataset
   trainer, loop = build_trainer(
@@ -237,6 +240,8 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),
                 parts=parts, checkpoints=manager,
+                train_actions=train_actions, start_time=start_time,
+                handle_preemption=handle_preemption,
                 # best.json's epoch, when the run makes its own batches.
                 steps_per_epoch=inputs.steps_per_epoch(
                     dataset.num_train_examples, config.global_batch_size)

@@ -34,6 +34,7 @@ from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
+from framework.core.trainer import check_batch_split
 from framework.data import datasets, inputs
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
@@ -212,12 +213,8 @@ def place(config, strategy=None):
                  model_parallel.mode, len(model_parallel.replica_devices),
                  model_parallel.device_count[0], piece,
                  model_parallel.replica_devices)
-  replicas = strategy.num_replicas_in_sync
-  if config.global_batch_size % replicas:
-    raise ConfigError(
-        f"global_batch_size={config.global_batch_size} is not divisible by "
-        f"the {replicas} replicas of strategy={config.strategy}; use a "
-        f"multiple of {replicas}")
+  check_batch_split(config.global_batch_size,
+                    strategy.num_replicas_in_sync, config.strategy)
   return config, strategy
 
 
