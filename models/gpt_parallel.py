@@ -179,13 +179,14 @@ def stage_of(block, num_layers, tensor_stages):
 
 
 @register_split("gpt")
-def split(model, devices, num_stages=default(SplitConfig, "tensor_stages")):
+def split(model, devices,
+          tensor_stages=default(SplitConfig, "tensor_stages")):
   """The ShardedGPT of the unsplit GPT `model` on `devices`, its weights.
 
-  With `num_stages` (a tensor split's stages, `tensor_stages`; the
-  keyword its caller `transformer_split.split_setup` passes) > 1,
-  `devices` is that many groups of shard devices (tensor x pipeline):
-  stage p's blocks are cut across group p.
+  With `tensor_stages` (the keyword its caller
+  `tensor_parallel.split_setup` passes) > 1, `devices` is that many
+  groups of shard devices (tensor x pipeline): stage p's blocks are cut
+  across group p.
 
   Raises:
     ConfigError: the shard count does not divide the heads or the vocabulary,
@@ -194,14 +195,14 @@ def split(model, devices, num_stages=default(SplitConfig, "tensor_stages")):
   embedding, position, blocks, _ = _unsplit_parts(model)
   if not blocks:
     raise ConfigError("a tensor split of model=gpt needs at least one block")
-  if num_stages < 1 or len(devices) % num_stages:
-    raise ConfigError(f"num_stages={num_stages} must divide the "
+  if tensor_stages < 1 or len(devices) % tensor_stages:
+    raise ConfigError(f"tensor_stages={tensor_stages} must divide the "
                       f"{len(devices)} devices of a tensor x pipeline split")
-  if len(blocks) < num_stages:
-    raise ConfigError(f"num_stages={num_stages} needs at least as many gpt "
-                      f"blocks; num_layers={len(blocks)}")
+  if len(blocks) < tensor_stages:
+    raise ConfigError(f"tensor_stages={tensor_stages} needs at least as many "
+                      f"gpt blocks; num_layers={len(blocks)}")
   head = blocks[0]
-  num = len(devices) // num_stages
+  num = len(devices) // tensor_stages
   parallel_layers.check_divides(num, num_heads=head.num_heads,
                                 vocab_size=embedding.vocab_size)
   parallel_layers.check_divides(num, mlp_hidden=head.hidden)
@@ -210,4 +211,4 @@ def split(model, devices, num_stages=default(SplitConfig, "tensor_stages")):
       vocab_size=embedding.vocab_size, width=head.width,
       num_heads=head.num_heads, hidden=head.hidden, num_layers=len(blocks),
       tied=embedding.tied, devices=devices,
-      tensor_stages=num_stages).load_weights_from(model)
+      tensor_stages=tensor_stages).load_weights_from(model)

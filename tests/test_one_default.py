@@ -60,12 +60,6 @@ Exclusions, and why:
     None): a switch or an empty list is off by default in every program.
   * Private helpers are not excluded: `_f(seed=0)` writes the default
     again as much as `f(seed=0)` does.
-
-`PENDING` lists, by file and setting, places known to fail that live in
-modules being merged elsewhere at the time of writing (framework/core,
-framework/model_parallel, framework/app): a temporary allow-list, to be
-emptied once those modules have their final homes. An entry that no
-longer matches anything fails too, so the list only shrinks.
 """
 
 import ast
@@ -89,56 +83,6 @@ from scripts import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("framework", "models", "scripts")
-
-# TEMPORARY (see the docstring): (file, setting) -> why it still fails.
-# Each is to be fixed in the module's final home, then removed here.
-PENDING = {
-    # 1: the default written again.
-    ("framework/app/evaluation.py", "eval_tta"): "read TrainerConfig's",
-    ("framework/app/evaluation.py", "seed"): "read InputConfig's",
-    ("framework/app/export.py", "eval_tta"): "read TrainerConfig's",
-    ("framework/app/export.py", "label_smoothing"): "read ExperimentConfig's",
-    ("framework/app/export.py", "mixed_precision"): "read ExperimentConfig's",
-    ("framework/app/prediction.py", "seed"): "read InputConfig's",
-    ("framework/app/export.py", "seed"): "read InputConfig's",
-    ("framework/app/run_plan.py", "mode"): "read ModelParallelConfig's",
-    ("framework/app/run_plan.py", "best_mode"): "read LoopConfig's",
-    ("framework/core/checkpoints/manager.py", "allow_config_change"):
-        "read ExperimentConfig's (or no default)",
-    ("framework/core/ps_training.py", "seed"): "read InputConfig's",
-    ("framework/model_parallel/pipeline.py", "recompute"): "read SplitConfig's",
-    ("framework/model_parallel/devices.py", "recompute"): "read SplitConfig's",
-    ("framework/model_parallel/staged_trainer.py", "recompute"): "read SplitConfig's",
-    ("framework/model_parallel/staged_trainer.py", "shard_optimizer_state"):
-        "read TrainerConfig's",
-    # 2: two concepts under one setting name.
-    ("framework/app/factory.py", "model_parallel"):
-        "a bool (split or not) under --model_parallel's name (a mode)",
-    ("framework/app/factory.py", "model_parallel"):
-        "a bool (split or not) under --model_parallel's name (a mode)",
-    ("framework/core/controller.py", "checkpoint"):
-        "Controller's checkpoint=True (whether to) vs EvalConfig's (a path)",
-    ("framework/model_parallel/config.py", "num_layers"):
-        "check_model's num_layers=0 (unknown) vs ModelOptions' 2",
-    ("framework/model_parallel/copies.py", "strategy"):
-        "replica_groups' strategy='mirrored' (a name for messages)",
-    ("framework/model_parallel/tensor_parallel.py", "num_stages"):
-        "a tensor split's stages: tensor_stages (and pass it so to the "
-        "registered split, models/gpt_parallel.split)",
-    ("models/gpt_parallel.py", "num_stages"):
-        "split()'s keyword (a tensor split's stages, default tensor_stages), "
-        "named by its caller transformer_split.py: rename both to "
-        "tensor_stages",
-    # 4: a setting's default declared twice.
-    ("framework/app/config.py", "seed"): "same_as(InputConfig, 'seed')",
-    ("framework/app/config.py", "input_mode"):
-        "same_as(InputConfig, 'input_mode')",
-    ("framework/app/config.py", "seed"):
-        "the sampling seed: default(InputConfig, 'seed') or its own name",
-    ("framework/app/config.py", "strategy"):
-        "default(ExperimentConfig, 'strategy')",
-}
-
 
 def _files():
   """The .py files scanned, relative to ROOT, in a stable order."""
@@ -335,9 +279,8 @@ def _default_call(expression):
   return None
 
 
-def problems(declarations, places, pending=()):
-  """[(path, setting, what is wrong)] of the scan; a setting declared
-  twice counts the homes that are not `pending` (but reports them all)."""
+def problems(declarations, places):
+  """[(path, setting, what is wrong)] of the scan."""
   found = []
   named = _by_name(declarations)
   for place in places:
@@ -369,14 +312,11 @@ def problems(declarations, places, pending=()):
     homes = list({(d.path, d.config, d.field): d for d in homes}.values())
     if len(homes) < 2:
       continue
-    mine = [d for d in homes if (d.path, name) not in pending]
-    reported = [d for d in homes if d not in mine] + (
-        mine if len(mine) > 1 else [])
     found += [(d.path, name,
                f"{d.path}:{d.line}: {d.config}.{d.field} writes the "
                f"default of setting {name} again (also: "
                f"{', '.join(h.config for h in homes if h is not d)})")
-              for d in reported]
+              for d in homes]
   return found
 
 
@@ -402,14 +342,8 @@ def _flags_written_twice(named, places):
 
 
 def test_every_setting_default_is_written_once():
-  wrong = [p for p in problems(*_scanned(), PENDING) if p[:2] not in PENDING]
+  wrong = problems(*_scanned())
   assert not wrong, "\n".join(sorted({p[2] for p in wrong}))
-
-
-def test_pending_entries_still_fail():
-  failing = {p[:2] for p in problems(*_scanned(), PENDING)}
-  stale = sorted(set(PENDING) - failing)
-  assert not stale, f"fixed, remove from PENDING: {stale}"
 
 
 def test_the_scan_finds_every_kind_of_place():

@@ -10,6 +10,7 @@ import pytest
 
 from framework.app import experiment
 from framework.app import experiment as task
+from framework.core import actions
 from framework.distribute import cluster
 from framework.distribute.config import ClusterOptions
 from framework.errors import ConfigError
@@ -62,8 +63,8 @@ def test_one_process_trains_preemptible_and_logs_its_weights_digest(
   caplog.set_level(logging.INFO)
   # Recorded, not installed: the handlers would outlive the test in pytest.
   guarded, installed = [], []
-  monkeypatch.setattr(task.preemption, "guard_start", guarded.append)
-  monkeypatch.setattr(task.preemption, "install", installed.append)
+  monkeypatch.setattr(actions, "guard_start", guarded.append)
+  monkeypatch.setattr(actions, "install", installed.append)
   results = task.run_task(_config(tmp_path / "run"), program="train.py")
   assert set(results) >= {"loss", "accuracy", "examples"}
   assert guarded == ["train.py"]

@@ -22,12 +22,12 @@ from framework.core.config import (PRECISION_CHOICES, RESTORE_POLICIES,
                                    AllReduceConfig, LoopConfig,
                                    OptimizerConfig, TrainerConfig)
 from framework.core.config import StopCondition, parse_metric
-from framework.data.config import AUGMENTATIONS, INPUT_MODES, DatasetOptions
+from framework.data.config import AUGMENTATIONS, DatasetOptions, InputConfig
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
 from framework.model_parallel.config import ModelParallelConfig
-from framework.settings import (POSITIVE, all_but, check_settings, same_as,
-                                setting)
+from framework.settings import (POSITIVE, all_but, check_settings, default,
+                                same_as, setting)
 # The built-in models' options live beside the models (no TensorFlow:
 # `models` loads its builders when first asked for one).
 from models import options as builtin_options
@@ -161,12 +161,10 @@ class ExperimentConfig:
   max_skipped_steps: int = same_as(TrainerConfig, "max_skipped_steps")
   # train_steps filled in by `factory.build_model_and_optimizer`.
   loop: LoopConfig | None = None
-  seed: int = setting(0, "Seed for weights, data order and augmentation.")
+  seed: int = same_as(InputConfig, "seed")
   deterministic: bool = setting(True, "Deterministic TensorFlow ops (exact "
                                 "resume).")
-  input_mode: str = setting(
-      "global", "global: experimental_distribute_dataset; per_replica: "
-      "distribute_datasets_from_function.", choices=INPUT_MODES)
+  input_mode: str = same_as(InputConfig, "input_mode")
   grad_accum_steps: int = same_as(TrainerConfig, "grad_accum_steps")
   mixed_precision: str = setting(
       "float32", "Compute dtype (float32 variables); float16 uses dynamic "
@@ -355,8 +353,9 @@ class EvalConfig:
   checkpoint: str | None = setting(
       None, "A checkpoint path (.../ckpt-N); default: the latest in "
       "--model_dir.")
-  strategy: str = setting("default", "tf.distribute strategy for "
-                          "evaluation.", choices=EVAL_STRATEGIES)
+  strategy: str = setting(default(ExperimentConfig, "strategy"),
+                          "tf.distribute strategy for evaluation.",
+                          choices=EVAL_STRATEGIES)
   tpu: str | None = setting(None, "TPU for --strategy=tpu.",
                             read_by={"strategy": ("tpu",)})
   dataset: str | None = setting(None, "Default: the run's dataset.")
@@ -449,8 +448,9 @@ class PredictConfig:
   temperature: float = setting(
       0.0, "--prompt: 0 = greedy (always the most likely token); > 0 "
       "samples from softmax(logits / temperature).")
-  seed: int = setting(0, "--prompt with --temperature > 0: the sampling "
-                      "seed (the same seed, the same text).")
+  seed: int = setting(default(InputConfig, "seed"), "--prompt with "
+                      "--temperature > 0: the sampling seed (the same seed, "
+                      "the same text).")
   save_image: str | None = setting(None, "Write the classified image (as "
                                    "fed to the model) to this PNG.")
 

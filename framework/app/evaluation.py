@@ -30,12 +30,15 @@ from framework.core import trainer as losses
 from framework.app import export
 from framework.app.config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
 from framework.core.checkpoints import manager
+from framework.core.config import TrainerConfig
 from framework.data import datasets, inputs
+from framework.data.config import InputConfig
 from framework.distribute import strategies
 from framework.tasks import language_model, segmentation
 from framework.errors import CheckpointError, ConfigError
 from framework.tasks.segmentation import ConfusionTrainer, format_confusion
 from framework.core.summaries import SummaryWriter, markdown_table
+from framework.settings import default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,8 @@ class Evaluator:
     if data_dir is None and name == self.info.get("dataset"):
       data_dir = self.info.get("data_dir")
     self.dataset = datasets.load_dataset(
-        name, data_dir, seed=self.info.get("seed", 0),
+        name, data_dir,
+        seed=self.info.get("seed", default(InputConfig, "seed")),
         **self.info.get("dataset_options", {}))
     if list(self.dataset.input_shape) != list(self.info["input_shape"]):
       raise ConfigError(
@@ -120,7 +124,8 @@ class Evaluator:
     replicas = self.strategy.num_replicas_in_sync
     batch = -(-self.global_batch_size // replicas) * replicas
     extra = {}
-    if self.info.get("eval_tta", "none") != "none":
+    no_tta = default(TrainerConfig, "eval_tta")
+    if self.info.get("eval_tta", no_tta) != no_tta:
       extra["eval_tta"] = self.info["eval_tta"]
     if self.info.get("label_smoothing"):
       extra["loss_fn"] = losses.smoothed_sparse_categorical_loss(

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import keras
@@ -47,14 +47,18 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
         build_model: Optional[Callable[..., keras.Model]] = None,
         train_input: Optional[Callable[[int], Any]] = None,
         eval_input: Optional[Callable[[], Any]] = None,
-        make_trainer: Optional[Callable[..., Any]] = None) -> Optional[dict]:
+        make_trainer: Optional[Callable[..., Any]] = None,
+        train_actions: Sequence[Callable[[int, Any], Any]] = (),
+        handle_preemption: bool = False) -> Optional[dict]:
   """Trains and evaluates per `config`; returns the final eval metrics.
 
   The chief also writes model_dir/model_info.json (before training), the
   final weights (model.weights.h5) and, if `export_saved_model`, a
-  SavedModel (export/). `prepare_controller(controller)`, if given, runs
-  before training starts (e.g. to add `train_actions` such as
-  preemption handling).
+  SavedModel (export/). `prepare_controller(controller)`, if given, is
+  shown the Controller, built and resumed, before training starts; what
+  the Controller runs is handed to it when it is built: `train_actions`
+  (`fn(step, outputs)` after each loop, see `Controller`) and
+  `handle_preemption` (SIGTERM or a first Ctrl-C saves and exits 42).
 
   Every keyword below replaces a default; `config.dataset` still gives the
   input shape, classes and (without `train_input`) the epoch length.
@@ -100,7 +104,9 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     # Build.
     trainer, controller = factory.build(
         plan, trainer_cls, build_model=build_model, train_input=train_input,
-        eval_input=eval_input, make_trainer=make_trainer)
+        eval_input=eval_input, make_trainer=make_trainer,
+        train_actions=train_actions, start_time=start_time,
+        handle_preemption=handle_preemption)
 
     # Resume (or warm start), then record the run: model_info.json first,
     # so that a side-car evaluator can rebuild the model.
@@ -113,7 +119,6 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     # Run.
     if prepare_controller is not None:
       prepare_controller(controller)
-    controller.start_time = start_time
     # Raises NonFiniteLossError, before the weights file is (over)written,
     # when the last loop's loss was not finite.
     results = controller.run()
@@ -238,12 +243,12 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
       # The model's variables exist: under MultiWorkerMirroredStrategy
       # their creation needed every peer, so the cluster is up.
       watchdog.started()
-      actions.install(controller)
-      controllers.append(controller)
+      controllers.append(controller)  # its model's digest, after the run
 
     try:
+      # SIGTERM once training starts: checkpoint, exit 42.
       results = run(config, trainer_cls=trainer_cls,
-                               prepare_controller=prepare)
+                    prepare_controller=prepare, handle_preemption=True)
     except cluster.PEER_ERRORS as e:
       if tf_config is None:
         raise
@@ -256,16 +261,16 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
 def _coordinate(config, trainer_cls, watchdog, tf_config):
   """The parameter-server chief: coordinates the workers' steps."""
 
-  def prepare(controller):
+  def cluster_up(step, outputs):
     # The coordinator copes with missing workers, but a missing ps blocks
     # the first loop: the cluster is up once a loop ran.
-    controller.train_actions.append(lambda step, outputs: watchdog.started())
-    # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
-    actions.install(controller)
+    del step, outputs
+    watchdog.started()
 
   try:
-    return run(config, trainer_cls=trainer_cls,
-                          prepare_controller=prepare)
+    # SIGTERM to the coordinator: checkpoint at the loop end, exit 42.
+    return run(config, trainer_cls=trainer_cls, train_actions=[cluster_up],
+               handle_preemption=True)
   except cluster.PEER_ERRORS as e:
     # Worker failures are retried by the coordinator; what reaches here is
     # fatal (typically a lost ps task, whose variables are gone).

@@ -31,10 +31,12 @@ import tensorflow as tf
 
 import models
 from models import registry
-from framework.app.config import EvalConfig
+from framework.app.config import EvalConfig, ExperimentConfig
 from framework.core import optimizers
 from framework.core.checkpoints import run_files
+from framework.core.config import TrainerConfig
 from framework.data import config as data_config, datasets, preprocessing
+from framework.data.config import InputConfig
 from framework.data.inputs import to_float
 from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 from framework.errors import CheckpointError, ConfigError
@@ -70,12 +72,17 @@ def model_info(config, dataset):
           "seed": config.seed,
           # How the run evaluates, so that evaluate.py reports the same.
           "ema_decay": getattr(config, "ema_decay", None),
-          "eval_tta": getattr(config, "eval_tta", "none"),
-          "label_smoothing": getattr(config, "label_smoothing", 0.0),
+          "eval_tta": getattr(config, "eval_tta",
+                              default(TrainerConfig, "eval_tta")),
+          "label_smoothing": getattr(config, "label_smoothing",
+                                     default(ExperimentConfig,
+                                             "label_smoothing")),
           # The compute precision it evaluated in (`auto` resolved), which
           # evaluate.py uses too: bfloat16 and float32 differ in the 4th
           # digit.
-          "mixed_precision": getattr(config, "mixed_precision", "float32"),
+          "mixed_precision": getattr(config, "mixed_precision",
+                                     default(ExperimentConfig,
+                                             "mixed_precision")),
           # Which side scales images (framework.data.preprocessing).
           "input_preprocessing": preprocessing.CONTRACT,
           # Token sequences, not images: predict.py generates, the export
@@ -362,7 +369,7 @@ def describe_run(model_dir: str, build_model: Callable, *,
                  model_options: Optional[dict] = None,
                  dataset_options: Optional[dict] = None,
                  global_batch_size: Optional[int] = None,
-                 seed: int = 0) -> dict:
+                 seed: int = default(InputConfig, "seed")) -> dict:
   """Writes `model_dir/model_info.json` for a Controller-trained run.
 
   Args:

@@ -152,7 +152,7 @@ def trainer_options(config, strategy):
 
 
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
-                  build_model=None, make_trainer=None, model_parallel=True,
+                  build_model=None, make_trainer=None, split=True,
                   compute_precision=None, plan=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
@@ -161,8 +161,8 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
     build_model: as for `experiment.run` (default: `config.model`).
     make_trainer: `(model, optimizer, strategy, **trainer_options) ->
       trainer`, replacing `trainer_cls` and the model split.
-    model_parallel: bind `trainer_cls` to `config.model_parallel`'s split
-      (False: the unsplit trainer, the self-check's reference).
+    split: bind `trainer_cls` to `config.model_parallel`'s split (False:
+      the unsplit trainer, the self-check's reference).
     compute_precision: the model's dtype policy instead of the run's (the
       float16 loss scale still follows `config.mixed_precision`).
     plan: the run's `RunPlan`, whose dataset task is read instead of
@@ -175,7 +175,7 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       compute_precision=compute_precision, task=task)
   if make_trainer is None:
     # The model-parallel trainers load only when a split is asked for.
-    split = model_parallel and config.model_parallel.mode != "none"
+    split = split and config.model_parallel.mode != "none"
     make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                     if split else trainer_cls)
   trainer = make_trainer(model, optimizer, strategy,
@@ -184,12 +184,15 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
 
 
 def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
-          eval_input=None, make_trainer=None):
+          eval_input=None, make_trainer=None, train_actions=(),
+          start_time=None, handle_preemption=False):
   """(trainer, controller) of the run `plan` describes.
 
   Without `trainer_cls`, the dataset's task decides: per-pixel labels get a
   `SegmentationTrainer` (pixel accuracy, mean IoU) and mask summaries. The
   keyword arguments replace the defaults; see `experiment.run`.
+  `train_actions`, `start_time` and `handle_preemption` go to the
+  Controller (finished here: nothing is added to it after).
   """
   config, strategy, dataset = plan.config, plan.strategy, plan.dataset
   trainer, loop = build_trainer(
@@ -240,7 +243,9 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
                 # One line if the loss stays at chance (double scaling, lr,
                 # frozen weights).
                 train_actions=[actions.LossAtChance(
-                    dataset.num_classes, config.global_batch_size)],
+                    dataset.num_classes, config.global_batch_size),
+                               *train_actions],
+                start_time=start_time, handle_preemption=handle_preemption,
                 # best.json's epoch, when the run makes its own batches.
                 steps_per_epoch=inputs.steps_per_epoch(
                     dataset.num_train_examples, config.global_batch_size)
@@ -304,12 +309,12 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
         "the run's), so the sharded update itself is not covered (it "
         "equals the unsharded one: tests/test_optimizer_sharding_mesh.py)"))
 
-  def factory_for(s, model_parallel=True, reference_cls=None):
+  def factory_for(s, split_model=True, reference_cls=None):
     def make():
       trainer, _ = build_trainer(
           config, s, dataset, trainer_cls, build_model=build_model,
           make_trainer=make_trainer or reference_cls,
-          model_parallel=model_parallel,
+          split=split_model,
           compute_precision="float32" if notes else None, plan=plan)
       return trainer
     return make
@@ -317,7 +322,7 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
   split = config.model_parallel
   # Distributed: the run's trainer under `strategy` (or its model split);
   # the reference: the unsplit step on one device ...
-  reference = factory_for(one_device, model_parallel=False)
+  reference = factory_for(one_device, split_model=False)
   if split.mode == "tensor":
     # ... but a tensor split against its own shards all on one device (the
     # same variables).

@@ -32,6 +32,7 @@ from framework.app.export import (MODEL_INFO_FILE, WEIGHTS_FILE,
                                   with_model)
 from framework.core.checkpoints import best as best_checkpoint
 from framework.data import datasets
+from framework.data.config import InputConfig
 from framework.data.inputs import to_float
 from framework.errors import (CheckpointError, ConfigError, DataError,
                               check_positive)
@@ -170,7 +171,9 @@ def test_example(info, index, data_dir=None):
   if name == "cifar10":
     image, label = cifar10_test_image(index, data_dir)
     return image, label, f"CIFAR-10 test #{index}"
-  dataset = datasets.load_dataset(name, data_dir, seed=info.get("seed", 0),
+  dataset = datasets.load_dataset(name, data_dir,
+                                  seed=info.get("seed",
+                                                default(InputConfig, "seed")),
                                   **(info.get("dataset_options") or {}))
   size = dataset.num_test_examples
   if isinstance(index, bool) or not 0 <= index < size:

@@ -34,10 +34,13 @@ from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
+from framework.core.trainer import check_batch_split
 from framework.data import datasets, inputs
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
+from framework.model_parallel.config import ModelParallelConfig
+from framework.settings import default
 from framework.tasks import language_model
 
 CLASSIFICATION = "classification"
@@ -56,7 +59,7 @@ class EvalPlan:
   """
   splits: tuple[str, ...] = ("eval",)
   best_metric: Optional[str] = None
-  best_mode: str = "auto"
+  best_mode: str = default(LoopConfig, "best_mode")
   stop_when: Optional[str] = None
 
   @classmethod
@@ -211,12 +214,8 @@ def place(config, strategy=None):
                  model_parallel.mode, len(model_parallel.replica_devices),
                  model_parallel.device_count[0], piece,
                  model_parallel.replica_devices)
-  replicas = strategy.num_replicas_in_sync
-  if config.global_batch_size % replicas:
-    raise ConfigError(
-        f"global_batch_size={config.global_batch_size} is not divisible by "
-        f"the {replicas} replicas of strategy={config.strategy}; use a "
-        f"multiple of {replicas}")
+  check_batch_split(config.global_batch_size,
+                    strategy.num_replicas_in_sync, config.strategy)
   return config, strategy
 
 
@@ -331,7 +330,7 @@ def split_flags(record):
   """{flag: value} of the split a run_plan `model_parallel` record
   describes (only the flags its mode reads)."""
   record = record or {}
-  mode = record.get("mode", "none")
+  mode = record.get("mode", default(ModelParallelConfig, "mode"))
   flags = {"mesh": record.get("mesh") or "", "model_parallel": mode}
   if mode == "tensor":
     flags["num_shards"] = record.get("num_shards")

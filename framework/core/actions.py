@@ -118,7 +118,7 @@ class NanGuard:
             "clip_norm")
     if not c.loss_finite and policy == "stop":
       raise NonFiniteLossError(
-          f"{c.non_finite_text(checkpoint=False)}; stopped without saving "
+          f"{c.non_finite_text(name_checkpoint=False)}; stopped without saving "
           f"(latest good checkpoint: {c.checkpoints.latest or 'none'}); "
           "lower learning_rate, set clip_norm, or use nan_policy=skip")
 

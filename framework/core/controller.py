@@ -102,8 +102,16 @@ class Controller:
       max_to_keep=config.keep_checkpoints)`).
     steps_per_epoch: the steps of one pass over the training data, when
       known (`best.json` records the epoch of the best evaluation).
-    `self.on_train_end`: `fn(step)` run after the final checkpoint, before
-      the final evaluation (one that returns a dict: the run's results).
+    on_train_end: callables `fn(step)` run after the final checkpoint,
+      before the final evaluation (one that returns a dict: the run's
+      results); `self.on_train_end` takes more.
+    start_time: what `time_to_target` and `elapsed_seconds` count from
+      (default: the start of `run()`), e.g. the run's start before its
+      data loaded.
+    handle_preemption: SIGTERM or a first Ctrl-C saves a checkpoint and
+      exits with `actions.EXIT_PREEMPTED` (`framework.core.actions.install`,
+      installed when `run()` starts: until then the caller's handler, e.g.
+      `actions.guard_start`'s, answers).
   """
 
   def __init__(self, trainer: protocols.LoopTrainer, config: LoopConfig,
@@ -119,7 +127,10 @@ class Controller:
                metric_sinks: Sequence[Any] = (),
                parts: Optional[protocols.LoopParts] = None,
                checkpoints: Optional[CheckpointManager] = None,
-               steps_per_epoch: Optional[int] = None):
+               steps_per_epoch: Optional[int] = None,
+               on_train_end: Sequence[Callable[[int], Any]] = (),
+               start_time: Optional[float] = None,
+               handle_preemption: bool = False):
     self.eval_sets = evaluation.collect(eval_input, eval_inputs)
     self.evaluator = protocols.loop_evaluator(trainer, evaluator,
                                               bool(self.eval_sets))
@@ -151,8 +162,11 @@ class Controller:
     self.restored_from = None  # the checkpoint restore() restored, if any
     self.last_eval, self._last_eval_step = None, None
     self.eval_results = {}  # {split: results} of the latest evaluation
-    self.on_train_end = []
-    self.stop_reason = self.start_time = None
+    self.on_train_end = list(on_train_end)
+    self.stop_reason = None
+    self.start_time = start_time
+    self.handle_preemption = handle_preemption
+    self.preemption = None  # the handler, once `run()` installed it
     self.steps_per_epoch = steps_per_epoch  # if known: best.json's epoch
     # The chief traces; other workers run the same ops.
     self.profiler = profiling.StepProfiler(
@@ -206,10 +220,10 @@ class Controller:
     """Whether the last loop's watched metrics were finite."""
     return self.report.finite
 
-  def non_finite_text(self, checkpoint: bool = True) -> str:
+  def non_finite_text(self, name_checkpoint: bool = True) -> str:
     """What was not finite in the last loop (and the latest checkpoint)."""
     text = self.report.non_finite_text()
-    if checkpoint:
+    if name_checkpoint:
       text += (f" (latest good checkpoint: "
                f"{self.checkpoints.latest or 'none'})")
     return text
@@ -251,6 +265,8 @@ class Controller:
     checkpoint; the final evaluation's results (None without eval_input)."""
     c = self.config
     show_progress_by_default()
+    if self.handle_preemption and self.preemption is None:
+      self.preemption = actions_lib.install(self)
     if self.start_time is None:
       self.start_time = time.time()
     self.restore()

@@ -28,7 +28,9 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.data import inputs
+from framework.data.config import InputConfig
 from framework.errors import ConfigError
+from framework.settings import default
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -71,7 +73,8 @@ def check_config(config):
         "one_device)")
 
 
-def per_worker_dataset_fn(dataset, global_batch_size, *, seed=0, augment=None):
+def per_worker_dataset_fn(dataset, global_batch_size, *,
+                          seed=default(InputConfig, "seed"), augment=None):
   """A dataset function for `create_per_worker_dataset`.
 
   Each worker shuffles with its own seed (drawn when the worker builds the
@@ -216,7 +219,8 @@ class CoordinatedTrainer:
     return results
 
 
-def coordinate(trainer, dataset, global_batch_size, *, seed=0, augment=None):
+def coordinate(trainer, dataset, global_batch_size, *,
+               seed=default(InputConfig, "seed"), augment=None):
   """(CoordinatedTrainer, train_input, eval_input) for the Controller.
 
   `train_input(start_step)` gives the per-worker datasets (in memory, each

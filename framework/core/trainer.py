@@ -91,6 +91,18 @@ def sparse_categorical_loss(labels: tf.Tensor,
 # A Trainer averages per-example losses over the *global* batch itself (see
 # `Trainer.average`), so these return one value per example (or per pixel) and
 # never reduce: a Keras loss object would divide by the replica count.
+def check_batch_split(global_batch_size, replicas, strategy_name=None):
+  """Raises ConfigError unless the global batch splits evenly over the
+  replicas: the one statement of that rule and of its message, made by
+  the Trainer and, before any file or data, by a run's resolve."""
+  if global_batch_size % replicas:
+    of = (f"strategy={strategy_name}" if strategy_name is not None
+          else "this strategy")
+    raise ConfigError(
+        f"global_batch_size={global_batch_size} is not divisible by the "
+        f"{replicas} replicas of {of}; use a multiple of {replicas}")
+
+
 def smoothed_sparse_categorical_loss(label_smoothing):
   """`(labels, logits) -> per-example cross-entropy` with label smoothing.
 
@@ -448,10 +460,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         max_skipped_steps=max_skipped_steps, grad_accum_steps=grad_accum_steps,
         ema_decay=ema_decay, eval_tta=eval_tta)
     replicas = strategy.num_replicas_in_sync
-    if global_batch_size % replicas:
-      raise ConfigError(
-          f"global_batch_size={global_batch_size} is not divisible by the "
-          f"{replicas} replicas of this strategy; use a multiple of {replicas}")
+    check_batch_split(global_batch_size, replicas)
     if (global_batch_size // replicas) % grad_accum_steps:
       raise ConfigError(
           f"grad_accum_steps={grad_accum_steps} does not divide the per-replica "

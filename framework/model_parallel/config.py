@@ -338,11 +338,12 @@ class ModelParallelConfig:
     else:
       object.__setattr__(self, "num_stages", sizes["pipeline"])
 
-  def check_model(self, model, num_heads, vocab_size, num_layers=0):
+  def check_model(self, model, num_heads, vocab_size, num_layers=None):
     """Raises ConfigError when a tensor split cannot cut `model` (the
     shards must divide a gpt's heads and vocabulary, a tensor x pipeline
     mesh needs a model with a whole split and a block per stage, and so
-    does a gpt pipeline, which runs that split); before any build."""
+    does a gpt pipeline, which runs that split); before any build.
+    `num_layers` None: not known (not checked)."""
     if self.mode == "pipeline" and model == "gpt":
       if num_layers and num_layers < self.num_stages:
         where = (f"mesh={self.mesh}: the pipeline axis" if self.mesh
@@ -427,7 +428,7 @@ class ModelParallelConfig:
       return self, strategy
     count, argument = self.device_count
     groups = replica_groups(model_parallel_devices(count * self.data_axis),
-                            count, strategy=name, name=argument)
+                            count, strategy_name=name, name=argument)
     return dataclasses.replace(
         self, replica_devices=tuple(tuple(g) for g in groups)), strategy
 

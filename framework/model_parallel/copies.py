@@ -31,11 +31,12 @@ from framework.model_parallel.devices import short_device
 SUM = tf.distribute.ReduceOp.SUM
 
 
-def replica_groups(devices, num_stages, *, strategy="mirrored",
+def replica_groups(devices, num_stages, *, strategy_name="mirrored",
                    name="num_stages"):
   """`devices` (R*S of them) cut into R lists of S consecutive devices.
 
   Args:
+    strategy_name: the strategy the devices are of, for messages.
     name: the argument S came from (`num_shards` for data x tensor).
   Raises:
     ConfigError: the device count is not a multiple of `num_stages`.
@@ -44,8 +45,8 @@ def replica_groups(devices, num_stages, *, strategy="mirrored",
   split = "pipeline" if name == "num_stages" else "tensor"
   if len(devices) % num_stages:
     raise ConfigError(
-        f"strategy={strategy} has {len(devices)} devices, not a multiple of "
-        f"{name}={num_stages}: data x {split} needs R * {name} "
+        f"strategy={strategy_name} has {len(devices)} devices, not a "
+        f"multiple of {name}={num_stages}: data x {split} needs R * {name} "
         f"devices (e.g. --cpu_devices={2 * num_stages} for 2 copies)")
   return [devices[r:r + num_stages]
           for r in range(0, len(devices), num_stages)]
@@ -71,7 +72,7 @@ def split_strategy(strategy, num_stages, *, name="mirrored",
         f"use strategy=mirrored (R copies of the split on R * {argument} "
         "local devices) or strategy=default")
   groups = replica_groups(strategy.extended.worker_devices, num_stages,
-                          strategy=name, name=argument)
+                          strategy_name=name, name=argument)
   return tf.distribute.get_strategy(), groups
 
 

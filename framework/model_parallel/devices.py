@@ -322,13 +322,14 @@ def memory_by_device(model, optimizer):
   return dict(sorted(report.items()))
 
 
-def add_activations(report, stages, global_batch_size, recompute=False):
+def add_activations(report, stages, global_batch_size, recompute):
   """Adds `activation_bytes` (peak, all micro-batches) per device to `report`.
 
   Args:
     report: from `memory_by_device`; changed in place.
     stages: the trainer's stages (`activation_bytes(recompute)` per example).
     global_batch_size: B; M micro-batches of B/M are all kept at once.
+    recompute: the trainer's (whether stages keep only their inputs).
   """
   for stage in stages:
     for leaf in stage.leaves:

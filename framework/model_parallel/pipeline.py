@@ -316,7 +316,8 @@ class GraphStage:
       return head(outputs) if head is not None else outputs
     return [local[k] for k in self.makes]
 
-  def forward(self, x, training=True, head=None, after=(), recompute=False):
+  def forward(self, x, training=True, head=None, after=(),
+              recompute=default(SplitConfig, "recompute")):
     """(outputs, record), as `Stage.forward`; outputs are an environment."""
     env = self._environment(x)
     with tf.device(self.device), tf.name_scope(self.name + "/"):
@@ -351,7 +352,8 @@ class GraphStage:
         target = self._target(local, outputs, record.head)
     return Record(tape, inputs, target)
 
-  def activation_bytes(self, recompute=False):
+  def activation_bytes(self,
+                       recompute=default(SplitConfig, "recompute")):
     """Bytes per example kept for backward: inputs read (+ node outputs)."""
     tensors = {id(t): t for n in self.nodes for t in n.input_tensors}
     kept = [tensors[k] for k in self.reads]

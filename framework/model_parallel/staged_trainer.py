@@ -55,6 +55,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from framework.core.config import TrainerConfig
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig
@@ -148,7 +149,8 @@ class Stage:
     with tf.device(self.device), tf.name_scope(self.name + "/"):
       return self._call(tf.identity(x), training)
 
-  def forward(self, x, training=True, head=None, after=(), recompute=False):
+  def forward(self, x, training=True, head=None, after=(),
+              recompute=default(SplitConfig, "recompute")):
     """(outputs, record): the forward pass on `device`, recorded.
 
     Args:
@@ -216,7 +218,8 @@ class Stage:
         target = record.head(outputs) if record.head is not None else outputs
     return Record(tape, x, target)
 
-  def activation_bytes(self, recompute=False):
+  def activation_bytes(self,
+                       recompute=default(SplitConfig, "recompute")):
     """Bytes per example this stage keeps for its backward pass.
 
     From the static shapes: its input and every layer's output (with
@@ -260,7 +263,8 @@ class ParallelStage:
   def apply(self, x, training=False):
     return self._sum([b.apply(x, training) for b in self.branches], "sum")
 
-  def forward(self, x, training=True, head=None, after=(), recompute=False):
+  def forward(self, x, training=True, head=None, after=(),
+              recompute=default(SplitConfig, "recompute")):
     if head is not None:
       raise ValueError("a ParallelStage cannot compute the loss; end the "
                        "model with a Stage")
@@ -332,7 +336,10 @@ class StagedTrainer(PipelineCopies, Trainer):
                recompute=default(SplitConfig, "recompute"),
                serial_stages=default(SplitConfig, "serial_stages"),
                input_grads_first=default(SplitConfig, "input_grads_first"),
-               copies=(), shard_optimizer_state=False, **kwargs):
+               copies=(),
+               shard_optimizer_state=default(TrainerConfig,
+                                             "shard_optimizer_state"),
+               **kwargs):
     check_positive("num_microbatches", num_microbatches)
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(

@@ -281,7 +281,8 @@ def check_groups(groups, num_shards):
 
 
 def split_setup(split, model, optimizer, strategy, *, devices,
-                replica_devices, kwargs, num_stages=1):
+                replica_devices, kwargs,
+                tensor_stages=default(SplitConfig, "tensor_stages")):
   """(placed model, stages, copies, trainer kwargs) of a transformer split.
 
   Raises:
@@ -298,8 +299,8 @@ def split_setup(split, model, optimizer, strategy, *, devices,
   groups = [list(g) for g in (replica_devices or [devices])]
   check_groups(groups, len(devices))
   with strategy.scope():
-    placed = (split(model, groups[0], num_stages=num_stages)
-              if num_stages > 1 else split(model, groups[0]))
+    placed = (split(model, groups[0], tensor_stages=tensor_stages)
+              if tensor_stages > 1 else split(model, groups[0]))
   stages = [Stage("tensor_parallel", groups[0][0], [placed])]
   copies = []
   copy_config = dict(optimizer.get_config(), learning_rate=0.0)
@@ -375,10 +376,9 @@ class TensorParallelTrainer(StagedTrainer):
                tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
     check_positive("tensor_stages", tensor_stages)
     self._unsplit_optimizer = None  # a transformer split's checkpoint view
-    num_stages = tensor_stages
     split = split_for(model)
     if split is not None:  # a whole transformer (see the module)
-      count = num_shards * num_stages
+      count = num_shards * tensor_stages
       if replica_devices and not devices:
         devices = replica_devices[0]  # copy 0's, local or on a cluster task
       devices = list(devices or model_parallel_devices(
@@ -387,7 +387,7 @@ class TensorParallelTrainer(StagedTrainer):
       placed, stages, copies, kwargs = split_setup(
           split, model, optimizer, strategy, devices=devices,
           replica_devices=replica_devices, kwargs=kwargs,
-          num_stages=num_stages)
+          tensor_stages=tensor_stages)
       self.split_layer = None
       self._unsplit = model
       super().__init__(placed, optimizer, strategy, stages=stages,
@@ -411,11 +411,11 @@ class TensorParallelTrainer(StagedTrainer):
             "the checkpoints resume on this split only",
             type(self.optimizer).__name__, str(e).splitlines()[0][:200])
       return
-    if num_stages > 1:
+    if tensor_stages > 1:
       raise ConfigError(
-          f"tensor x pipeline (tensor_stages={num_stages}) needs a model with a "
-          f"whole-model split (model=gpt); {model.name} splits one Dense "
-          "pair only")
+          f"tensor x pipeline (tensor_stages={tensor_stages}) needs a model "
+          f"with a whole-model split (model=gpt); {model.name} splits one "
+          "Dense pair only")
     if replica_devices:
       raise ConfigError(
           "data x tensor parallelism needs a model with a whole-model "

@@ -83,12 +83,14 @@ class CheckpointManager:
     run_config: a JSON-able dict of what must not change between a
       checkpoint and the run resuming from it (see `export.run_config`);
       None: not checked.
-    allow_config_change: a changed `run_config` is a warning, not an error.
+    allow_config_change: a changed `run_config` is a warning, not an error
+      (None: not given, an error as without --allow_config_change; the
+      setting's default lives in ExperimentConfig, above this layer).
   """
 
   def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
                restore_policy="latest_intact", run_config=None,
-               allow_config_change=False):
+               allow_config_change=None):
     check_positive("keep_checkpoints", max_to_keep)
     self.checkpoint = checkpoint
     # Resolved once: TensorFlow's state file and this class join paths onto
