@@ -95,7 +95,7 @@ class SavedAsVariable(tf.__internal__.tracking.Trackable):
     return self._restore_value(restored_tensors[VARIABLE_VALUE_KEY])
 
 
-# --- tf.distribute (core/ps_training.py, model_parallel/replicas.py). ---------
+# --- tf.distribute (core/ps_training.py, model_parallel/copies.py). -----------
 
 
 def num_workers(strategy):
@@ -151,7 +151,7 @@ VARIABLE_VALUE_KEY = importlib.import_module(
     "tensorflow.python.trackable.base").VARIABLE_VALUE_KEY
 
 
-# --- Graphs (model_parallel/streams.py, placement.py). ------------------------
+# --- Graphs (model_parallel/devices.py: streams, placement checks). -----------
 
 
 def add_control_input(op, dependency):
@@ -248,7 +248,7 @@ def stop_peer_watcher(handler):
     stop()
 
 
-# --- Random ops (check/distribution_randomness.py). ---------------------------
+# --- Random ops (check/distribution_step.py). ---------------------------------
 
 # The generated op modules whose functions the self-check wraps to make
 # random draws equal on N replicas and one device. Missing publicly: a hook

@@ -23,7 +23,7 @@ try:  # No TensorFlow in it: the flags come first.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
-from framework.distribute import config as cluster_options  # pylint: disable=g-import-not-at-top
+from framework.distribute import config as distribute_config  # pylint: disable=g-import-not-at-top
 from framework.perf import allocator  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -54,9 +54,9 @@ flags.DEFINE_enum("malloc", allocator.DEFAULT_ALLOCATOR,
                   "multi-worker/mirrored CPU replica, whose steps glibc's "
                   "malloc serves with fresh mmaps. Logged.")
 # Multi-process jobs (defaults: framework.distribute.config).
-_CLUSTER_OPTIONS = cluster_options.ClusterOptions()
+_CLUSTER_OPTIONS = distribute_config.ClusterOptions()
 flags.DEFINE_enum("cluster_resolver", _CLUSTER_OPTIONS.resolver,
-                  list(cluster_options.CLUSTER_RESOLVERS),
+                  list(distribute_config.CLUSTER_RESOLVERS),
                   "Where the cluster comes from: the TF_CONFIG environment "
                   "variable, or Slurm's (srun) variables through "
                   "SlurmClusterResolver.")
@@ -107,7 +107,7 @@ def _run_config(config, trainer_cls):
   logging.info("memory allocator: %s (--malloc=%s)",
                "tcmalloc" if allocator.tcmalloc_loaded() else "default",
                FLAGS.malloc)
-  options = cluster_options.ClusterOptions(
+  options = distribute_config.ClusterOptions(
       resolver=FLAGS.cluster_resolver, slurm_ps_tasks=FLAGS.slurm_ps_tasks,
       slurm_port_base=FLAGS.slurm_port_base,
       startup_timeout=FLAGS.startup_timeout)

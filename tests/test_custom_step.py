@@ -17,7 +17,7 @@ import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 from framework.core import precision
-from framework.core import trainer as losses
+from framework.core import trainer as trainer_lib
 from tests import shared_strategy
 from tests.helpers import ROOT
 
@@ -77,7 +77,7 @@ def test_readme_step_equals_the_builtin_step_with_every_feature(data):
   options = dict(grad_accum_steps=4, precision_name=precision_name)
   builtin, builtin_trainer = train(
       framework.Trainer, data,
-      loss_fn=losses.smoothed_sparse_categorical_loss(0.1), **options)
+      loss_fn=trainer_lib.smoothed_sparse_categorical_loss(0.1), **options)
   custom, custom_trainer = train(readme_trainer(), data, **options)
   assert int(custom_trainer.optimizer.iterations.numpy()) == 5
   for a, b in zip(custom, builtin):

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import framework
 from framework.check import distribution_check
-from framework.core import trainer as step_loop
+from framework.core import trainer as trainer_lib
 from framework.core.trainer import Trainer
 
 GLOBAL_BATCH = 16
@@ -45,13 +45,13 @@ def check(strategy, batch, **kwargs):
 def test_the_check_traces_the_loops_step_on_both_sides(batch, mirrored,
                                                        monkeypatch):
   traced = []
-  original = step_loop.StepLoop.run_step
+  original = trainer_lib.StepLoop.run_step
 
   def recording(self, dist_batch):
     traced.append(self.strategy.num_replicas_in_sync)
     return original(self, dist_batch)
 
-  monkeypatch.setattr(step_loop.StepLoop, "run_step", recording)
+  monkeypatch.setattr(trainer_lib.StepLoop, "run_step", recording)
   report = check(mirrored, batch)
   assert report.verdict == "pass", report.table()
   # One device twice (the batch, and reversed), then the 2 replicas.
@@ -67,7 +67,7 @@ def test_a_loop_reporting_the_mean_of_the_shares_fails(batch, mirrored,
                                     axis=None)
             for k, v in per_replica.items()}
 
-  monkeypatch.setattr(step_loop.StepLoop, "_reduce", mean)
+  monkeypatch.setattr(trainer_lib.StepLoop, "_reduce", mean)
   report = check(mirrored, batch)
   assert report.verdict == "fail", report.table()
   bad = {r.name for r in report.rows if not r.ok}
@@ -76,13 +76,13 @@ def test_a_loop_reporting_the_mean_of_the_shares_fails(batch, mirrored,
 
 
 def test_a_loop_stepping_each_batch_twice_fails(batch, mirrored, monkeypatch):
-  original = step_loop.StepLoop.run_step
+  original = trainer_lib.StepLoop.run_step
 
   def twice(self, dist_batch):
     original(self, dist_batch)
     return original(self, dist_batch)
 
-  monkeypatch.setattr(step_loop.StepLoop, "run_step", twice)
+  monkeypatch.setattr(trainer_lib.StepLoop, "run_step", twice)
   report = check(mirrored, batch)
   assert "optimizer_steps" in report.cause_codes, report.table()
   assert "2 times on 2 replicas and 2 times on one device" in (

@@ -13,7 +13,7 @@ import tensorflow as tf
 import framework
 from framework import ExperimentConfig, LoopConfig
 from framework.app import experiment
-from framework.app import config as eval_set_specs
+from framework.app import config as app_config
 from framework.core import evaluation
 from helpers import assert_one_line_error, run_script, snapshot
 from shared_strategy import mirrored
@@ -129,8 +129,8 @@ def test_eval_sets_from_the_config_with_best_metric_and_stop_when(tmp_path):
 
 
 def test_eval_set_specs_parse():
-  parse = eval_set_specs.parse
-  assert parse("test:cifar10") == eval_set_specs.EvalSetSpec(
+  parse = app_config.parse
+  assert parse("test:cifar10") == app_config.EvalSetSpec(
       "test", "cifar10")
   spec = parse("v:tfds:mnist:3.0.1:/data/tfds:train")
   assert (spec.dataset, spec.data_dir, spec.split) == (

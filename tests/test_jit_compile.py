@@ -15,7 +15,7 @@ import framework
 import framework.core.optimizers  # noqa: F401  (the attribute chain below)
 import framework.data.datasets  # noqa: F401  (the attribute chain below)
 import framework.data.inputs  # noqa: F401  (the attribute chain below)
-from framework.core import trainer as xla
+from framework.core import trainer as trainer_lib
 import models
 from tests import shared_strategy
 
@@ -45,8 +45,8 @@ def data():
                                            image_shape=(4, 4, 3))
 
 
-@pytest.mark.parametrize("where,mode", [("one_device", xla.STEP),
-                                        ("mirrored", xla.GRADIENTS)])
+@pytest.mark.parametrize("where,mode", [("one_device", trainer_lib.STEP),
+                                        ("mirrored", trainer_lib.GRADIENTS)])
 @pytest.mark.parametrize("options", [{}, {"clip_norm": 0.5,
                                           "nan_policy": "skip"}],
                          ids=["plain", "clip_skip"])
@@ -81,10 +81,10 @@ def test_an_op_without_xla_kernel_is_one_line():
       "graph __inference_step_123[_XlaMustCompile=true] on XLA_CPU_JIT: "
       "DecodePng (No registered 'DecodePng' OpKernel for XLA_CPU_JIT devices "
       "compatible with node {{node DecodePng}})")
-  line = xla.compile_error(error)
+  line = trainer_lib.compile_error(error)
   assert line == ("jit_compile: the step's op DecodePng has no XLA kernel "
                   "here; run without jit_compile")
-  assert xla.compile_error(ValueError("other")) is None
+  assert trainer_lib.compile_error(ValueError("other")) is None
 
 
 class _HostOpTrainer(framework.Trainer):
@@ -126,4 +126,4 @@ def test_the_flag_reaches_the_trainer(tmp_path):
       loop=framework.LoopConfig(train_steps=2, steps_per_loop=2))
   results = experiment.run(config, prepare_controller=lambda c: seen.update(
       mode=c.trainer.jit_compile))
-  assert seen["mode"] == xla.STEP and results["examples"] > 0
+  assert seen["mode"] == trainer_lib.STEP and results["examples"] > 0

@@ -9,7 +9,6 @@ import logging
 import pytest
 
 from framework.app import experiment
-from framework.app import experiment as task
 from framework.core import actions
 from framework.distribute import cluster
 from framework.distribute.config import ClusterOptions
@@ -44,16 +43,16 @@ def test_a_slurm_parameter_server_task_serves_and_trains_nothing(
   monkeypatch.setattr(cluster, "run_server", served.append)
   monkeypatch.setattr(experiment, "run", lambda *a, **k: pytest.fail(
       "a serving task must not train"))
-  result = task.run_task(
+  result = experiment.run_task(
       _config(tmp_path / "run", strategy="parameter_server"),
       options=ClusterOptions(resolver="slurm", slurm_ps_tasks=1,
                              slurm_port_base=9000))
   assert result is None
-  tf_config = json.loads(task.os.environ["TF_CONFIG"])
+  tf_config = json.loads(experiment.os.environ["TF_CONFIG"])
   assert sorted(tf_config["cluster"]) == ["chief", "ps", "worker"]
   assert tf_config["cluster"]["chief"] == ["node01:9000"]
   assert served == [tf_config] and tf_config["task"]["type"] == role
-  assert task.os.environ["GRPC_FAIL_FAST"] == "use_caller"
+  assert experiment.os.environ["GRPC_FAIL_FAST"] == "use_caller"
   assert not (tmp_path / "run").exists()
 
 
@@ -65,7 +64,7 @@ def test_one_process_trains_preemptible_and_logs_its_weights_digest(
   guarded, installed = [], []
   monkeypatch.setattr(actions, "guard_start", guarded.append)
   monkeypatch.setattr(actions, "install", installed.append)
-  results = task.run_task(_config(tmp_path / "run"), program="train.py")
+  results = experiment.run_task(_config(tmp_path / "run"), program="train.py")
   assert set(results) >= {"loss", "accuracy", "examples"}
   assert guarded == ["train.py"]
   assert len(installed) == 1 and installed[0].step == 2

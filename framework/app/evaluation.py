@@ -25,8 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from framework.core.trainer import smoothed_sparse_categorical_loss
 from framework.core import precision
-from framework.core import trainer as losses
 from framework.app import export
 from framework.app.config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
 from framework.core.checkpoints import manager
@@ -128,7 +128,7 @@ class Evaluator:
     if self.info.get("eval_tta", no_tta) != no_tta:
       extra["eval_tta"] = self.info["eval_tta"]
     if self.info.get("label_smoothing"):
-      extra["loss_fn"] = losses.smoothed_sparse_categorical_loss(
+      extra["loss_fn"] = smoothed_sparse_categorical_loss(
           self.info["label_smoothing"])
     self.trainer = trainer_cls(model, optimizer, self.strategy,
                                global_batch_size=batch, **extra)

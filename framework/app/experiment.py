@@ -32,9 +32,8 @@ from framework.app import export, factory, run_plan
 from framework.app.config import ExperimentConfig
 from framework.core import protocols
 from framework.core import actions
-from framework.core import controller as progress
 from framework.core.checkpoints import warm_start
-from framework.core.controller import Controller
+from framework.core.controller import Controller, show_progress_by_default
 from framework.core.checkpoints.run_files import RunLock
 from framework.distribute import cluster, strategies
 from framework.distribute.config import ClusterOptions
@@ -78,7 +77,7 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
   """
   # Before the first log line: absl's first one, before any flag parsing,
   # installs a root handler, which would read as logging configured.
-  progress.show_progress_by_default()
+  show_progress_by_default()
   config = run_plan.named_model(config, build_model)
   start_time = time.time()  # time_to_target counts from here
   if config.deterministic:

@@ -23,11 +23,10 @@ from framework import settings
 from framework.app import export
 from framework.core import actions, checkpoints, optimizers, precision
 from framework.core import evaluation
-from framework.core import trainer as losses
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig, TrainerConfig
 from framework.core.controller import Controller
-from framework.core.trainer import Trainer
+from framework.core.trainer import Trainer, smoothed_sparse_categorical_loss
 from framework.data import datasets, inputs
 from framework.data import preprocessing
 from framework.distribute import strategies
@@ -144,7 +143,7 @@ def trainer_options(config, strategy):
                  **{f.name: getattr(step, f.name)
                     for f in dataclasses.fields(step)})
   if config.label_smoothing:
-    options["loss_fn"] = losses.smoothed_sparse_categorical_loss(
+    options["loss_fn"] = smoothed_sparse_categorical_loss(
         config.label_smoothing)
   if precision.needs_loss_scale(config.mixed_precision):
     options["loss_scale"] = precision.LossScale(strategy)

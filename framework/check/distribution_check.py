@@ -5,8 +5,6 @@ import keras
 import tensorflow as tf
 import time
 from framework.check import distribution_step as steps
-from framework.check import distribution_step as distribution_randomness
-from framework.check import distribution_step as distribution_layers
 from framework.check.distribution_diagnosis import (WARNING_CAUSES, Finding, compare)
 from framework.check.distribution_step import PROBE_MOMENTUM
 from framework.core.config import TrainerConfig
@@ -69,8 +67,8 @@ def _random_op_warnings(draws):
         "random_ops",
         f"random ops in the step ({'; '.join(draws.replaced_ops)}) draw "
         "different numbers on each device; the check replaced their draws by "
-        f"the distribution's centre ({distribution_randomness.NORMAL:g} for "
-        f"normal, {distribution_randomness.UNIFORM:g} for uniform [0, 1)) on "
+        f"the distribution's centre ({steps.NORMAL:g} for "
+        f"normal, {steps.UNIFORM:g} for uniform [0, 1)) on "
         "both sides, so the rest is compared exactly and the random values "
         "are not")
   if draws.left_ops:
@@ -179,9 +177,9 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
   replicas = strategy.num_replicas_in_sync
   clip_norm = getattr(trainer, "clip_norm", None)
   try:
-    undo_t, dropouts, unsynced, noisy = distribution_layers.prepare_model(
+    undo_t, dropouts, unsynced, noisy = steps.prepare_model(
         trainer.model)
-    undo = undo_t + distribution_layers.prepare_model(reference.model)[0]
+    undo = undo_t + steps.prepare_model(reference.model)[0]
     if probe_optimizer:
       trainer.optimizer = steps.probe_optimizer(trainer)
       reference.optimizer = steps.probe_optimizer(reference)
@@ -198,7 +196,7 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
     reversed_batch = tf.nest.map_structure(lambda x: tf.reverse(x, [0]),
                                            one_device(batch))
     # Random ops draw their mean on both sides while the steps are traced.
-    with distribution_randomness.neutralised() as draws:
+    with steps.neutralised() as draws:
       ref_out, noise_out = steps.run_steps(
           reference, [one_device(batch), reversed_batch], draws)
       dist_out, = steps.run_steps(trainer, [batch], draws)
@@ -215,12 +213,12 @@ def check_distribution(trainer, make_reference, batch, *, rtol=1e-3,
                                other=other_out)
   finally:
     trainer.optimizer = saved_optimizer
-    distribution_layers.put_back(undo)
+    steps.put_back(undo)
     if saved is not None:
       steps.restore(steps.state_variables(trainer), saved)
 
   verdict, causes, warnings = verdict_of(
-      causes, distribution_layers.layer_warnings(
+      causes, steps.layer_warnings(
           trainer.model, replicas, dropouts, unsynced, noisy), draws,
       str(getattr(trainer.model, "compute_dtype", "")), replicas, notes)
   header = (f"distribution check: {_describe(trainer)} vs "

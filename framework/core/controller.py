@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from framework.core import actions as actions_lib
 from framework.core import evaluation, protocols, summaries
-from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import best
 from framework.core.checkpoints import CheckpointManager, for_loop
 from framework.core.config import LoopConfig
 from framework.core.summaries import Writers, markdown_table, record_every
@@ -188,7 +188,7 @@ class Controller:
       (self.train_actions if stop.condition.split == "train"
        else self.eval_actions).append(stop)
     # best/ and early stopping (`best_metric`), after the stop condition.
-    self.best = best_checkpoint.from_config(self, config)
+    self.best = best.from_config(self, config)
     # Deprecated: run after the train actions, each as `fn(step)`.
     self.on_loop_end = list(on_loop_end)
 

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework.data import inputs
-from framework.data import datasets as splits
+from framework.data.datasets import ArraySplits
 from framework.data.config import InputConfig
 from framework.errors import DataError, check_positive
 from framework.settings import default
@@ -137,7 +137,7 @@ def _load(load, path, key, **kwargs):
                     ) from None
 
 
-class NumpyDataset(splits.ArraySplits):
+class NumpyDataset(ArraySplits):
   """Memory-mapped train and test arrays, streamed by index.
 
   Has the attributes of an `ArrayDataset` (`train_x` ... are the mapped

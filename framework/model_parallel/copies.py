@@ -16,7 +16,7 @@ the data axis only) and every copy applies the same update, so the copies
 stay equal. Copy 0 is the model that checkpoints, summaries and the weights
 file see; the others follow it after a restore
 (`PipelineCopies.sync_copies`). With `shard_optimizer_state`, copy r keeps
-and updates 1/R of every optimizer slot (`copy_sharding`, ZeRO-1 on the
+and updates 1/R of every optimizer slot (`optimizer_sharding`, ZeRO-1 on the
 data axis).
 """
 
@@ -189,7 +189,7 @@ class PipelineCopies:
 
   def _apply_copy_shards(self, grads, variables):
     """One step with the optimizer state sharded over the copies
-    (`copy_sharding`): copy r updates slice r of each of its variables,
+    (`optimizer_sharding`): copy r updates slice r of each of its variables,
     then every copy's variables are joined from all copies' slices."""
     count = len(self.variables)
     per_copy = lambda values: [values[i:i + count]
@@ -230,7 +230,7 @@ class PipelineCopies:
     holds); the copies follow it after a restore. Equal copies stay equal:
     they apply the same update every step. With the state sharded over the
     copies only the weights: each copy's slots are its own slice, which a
-    restore sets directly (`copy_sharding`).
+    restore sets directly (`optimizer_sharding`).
     """
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()

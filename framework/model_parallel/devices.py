@@ -140,7 +140,7 @@ def start_cluster(config, tf_config=None):
   tf_config = tf_config or tf_config_lib.parse_tf_config()
   count, name = config.device_count
   per = "piece"
-  if config.mesh:  # a copy of the split per task (mesh_cluster)
+  if config.mesh:  # a copy of the split per task (`config.cluster_groups`)
     count, name, per = config.data_axis, f"mesh={config.mesh}: data", "copy"
   check_cluster(tf_config, count, name=name, per=per)
   # A call to a dead worker fails at once instead of retrying forever.
@@ -302,7 +302,7 @@ def memory_by_device(model, optimizer):
   Parameters are all model weights (trainable or not, e.g. BatchNorm
   statistics); slots are the optimizer's per-parameter variables (Adam's
   moments), found on whatever device they were created on (with the state
-  sharded over a mesh's data axis, `copy_sharding`: this copy's 1/R).
+  sharded over a mesh's data axis, `optimizer_sharding`: this copy's 1/R).
   """
   report = {}
 

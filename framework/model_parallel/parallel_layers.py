@@ -471,7 +471,7 @@ def unsplit_view(optimizer, unsplit_variables, split_weights, *,
       or a `ShardedWeight` over its shard variables.
     state, index: where the optimizer's state is checkpointed from, if not
       `optimizer` itself: a view with its children (the data axis's ZeRO-1
-      view, `copy_sharding`, whose slots save whole), and `index(variable)`,
+      view, `optimizer_sharding`, whose slots save whole), and `index(variable)`,
       a split variable's position in its per-variable lists.
 
   Returns:

@@ -326,7 +326,7 @@ class StagedTrainer(PipelineCopies, Trainer):
       every copy applies the same update. Only `model` and `optimizer` are
       checkpointed; the copies are set from them before each `train` call.
     shard_optimizer_state: with copies, copy r keeps and updates 1/R of
-      every variable's optimizer slots (`copy_sharding`, ZeRO-1 on the data
+      every variable's optimizer slots (`optimizer_sharding.CopyShardedState`, ZeRO-1 on the data
       axis); checkpoints still hold the full slots. One copy: no change.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """

@@ -178,11 +178,11 @@ def augmentation():
 
 def make_trainer(setup, strategy, global_batch_size, fused_updates=True):
   import framework  # pylint: disable=g-import-not-at-top
-  from framework.core import trainer as losses  # pylint: disable=g-import-not-at-top
+  from framework.core.trainer import smoothed_sparse_categorical_loss  # pylint: disable=g-import-not-at-top
   extra = {}
   if FLAGS.recipe == "fast":
     recipe = _fast_recipe()
-    extra = dict(loss_fn=losses.smoothed_sparse_categorical_loss(
+    extra = dict(loss_fn=smoothed_sparse_categorical_loss(
         float(recipe["label_smoothing"])),
                  ema_decay=float(recipe["ema_decay"]),
                  ema_warmup="ema_warmup" in recipe)

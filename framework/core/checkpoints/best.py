@@ -25,7 +25,7 @@ A relaunch reads the best so far back from `best.json`; `best_history.json`
 (every evaluation's value) lets the patience count continue where the
 restored checkpoint was. With `early_stopping_patience`, `patience`
 evaluations in a row without an improvement (from `early_stopping_start_
-step` on) stop the run as a finished one (`run_state.STOP_FILE`; Keras
+step` on) stop the run as a finished one (`run_files.STOP_FILE`; Keras
 `EarlyStopping`); `restore_best_on_stop` then puts the best weights back
 before the run's final evaluation and weights file.
 """
