@@ -30,6 +30,8 @@ def test_train_loop_traces_once_over_many_loops():
   assert np.isfinite(float(metrics["loss"]))
   assert int(trainer.global_step.numpy()) == 25
   assert trainer._train_loop.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+  # The loop's first step and its body share one trace of the step.
+  assert trainer._loop_step.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
   # A fresh iterator over the same pipeline (a resumed run) reuses the trace.
   trainer.train(iter(framework.data.inputs.distribute_train(strategy, data, 16,
                                                 start_step=25)), 3)

@@ -67,6 +67,9 @@ from framework.settings import default
 #     one step = run_step(next(iterator)):  SUM over replicas of
 #                distributed_train_step(batch); global_step += 1
 #
+# The first step and the loop body call the step through one nested
+# tf.function (`_loop_step`: all of it but the SUM), so it is traced once.
+#
 # Python is not on the per-step path. `StepLoop` is a mixin of
 # `framework.Trainer`; it reads the trainer's `strategy`, `global_step`,
 # `stop_requested`, `nan_policy`, the skip counters, `ema`, `loss_scale`,
@@ -193,6 +196,11 @@ class StepLoop:
       (the per-replica outputs of `distributed_train_step`, their SUM over
       replicas: the step's metrics).
     """
+    per_replica = self._advance(dist_batch)
+    return per_replica, self._reduce(per_replica)
+
+  def _advance(self, dist_batch):
+    """`run_step` but the SUM: the per-replica outputs; `global_step` + 1."""
     self._applied_in_trace = False
     # tf.summary calls inside the step record at the step it ends at (the
     # Controller's train/ scalars use the same numbering).
@@ -207,9 +215,8 @@ class StepLoop:
           f"{feature}: {type(self).__name__}.train_step never calls "
           "self.apply_gradients, which does it; call it for the update or "
           "override compute_loss instead")
-    metrics = self._reduce(per_replica)
     self.global_step.assign_add(1)
-    return per_replica, metrics
+    return per_replica
 
   def step_variables(self) -> list[Any]:
     """Every variable one step may change: the model's, the optimizer's,
@@ -223,8 +230,15 @@ class StepLoop:
     return state + [self.skipped_steps, self.consecutive_skips,
                     self.global_step]
 
+  def _loop_step_fn(self, iterator):
+    return self._advance(next(iterator))
+
   def _one_step(self, iterator):
-    return self.run_step(next(iterator))[1]
+    # `_loop_step` is one nested tf.function for the loop's first step and
+    # its body, so the step is traced once, not twice (tracing is most of
+    # the time a short run takes). The SUM stays outside it, in the loop's
+    # own graph, where it always was: the metrics keep their last bit.
+    return self._reduce(self._loop_step(iterator))
 
   def _keep_going(self):
     """Whether the loop may run another step (read before each step)."""
@@ -520,6 +534,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       self._replica_step = compiled_step(self)
     elif self.jit_compile == GRADIENTS:
       self.compute_gradients = compiled(self.compute_gradients)
+    self._loop_step = tf.function(self._loop_step_fn)
     self._train_loop = tf.function(self._train_loop_fn)
     self._sync_fn = None
     self._eval_loop = tf.function(self._eval_loop_fn)
