@@ -29,25 +29,23 @@ import pkgutil
 # used first. A package name stands for all of its modules. CORE_MODULES:
 # what every train.py run of the Trainer converts.
 CORE_MODULES = (
-    "framework.core.trainer", "framework.core.gradients",
-    "framework.core.evaluation", "framework.core.optimizers",
-    "framework._tf_internal", "framework.data.inputs", "framework.app.export")
-# Then the models (every run calls one inside its step), model parallelism
-# (the heaviest runs forked, the meshes' reference runs included) and the
-# tests' reference modules, which those runs import from the zygote's
-# `tests` package (importing them starts no TensorFlow runtime).
+    "framework.core.trainer", "framework.core.trainer",
+    "framework.core.gradients", "framework.core.evaluation",
+    "framework.core.trainer", "framework.core.optimizers",
+    "framework._tf_internal", "framework.data.inputs", "framework.app.export",
+    "framework.core.gradients", "framework.core.evaluation")
 _MODULES = CORE_MODULES + (
-    "models", "framework.core.precision", "framework.core.optimizer_sharding",
-    "framework.model_parallel", "tests.model_parallel_reference",
-    "tests.transformer_split_reference", "tests.copy_sharding_reference",
-    "framework.core.summaries", "framework.tasks",
-    "framework.data.preprocessing", "framework.core.ps_training",
-    "framework.data.file_input", "framework.data.tfrecords",
-    "framework.data.image_folder", "framework.data.tfds_input",
-    "framework.check", "framework.perf.flops")
+    "framework.core.trainer", "framework.core.precision", "framework.core.optimizers",
+    "framework.core.optimizer_sharding",
+    "framework.core.optimizers", "framework.core.summaries",
+    "framework.tasks", "framework.data.preprocessing", "framework.model_parallel",
+    "framework.core.ps_training", "framework.data.file_input",
+    "framework.data.tfrecords", "framework.data.image_folder",
+    "framework.data.tfds_input", "framework.check", "framework.perf.flops")
 # Modules that hold the functions a tf.function wraps (converted with
 # user_requested=True; what they call is converted without).
-_ENTRY_MODULES = ("framework.core.trainer", "framework.core.evaluation", "framework.app.export",
+_ENTRY_MODULES = ("framework.core.trainer", "framework.core.trainer",
+                  "framework.core.evaluation", "framework.app.export",
                   "framework.core.ps_training",
                   "framework.model_parallel.staged_trainer",
                   "framework.model_parallel.tensor_parallel",
