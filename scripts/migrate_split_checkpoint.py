@@ -41,7 +41,7 @@ def migrate(config):
   # pylint: disable=g-import-not-at-top
   import tensorflow as tf
   from framework.app import export, factory, run_plan
-  from framework.core import protocols
+  from framework.core import checkpoints, protocols
   from framework.core.checkpoints import manager
   from framework.core.checkpoints.run_files import RunLock
   from framework.errors import CheckpointError, ConfigError
@@ -74,8 +74,8 @@ def migrate(config):
           f"{split_fingerprint}); use the flags of the run that wrote it")
     # What the run checkpoints, but the split optimizer itself as
     # `optimizer`: its own keys and shapes, as that distloop saved them.
-    objects = protocols.checkpoint_objects(
-        trainer, protocols.checkpoint_items(trainer))
+    objects = checkpoints.checkpoint_objects(
+        trainer, checkpoints.checkpoint_items(trainer))
     objects["optimizer"] = trainer.optimizer
     try:
       status = tf.train.Checkpoint(**objects).restore(path)

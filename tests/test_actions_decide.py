@@ -8,7 +8,7 @@ import pytest
 
 from framework.app import experiment
 from framework.core import actions, controller
-from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import best as best_lib
 from test_best_checkpoint import _config
 
 _ACTIVE = []
@@ -36,9 +36,9 @@ def test_no_action_sets_a_controller_attribute(tmp_path, monkeypatch):
 
   monkeypatch.setattr(controller.Controller, "__setattr__", setattr_)
   calls = {}
-  for cls, name in ((best_checkpoint.BestCheckpoint, "__call__"),
-                    (best_checkpoint.BestCheckpoint, "_on_train_end"),
-                    (best_checkpoint.BestCheckpoint, "finished"),
+  for cls, name in ((best_lib.BestCheckpoint, "__call__"),
+                    (best_lib.BestCheckpoint, "_on_train_end"),
+                    (best_lib.BestCheckpoint, "finished"),
                     (actions.StopWhen, "__call__"),
                     (actions.NanGuard, "__call__")):
     method = getattr(cls, name)
@@ -66,7 +66,7 @@ def test_no_action_sets_a_controller_attribute(tmp_path, monkeypatch):
   assert all(count > 0 for key, count in calls.items()
              if key != ("BestCheckpoint", "finished")), calls
   # The best weights' evaluation is what the run reports.
-  best = best_checkpoint.read_best(str(tmp_path / "run"))
+  best = best_lib.read_best(str(tmp_path / "run"))
   assert results["accuracy"] == pytest.approx(best["metrics"]["accuracy"])
   assert written == []
   # A relaunch: `finished` hands its record back; nothing is written either.

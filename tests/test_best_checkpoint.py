@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from framework import ExperimentConfig, LoopConfig
 from framework.app import evaluation, experiment
-from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import best as best_lib
 from framework.core.checkpoints import manager
 from framework.core.config import OptimizerConfig
 from helpers import assert_one_line_error, run_code, run_script, snapshot
@@ -97,7 +97,7 @@ def test_the_best_checkpoint_evaluates_to_the_peak(run):
   best = _best(model_dir)
   result = evaluation.Evaluator(evaluation.EvalConfig(
       model_dir=str(model_dir),
-      checkpoint=best_checkpoint.resolve(str(model_dir)))).evaluate()
+      checkpoint=best_lib.resolve(str(model_dir)))).evaluate()
   assert result.step == best["step"]
   assert result.metrics["accuracy"] == pytest.approx(best["value"], rel=1e-6)
   assert result.metrics["loss"] == pytest.approx(best["metrics"]["loss"],
@@ -205,11 +205,11 @@ _KILL = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from framework.app import experiment
-from framework.core.checkpoints import best as best_checkpoint
+from framework.core.checkpoints import best as best_lib
 import test_best_checkpoint as t
 exports = []
 point = {point!r}
-real_save, real_rename = best_checkpoint._save_eval_weights, os.rename
+real_save, real_rename = best_lib._save_eval_weights, os.rename
 def save(trainer, path):
   exports.append(path)
   if point == "writing" and len(exports) == 2:
@@ -219,7 +219,7 @@ def rename(src, dst):
   real_rename(src, dst)
   if point == "swapping" and dst.endswith(".tmp_best.old"):
     os.kill(os.getpid(), signal.SIGKILL)  # best/ moved aside, new not in
-best_checkpoint._save_eval_weights = save
+best_lib._save_eval_weights = save
 os.rename = rename
 experiment.run(t._config({model_dir!r}))
 """
@@ -235,14 +235,14 @@ def test_kill_9_during_a_best_export_keeps_the_previous_best(
   assert proc.returncode == -9, proc.stderr[-3000:]
   # The first export is what a reader finds, whole.
   first = min(_scalars(model_dir / "eval", "accuracy"))
-  folder = best_checkpoint.best_dir(str(model_dir))
+  folder = best_lib.best_dir(str(model_dir))
   assert os.path.basename(folder) == ("best" if point == "writing"
                                       else ".tmp_best.old")
   with open(os.path.join(folder, "best.json")) as f:
     assert json.load(f)["step"] == first
   assert manager.damage(os.path.join(folder, "ckpt")) is None
   # What the next run does first: the previous best back in place.
-  best_checkpoint.recover(str(model_dir))
+  best_lib.recover(str(model_dir))
   assert _best(model_dir)["step"] == first
   assert not [n for n in os.listdir(model_dir) if n.startswith(".tmp_best")]
   # The relaunch ends as the uninterrupted run.

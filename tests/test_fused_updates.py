@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from framework.core import optimizers as fused_updates
+from framework.core import optimizers
 from test_trainer import data, make_trainer, max_diff, train  # pylint: disable=unused-import
 
 OPTIMIZERS = [("sgd", 0.05), ("momentum", 0.05), ("adam", 1e-3),
@@ -40,7 +40,7 @@ def test_fused_update_equals_keras_update_step(data, strategy, optimizer,
 def test_nesterov_momentum_is_fused_too():
   optimizer = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
   reference = keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)
-  fused = fused_updates.fused_update(optimizer)
+  fused = optimizers.fused_update(optimizer)
   var, ref_var = tf.Variable([1.0, -2.0]), tf.Variable([1.0, -2.0])
   optimizer.build([var])
   reference.build([ref_var])
@@ -65,7 +65,7 @@ def test_the_step_runs_one_kernel_per_variable():
     keras.optimizers.Adam(amsgrad=True), keras.optimizers.RMSprop(),
     type("MyAdam", (keras.optimizers.Adam,), {})()])
 def test_no_fused_kernel_falls_back_to_update_step(optimizer):
-  assert fused_updates.fused_update(optimizer) is None
+  assert optimizers.fused_update(optimizer) is None
 
 
 def test_the_update_follows_the_trainer_s_current_optimizer(data):

@@ -12,7 +12,6 @@ import tensorflow as tf
 
 import framework
 from framework.app import experiment, prediction
-from framework.app import prediction as generation
 from tests.helpers import assert_one_line_error, run_script, snapshot
 from tests.test_controller import scalars
 from tests.test_text_dataset import write_corpus
@@ -88,15 +87,15 @@ def test_greedy_generation_takes_the_argmax_and_repeats(run):
   info, weights = prediction.resolve_model(config.model_dir)
   model = prediction.load_model(info, weights)
   prompt = list(b"def f(x):")
-  out = generation.generate(model, prompt, 5)
+  out = prediction.generate(model, prompt, 5)
   assert out[:len(prompt)] == prompt and len(out) == len(prompt) + 5
   window = np.zeros([1, 16], np.int32)
   window[0, :len(prompt)] = prompt
   assert out[len(prompt)] == int(np.argmax(model(window)[0, len(prompt) - 1]))
-  assert generation.generate(model, prompt, 5) == out
+  assert prediction.generate(model, prompt, 5) == out
   # Past the window: the context slides, and the output goes on.
-  assert len(generation.generate(model, prompt, 20)) == len(prompt) + 20
-  sampled = [generation.generate(model, prompt, 12, temperature=1.0, seed=s)
+  assert len(prediction.generate(model, prompt, 20)) == len(prompt) + 20
+  sampled = [prediction.generate(model, prompt, 12, temperature=1.0, seed=s)
              for s in (1, 1, 2)]
   assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
 

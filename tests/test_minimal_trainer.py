@@ -12,7 +12,8 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 import framework
-from framework.core import checkpoints, protocols
+from framework.core import checkpoints
+from framework.core.controller import LoopParts, loop_parts
 from test_trainer_contract import recording
 
 
@@ -64,7 +65,7 @@ def test_a_minimal_trainer_runs_with_checkpoints_eval_and_tensorboard(
   optimizer = keras.optimizers.SGD(0.05)
   step = tf.Variable(0, dtype=tf.int64, trainable=False)
   strategy = tf.distribute.get_strategy()
-  parts = protocols.LoopParts(
+  parts = LoopParts(
       global_step=step, strategy=strategy, optimizer=optimizer,
       checkpoint={"model": model, "optimizer": optimizer, "global_step": step})
   model_dir = str(tmp_path / "run")
@@ -107,7 +108,7 @@ def test_a_framework_trainer_handed_its_parts_is_touched_by_three_names(
   trainer = framework.Trainer(model, keras.optimizers.SGD(0.1),
                               tf.distribute.get_strategy(),
                               global_batch_size=8)
-  parts = protocols.loop_parts(trainer)
+  parts = loop_parts(trainer)
   assert parts.global_step is trainer.global_step
   assert parts.nan_policy == trainer.nan_policy
   assert set(parts.checkpoint) >= {"model", "optimizer", "global_step"}

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import framework
 from framework import model_parallel as mp
-from framework.core import protocols
+from framework.core import checkpoints
 from framework.errors import ConfigError
 from framework.model_parallel.pipeline import PipelineTrainer
 from framework.model_parallel.tensor_parallel import TensorParallelTrainer
@@ -82,7 +82,7 @@ def _data(skip):
 
 def _state(trainer, directory):
   """(checkpoint keys, weights, Adam slots) of `trainer`'s checkpoint."""
-  path = tf.train.Checkpoint(**protocols.checkpoint_objects(trainer)).write(
+  path = tf.train.Checkpoint(**checkpoints.checkpoint_objects(trainer)).write(
       str(directory / "state"))
   reader = tf.train.load_checkpoint(path)
   keys = sorted(k for k in reader.get_variable_to_shape_map()
@@ -111,11 +111,11 @@ def test_a_split_checkpoint_resumes_on_another_split_slots_included(
     tmp_path, continuous, first, second):
   before = _trainer(first)
   before.train(_data(0), STEPS)
-  path = tf.train.Checkpoint(**protocols.checkpoint_objects(before)).save(
+  path = tf.train.Checkpoint(**checkpoints.checkpoint_objects(before)).save(
       str(tmp_path / "ckpt"))
   after = _trainer(second)
   status = tf.train.Checkpoint(
-      **protocols.checkpoint_objects(after)).restore(path)
+      **checkpoints.checkpoint_objects(after)).restore(path)
   # Every value of the checkpoint has its place, and every one is used: no
   # slot is silently left at its start.
   status.assert_existing_objects_matched()

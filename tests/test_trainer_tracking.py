@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import framework
 from framework.app import experiment
-from framework.core import protocols
+from framework.core import checkpoints
 from helpers import ROOT
 from shared_strategy import mirrored
 
@@ -77,7 +77,7 @@ def test_tracked_models_and_optimizers_are_checkpointed_and_restored(
     tmp_path):
   strategy = mirrored()
   first = Tracked(*_student(strategy), strategy, global_batch_size=4, seed=1)
-  objects = protocols.checkpoint_objects(first)
+  objects = checkpoints.checkpoint_objects(first)
   assert objects["teacher"] is first.teacher
   assert objects["critic_optimizer"] is first.critic_optimizer
   path = tf.train.Checkpoint(**objects).save(str(tmp_path / "ckpt"))
@@ -85,7 +85,7 @@ def test_tracked_models_and_optimizers_are_checkpointed_and_restored(
                    seed=2)
   assert not np.array_equal(first.teacher.weights[0].numpy(),
                             second.teacher.weights[0].numpy())
-  tf.train.Checkpoint(**protocols.checkpoint_objects(second)).restore(
+  tf.train.Checkpoint(**checkpoints.checkpoint_objects(second)).restore(
       path).assert_existing_objects_matched()
   for a, b in zip(first.teacher.weights, second.teacher.weights):
     np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -166,7 +166,7 @@ def _export(config, trainer, info):
     logging.info("trainer=%s has no export_model(): the weights file and "
                  "the export hold its model", type(trainer).__name__)
   model = protocols.export_model(trainer)
-  if protocols.ema_of(trainer) is not None:
+  if protocols.optional(trainer, "ema") is not None:
     export.save_weights(model, os.path.join(config.model_dir,
                                             export.RAW_WEIGHTS_FILE))
   with protocols.averaged_weights(trainer):

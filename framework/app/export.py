@@ -203,13 +203,9 @@ def save_weights(model, path):
 def read_model_info(model_dir):
   """The dict written by `write_model_info`, or None if there is none."""
   path = os.path.join(model_dir, MODEL_INFO_FILE)
-  if not tf.io.gfile.exists(path):
+  info = run_files.read_json(path)
+  if info is None:
     return None
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      info = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{path} is not valid JSON ({e})") from None
   missing = [k for k in ("model", "input_shape", "class_names")
              if k not in info]
   if missing:

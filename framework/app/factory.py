@@ -25,7 +25,7 @@ from framework.core import actions, checkpoints, optimizers, precision
 from framework.core import evaluation
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig, TrainerConfig
-from framework.core.controller import Controller
+from framework.core.controller import Controller, loop_parts
 from framework.core.trainer import Trainer, smoothed_sparse_categorical_loss
 from framework.data import datasets, inputs
 from framework.data import preprocessing
@@ -201,7 +201,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   # model the unsplit one, whose architecture any mesh (or none) shares.
   model = protocols.unsplit_model(trainer)
   # The loss scale's and the EMA's state, where the trainer declares them.
-  checkpoint_items = protocols.checkpoint_items(trainer)
+  checkpoint_items = checkpoints.checkpoint_items(trainer)
   # What a checkpoint must agree on with a run resuming from it.
   run_config = export.run_config(config, model)
   if getattr(dataset, "generation", None):
@@ -230,7 +230,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
     eval_inputs = build_eval_inputs(config, strategy, dataset, eval_input)
     eval_input = None
   # What the loop is handed: its parts and the manager it saves through.
-  parts = protocols.loop_parts(trainer, checkpoint_items=checkpoint_items)
+  parts = loop_parts(trainer, checkpoint_items=checkpoint_items)
   manager = checkpoints.for_loop(
       parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
       restore_policy=config.restore, run_config=run_config,

@@ -11,18 +11,22 @@
 
 The trainer owns the math of a step (`framework.core.protocols` says what
 the Controller reads of it); the Controller everything around it. This
-module holds the loop and its parts: when a loop's events fall
+module holds the loop and its parts: what it is handed (`LoopParts`,
+`loop_parts`), when a loop's events fall
 (`steps_to_next_event`), what a loop reports (`LoopReport`: outputs, the
 log line, non-finite steps) and INFO progress from plain Python
 (`enable_logging`).
 """
 
+import contextlib
+import dataclasses
 import functools
 import logging as std_logging
 import math
 import os
 import time
-from typing import Any, Callable, Optional, Sequence, Mapping, Union
+from typing import (Any, Callable, ContextManager, Optional, Sequence,
+                    Mapping, Union)
 
 from absl import logging, flags
 import keras
@@ -31,12 +35,14 @@ import tensorflow as tf
 from framework.core import actions as actions_lib
 from framework.core import evaluation, protocols, summaries
 from framework.core.checkpoints import best
-from framework.core.checkpoints import CheckpointManager, for_loop
-from framework.core.config import LoopConfig
+from framework.core.checkpoints import (CheckpointManager, checkpoint_objects,
+                                        for_loop)
+from framework.core.config import LoopConfig, TrainerConfig
 from framework.core.summaries import Writers, markdown_table, record_every
 from framework.distribute import strategies
 from framework.errors import NonFiniteLossError, ConfigError
 from framework.perf import profiling
+from framework.settings import default
 
 
 class Controller:
@@ -47,12 +53,12 @@ class Controller:
   evaluations) only, and the evaluator through `evaluate(distributed_dataset)`
   (`framework.core.protocols.LoopTrainer`, `LoopEvaluator`). What it does
   not compute it is handed (Orbit's way): `parts`, a
-  `framework.core.protocols.LoopParts` (the global step, the strategy, what
+  `LoopParts` (below: the global step, the strategy, what
   a checkpoint holds, the NaN policy and skip count, the batch size, ...)
   and `checkpoints`, the `CheckpointManager` it saves through
   (`framework.core.checkpoints.for_loop(parts, model_dir, ...)`). Without
   them it reads the parts once from the trainer
-  (`protocols.loop_parts(trainer)`: a `framework.Trainer` has them all) and
+  (`loop_parts(trainer)`: a `framework.Trainer` has them all) and
   builds the manager itself. Every returned metric is logged and summarised
   under its own name; the NaN policy watches `loss` if the trainer returns
   one, else every value.
@@ -95,7 +101,7 @@ class Controller:
     on_loop_end: deprecated: callables `fn(step)`, run as train actions.
     metric_sinks: `framework.core.summaries.MetricSink`s for every scalar
       point besides TensorBoard and `model_dir/metrics.jsonl` (chief only).
-    parts: the run's `LoopParts` (default: `protocols.loop_parts(trainer,
+    parts: the run's `LoopParts` (default: `loop_parts(trainer,
       evaluator, checkpoint_items)`).
     checkpoints: the `CheckpointManager` to save through, what it holds
       its own (default: `checkpoints.for_loop(parts, model_dir,
@@ -125,17 +131,17 @@ class Controller:
                evaluator: Optional[protocols.LoopEvaluator] = None,
                on_loop_end: Sequence[Callable[[int], Any]] = (),
                metric_sinks: Sequence[Any] = (),
-               parts: Optional[protocols.LoopParts] = None,
+               parts: Optional["LoopParts"] = None,
                checkpoints: Optional[CheckpointManager] = None,
                steps_per_epoch: Optional[int] = None,
                on_train_end: Sequence[Callable[[int], Any]] = (),
                start_time: Optional[float] = None,
                handle_preemption: bool = False):
     self.eval_sets = evaluation.collect(eval_input, eval_inputs)
-    self.evaluator = protocols.loop_evaluator(trainer, evaluator,
+    self.evaluator = loop_evaluator(trainer, evaluator,
                                               bool(self.eval_sets))
     if parts is None:
-      parts = protocols.loop_parts(trainer, self.evaluator, checkpoint_items)
+      parts = loop_parts(trainer, self.evaluator, checkpoint_items)
     elif checkpoint_items:
       parts.checkpoint.update(checkpoint_items)
     self.parts = parts
@@ -386,6 +392,146 @@ class Controller:
     return step, last_saved
 
 
+@dataclasses.dataclass
+class LoopParts:
+  """What a `Controller` is handed besides the trainer it calls.
+
+  The Controller calls the trainer through `train` and
+  `sync_replica_state` (and the evaluator through `evaluate`) only; the
+  rest it is handed here, each read once. `loop_parts(trainer)` fills them
+  from a trainer that declares them (`framework.Trainer` does); a caller
+  with its own trainer builds one:
+
+      parts = LoopParts(global_step=step, strategy=strategy,
+                        checkpoint={"model": model, "optimizer": optimizer,
+                                    "global_step": step})
+
+  Fields: `global_step` (int64, advanced by the trainer), `strategy`,
+  `checkpoint` ({name: trackable}: what a checkpoint holds); the optimizer
+  whose learning rate is logged (none: not logged); `global_batch_size`
+  (training batches checked, examples/s; none: neither); `nan_policy`
+  ("stop" raises on a non-finite loop; "skip": the trainer skips such
+  steps); `skipped_steps` / `consecutive_skips` (`() -> int`) and
+  `max_skipped_steps` (none: no skip count or limit); `request_stop()` (an
+  in-graph stop, e.g. at SIGTERM) and `take_stop_request() -> bool` (the
+  trainer asked to stop; cleared); `distribute_dataset` (default: the
+  strategy's `experimental_distribute_dataset`); `eval_batch_size` (eval
+  batches padded to it, `MaskedBatch`; none: as given); `metric_aliases`;
+  `model` (best/ restores it; default `checkpoint["model"]`),
+  `export_model()` (best/'s weights; default `model`), `ema` and
+  `averaged_weights()` (a context holding the EMA weights).
+  """
+
+  global_step: Any
+  strategy: Any
+  checkpoint: Mapping[str, Any]
+  optimizer: Any = None
+  global_batch_size: Optional[int] = None
+  nan_policy: str = default(TrainerConfig, "nan_policy")
+  skipped_steps: Optional[Callable[[], int]] = None
+  consecutive_skips: Optional[Callable[[], int]] = None
+  max_skipped_steps: Optional[int] = None
+  request_stop: Optional[Callable[[], None]] = None
+  take_stop_request: Callable[[], bool] = lambda: False
+  distribute_dataset: Optional[Callable[[Any], Any]] = None
+  eval_batch_size: Optional[int] = None
+  metric_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  model: Any = None
+  export_model: Optional[Callable[[], Any]] = None
+  ema: Any = None
+  averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
+
+  def __post_init__(self):
+    self.checkpoint = dict(self.checkpoint)
+    if self.model is None:
+      self.model = self.checkpoint.get("model")
+    if self.export_model is None:
+      self.export_model = lambda: self.model
+    if self.distribute_dataset is None:
+      self.distribute_dataset = self.strategy.experimental_distribute_dataset
+
+
+def loop_parts(trainer: Any, evaluator: Any = None,
+               checkpoint_items: Optional[Mapping[str, Any]] = None
+               ) -> LoopParts:
+  """A `LoopTrainer`'s `LoopParts`, read once (each `OPTIONAL` name's
+  default where it lacks one); `evaluator` (default: the trainer) gives
+  the eval batch size and metric aliases; `checkpoint_items` join what the
+  checkpoint holds. ConfigError when `trainer` is no `LoopTrainer`."""
+  if not isinstance(trainer, protocols.LoopTrainer):
+    raise ConfigError(
+        f"trainer={type(trainer).__name__} lacks "
+        f"{', '.join(protocols.missing(trainer, protocols.LoopTrainer))}: a "
+        "Controller needs framework.core.protocols.LoopTrainer, or LoopParts "
+        "handed to it")
+  evaluator = trainer if evaluator is None else evaluator
+  optional = protocols.optional
+  policy = optional(trainer, "nan_policy")
+  skips = [optional(trainer, name) for name in
+           ("skipped_steps", "consecutive_skips", "max_skipped_steps")]
+  counts = all(value is not None for value in skips)
+  skipped = consecutive = max_skipped = None
+  if counts and (policy == "skip"
+                 or optional(trainer, "loss_scale") is not None):
+    skipped = lambda: int(skips[0].numpy())
+  if counts and policy == "skip":
+    consecutive, max_skipped = lambda: int(skips[1].numpy()), skips[2]
+  requested = optional(trainer, "stop_requested")
+  masked = optional(evaluator, "run_eval_step") is not None
+  return LoopParts(
+      global_step=trainer.global_step, strategy=trainer.strategy,
+      checkpoint=checkpoint_objects(trainer, checkpoint_items),
+      optimizer=trainer.optimizer,
+      global_batch_size=optional(trainer, "global_batch_size"),
+      nan_policy=policy, skipped_steps=skipped, consecutive_skips=consecutive,
+      max_skipped_steps=max_skipped,
+      request_stop=(optional(trainer, "request_stop")
+                    if requested is not None else None),
+      take_stop_request=functools.partial(_take, requested),
+      distribute_dataset=optional(trainer, "distribute_dataset"),
+      eval_batch_size=(optional(evaluator, "global_batch_size") if masked
+                       else None),
+      metric_aliases=dict(optional(evaluator, "metric_aliases")),
+      model=trainer.model,
+      export_model=functools.partial(protocols.export_model, trainer),
+      ema=optional(trainer, "ema"),
+      averaged_weights=functools.partial(protocols.averaged_weights, trainer))
+
+
+def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
+  """The evaluator a Controller uses (`evaluator`, else a `LoopEvaluator`
+  trainer); ConfigError when `trainer` has no `train` and
+  `sync_replica_state`, or when an evaluator is `needed` and there is
+  none."""
+  lacks = [name for name in ("train", "sync_replica_state")
+           if not callable(getattr(trainer, name, None))]
+  if lacks:
+    raise ConfigError(
+        f"trainer={type(trainer).__name__} lacks {', '.join(lacks)}: a "
+        "Controller needs framework.core.protocols.LoopTrainer")
+  if evaluator is None and isinstance(trainer, protocols.LoopEvaluator):
+    evaluator = trainer
+  if needed and not isinstance(evaluator, protocols.LoopEvaluator):
+    raise ConfigError(
+        f"an eval input is set but trainer={type(trainer).__name__} has no "
+        "evaluate(distributed_dataset) and no evaluator= was given")
+  return evaluator
+
+
+def watched_metrics(metrics: Mapping[str, Any]) -> dict:
+  """The values the NaN policy watches: `loss` if present, else all."""
+  if "loss" in metrics:
+    return {"loss": metrics["loss"]}
+  return dict(metrics)
+
+
+def _take(requested):
+  if requested is None or not bool(requested.numpy()):
+    return False
+  requested.assign(False)
+  return True
+
+
 # When the loop's events fall: how many steps the next `train` call runs.
 #
 # Each call runs up to the next event: a summary, log line, checkpoint or
@@ -460,7 +606,7 @@ class LoopReport:
     stop_condition: the run's condition, or None (said in the first line).
   """
 
-  def __init__(self, parts: protocols.LoopParts, train_steps: int,
+  def __init__(self, parts: LoopParts, train_steps: int,
                stop_condition: Any = None):
     self.parts = parts
     self.train_steps = train_steps
@@ -490,7 +636,7 @@ class LoopReport:
     """Records whether the loop of steps `first..last` was finite."""
     if self.last_loop is None:
       logging.info("first loop done in %.1f s (tracing included)", elapsed)
-    watched = protocols.watched_metrics(metrics)
+    watched = watched_metrics(metrics)
     self.finite = all(math.isfinite(v) for v in watched.values())
     self.last_loop = (first, last, watched)
     return self.finite

@@ -7,9 +7,11 @@
 `CheckpointManager` (`manager.py`: save, restore, the state file, the
 integrity checks, the configuration checked on resume) is the seam the
 loop saves and restores through; `for_loop` builds the one a Controller
-uses (its checkpoint holds `parts.checkpoint`). Beside it: `best.py`
+uses (its checkpoint holds `parts.checkpoint`); `checkpoint_objects(trainer)`
+is what a run's checkpoint holds of a trainer. Beside it: `best.py`
 (best/ and early stopping), `warm_start.py` (initialising from another
 run) and `run_files.py` (atomic writes, the run lock, the run state).
 """
 
-from framework.core.checkpoints.manager import CheckpointManager, for_loop
+from framework.core.checkpoints.manager import (
+    CheckpointManager, checkpoint_items, checkpoint_objects, for_loop)

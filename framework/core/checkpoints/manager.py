@@ -17,16 +17,20 @@ import json
 import os
 import re
 import shutil
+from typing import Any, Mapping, Optional
 
 from absl import logging
 from google.protobuf import text_format
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
+from framework.core import protocols
 from framework.core.checkpoints import run_files
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
-from framework.errors import (CheckpointError, ModelDirError, check_choice, check_positive, first_line)
+from framework.errors import (CheckpointError, ConfigError, ModelDirError,
+                              check_choice, check_positive, first_line)
 
 
 _WORKER_TMP = ".tmp_worker_"
@@ -310,9 +314,72 @@ class CheckpointManager:
     return path
 
 
+def checkpoint_objects(trainer: Any,
+                       extra: Optional[Mapping[str, Any]] = None) -> dict:
+  """What a run's checkpoint holds: model, optimizer, global step, the
+  model's random-generator state (a resumed run draws the same dropout
+  masks), `extra` and the trainer's `tracked_objects`.
+
+  Raises ConfigError, in one line, for a tracked name the checkpoint
+  already uses.
+  """
+  objects = dict(model=trainer.model,
+                 optimizer=protocols.checkpointed_optimizer(trainer),
+                 global_step=trainer.global_step, **(extra or {}))
+  rng_states = [v for v in trainer.model.variables
+                if _tf_internal.is_seed_generator_state(v)]
+  if rng_states:
+    objects["rng_states"] = rng_states
+  tracked = tracked_objects(trainer)
+  for name in tracked:
+    if name in objects or name == "rng_states":
+      raise ConfigError(f"{type(trainer).__name__}.track({name}=...): "
+                        f"{name!r} is a name the checkpoint already uses; "
+                        "choose another")
+  objects.update(tracked)
+  return objects
+
+
+def tracked_objects(trainer: Any) -> dict:
+  """The trainer's `tracked_objects` ({} by default).
+
+  Raises ConfigError, in one line, for a keras.Model or optimizer attribute
+  of a trainer class of one's own that is neither its `model`/`optimizer`
+  nor tracked: it would be left out of every checkpoint, so a resumed run
+  would silently restart it.
+  """
+  tracked = dict(protocols.optional(trainer, "tracked_objects"))
+  if type(trainer).__module__.startswith("framework."):
+    return tracked  # the framework's own trainers declare theirs
+  known = [trainer.model, trainer.optimizer, *tracked.values()]
+  for name, value in sorted(vars(trainer).items()):
+    if (isinstance(value, (keras.Model, keras.optimizers.Optimizer))
+        and not any(value is k for k in known)):
+      kind = ("keras.Model" if isinstance(value, keras.Model)
+              else "optimizer")
+      raise ConfigError(
+          f"{type(trainer).__name__}.{name} (a {kind}) is not checkpointed: "
+          f"create it in __init__ under `with self.strategy.scope():` and "
+          f"register it with self.track({name}=self.{name})")
+  return tracked
+
+
+def checkpoint_items(trainer: Any) -> dict:
+  """What a run checkpoints besides model, optimizer and step: the loss
+  scale's and the EMA's state, where the trainer has them."""
+  items = {}
+  loss_scale = protocols.optional(trainer, "loss_scale")
+  if loss_scale is not None:
+    items.update(loss_scale.checkpoint_items())
+  ema = protocols.optional(trainer, "ema")
+  if ema is not None:
+    items.update(ema.checkpoint_items())
+  return items
+
+
 def for_loop(parts, model_dir, *, max_to_keep=3, **options):
   """The `CheckpointManager` a `Controller` with `parts` (a
-  `framework.core.protocols.LoopParts`) saves through: its checkpoint holds
+  `framework.core.controller.LoopParts`) saves through: its checkpoint holds
   `parts.checkpoint`; `options` are `CheckpointManager`'s
   (`restore_policy`, `run_config`, `allow_config_change`)."""
   return CheckpointManager(tf.train.Checkpoint(**parts.checkpoint), model_dir,
@@ -321,15 +388,9 @@ def for_loop(parts, model_dir, *, max_to_keep=3, **options):
 
 def read_run_config(model_dir):
   """The dict the chief wrote with its checkpoints, or None."""
-  path = os.path.join(model_dir, RUN_CONFIG_FILE)
-  if not tf.io.gfile.exists(path):
-    return None
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      return json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{path} is not valid JSON ({e}); delete it to "
-                          "resume without the configuration check") from None
+  return run_files.read_json(
+      os.path.join(model_dir, RUN_CONFIG_FILE),
+      "; delete it to resume without the configuration check")
 
 
 # The `checkpoint` state file: read strictly, and rebuilt when garbled.

@@ -12,7 +12,7 @@ import socket
 from absl import logging
 import tensorflow as tf
 
-from framework.errors import ModelDirError, ConfigError
+from framework.errors import CheckpointError, ModelDirError, ConfigError
 
 
 TMP_PREFIX = ".tmp_"
@@ -77,6 +77,21 @@ def write_atomically(path, write):
         + ("the previous version is unchanged"
            if os.path.exists(path) else "nothing was written")) from None
   return path
+
+
+def read_json(path, remedy=""):
+  """The JSON at `path`, or None when there is no such file.
+
+  Raises CheckpointError, in one line ending in `remedy`, when it is not
+  valid JSON (a file half-written by hand, or damaged).
+  """
+  if not tf.io.gfile.exists(path):
+    return None
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      return json.load(f)
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+    raise CheckpointError(f"{path} is not valid JSON ({e}){remedy}") from None
 
 
 def write_text(path, text):

@@ -296,7 +296,7 @@ def warm_start(controller, path, *, skip_mismatch=False, exclude=None):
   trainer = controller.trainer
   record = restore_weights(trainer.model, path, skip_mismatch=skip_mismatch,
                            exclude=exclude)
-  ema = protocols.ema_of(trainer)
+  ema = protocols.optional(trainer, "ema")
   if ema is not None:
     for average, variable in zip(ema.averages, ema.variables):
       ema.strategy.extended.update(
