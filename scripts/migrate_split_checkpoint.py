@@ -15,7 +15,10 @@ optimizer itself (every value the checkpoint holds must be consumed) and
 saves it again at the same step as an unsplit run's, with the unsplit
 model's fingerprint. From then on the run resumes on any mesh, or on none;
 resumed on its own split it continues exactly (weights and optimizer
-slots). Earlier checkpoints of the folder stay as they were.
+slots). Earlier checkpoints of the folder stay as they were, and the one
+migrated is kept as it was in <model_dir>/before_migration/ (delete it once
+the run resumes): the new one is saved under the same name, and a
+migration killed or failing half-way reads the kept copy when run again.
 """
 
 from absl import app  # pylint: disable=g-import-not-at-top
@@ -24,6 +27,9 @@ try:  # Installed: the package distloop_cli.
 except ImportError:  # python scripts/<app>.py
   from distloop_cli import cli  # pylint: disable=g-import-not-at-top
 cli.quiet_startup()  # Before TensorFlow is imported.
+import os
+import shutil
+
 from absl import flags
 from absl import logging
 try:  # The run's flags: train.py's own.
@@ -32,6 +38,38 @@ except ImportError:
   from distloop_cli import train  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
+KEPT_DIR = "before_migration"
+
+
+def _kept(model_dir):
+  """The checkpoint a migration of `model_dir` started from, kept, or None."""
+  kept = os.path.join(model_dir, KEPT_DIR)
+  index = (sorted(f for f in os.listdir(kept) if f.endswith(".index"))
+           if os.path.isdir(kept) else [])
+  return os.path.join(kept, index[0][:-len(".index")]) if index else None
+
+
+def _keep(path, model_dir):
+  """Copies checkpoint `path` into <model_dir>/before_migration/, whole or
+  not at all (a temporary folder renamed); returns the copy's prefix."""
+  from framework.errors import ModelDirError  # pylint: disable=g-import-not-at-top
+  kept = os.path.join(model_dir, KEPT_DIR)
+  partial = kept + ".partial"
+  shutil.rmtree(partial, ignore_errors=True)
+  folder, name = os.path.split(path)
+  try:
+    os.makedirs(partial)
+    for file in os.listdir(folder):
+      if file == name + ".index" or file.startswith(name + ".data-"):
+        shutil.copy2(os.path.join(folder, file), partial)
+    os.rename(partial, kept)
+  except OSError as e:
+    shutil.rmtree(partial, ignore_errors=True)
+    reason = e.strerror or str(e)
+    raise ModelDirError(f"cannot keep checkpoint {path} in {kept} before "
+                        f"migrating it ({reason}); {path} is unchanged"
+                        ) from None
+  return os.path.join(kept, name)
 
 
 def migrate(config):
@@ -51,6 +89,8 @@ def migrate(config):
     plan = run_plan.resolve(config, strategy, placed=True)
     trainer, controller = factory.build(plan)
     path = controller.checkpoints.latest
+    kept = _kept(config.model_dir)  # a migration that did not finish
+    path = kept or path
     previous = export.read_model_info_quietly(config.model_dir)
     saved = manager.read_run_config(config.model_dir)
     if not path or not run_plan.saved_before_cross_mesh(
@@ -77,8 +117,9 @@ def migrate(config):
     objects = checkpoints.checkpoint_objects(
         trainer, checkpoints.checkpoint_items(trainer))
     objects["optimizer"] = trainer.optimizer
+    source = kept or _keep(path, config.model_dir)
     try:
-      status = tf.train.Checkpoint(**objects).restore(path)
+      status = tf.train.Checkpoint(**objects).restore(source)
       status.assert_existing_objects_matched()
       status.assert_consumed()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
@@ -91,8 +132,8 @@ def migrate(config):
     written = controller.save(int(trainer.global_step.numpy()))
     logging.warning(
         "migrated checkpoint %s (split %s's own optimizer layout) to %s, "
-        "saved as an unsplit run's: it now resumes on any mesh", path, was,
-        written)
+        "saved as an unsplit run's: it now resumes on any mesh (the "
+        "checkpoint as it was: %s)", path, was, written, source)
     return written
 
 

@@ -4,7 +4,8 @@ fingerprint: tests/old_split_train.py writes one as that distloop did) is
 refused by train.py in one line naming scripts/migrate_split_checkpoint.py,
 --model_dir unchanged; migrated by that script (with the run's flags), it
 resumes on the same mesh exactly as one continuous run (weights and Adam's
-slots within 1e-5), in the unsplit layout. The script refuses another
+slots within 1e-5), in the unsplit layout, also when a first migration was
+killed half-way through its save. The script refuses another
 split's flags in one line.
 """
 
@@ -68,6 +69,15 @@ def test_a_migrated_checkpoint_resumes_as_one_continuous_run(
   lines = [l for l in proc.stderr.splitlines() if "migrated checkpoint" in l]
   assert len(lines) == 1, proc.stderr[-3000:]
   assert "resumes on any mesh" in lines[0]
+  # Killed half-way through a save, as a run again would find it: the new
+  # checkpoint (same name) half-written, the run's records still the old
+  # ones. Run again, the script migrates the copy it kept.
+  assert os.listdir(model_dir / "before_migration")
+  for name in ("run_config.json", "model_info.json"):
+    shutil.copy(old_run / name, model_dir / name)
+  data, = [p for p in os.listdir(model_dir) if p.startswith(f"ckpt-{K}.data")]
+  os.truncate(model_dir / data, 1000)
+  _train(model_dir, 2 * K, *MESH, script="migrate_split_checkpoint.py")
   proc = _train(model_dir, 2 * K, *MESH)
   got, want = _tensors(model_dir), _tensors(reference)
   assert sorted(got) == sorted(want)  # the unsplit layout from now on
