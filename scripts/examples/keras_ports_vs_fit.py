@@ -30,10 +30,11 @@ PORT_RUNS, unless `--steps` / `--batch` set them for all):
 (`framework.data.inputs.train_dataset`: a (seed, epoch) shuffle, uint8
 divided by 255). Op determinism is on for both (distloop's default).
 Prints the host, the command, then one table row per (port, strategy,
-trainer): test loss and accuracy after the steps (the whole test split),
-the GAN's train d_loss / g_loss (mean of the second half of the steps),
-the examples/s of the second half of the steps (the first half includes
-tracing) with distloop's as a ratio of fit's, and the run's wall time.
+trainer): the train loss and accuracy (and the GAN's d_loss / g_loss) as
+means over the second half of the steps, test loss and accuracy after the
+steps (the whole test split), the examples/s of the second half of the
+steps (the first half includes tracing) with distloop's as a ratio of
+fit's, and the run's wall time (build, steps, evaluation).
 docs/results/keras_ports.md records a run.
 """
 
@@ -56,7 +57,7 @@ PORTS = ("mnist_convnet", "distillation", "resnet50", "gan")
 # Each port's (steps, global batch): ResNet50 from scratch needs a few
 # hundred CIFAR-10 steps to leave chance; the rest learn the digits in 200.
 PORT_RUNS = {"mnist_convnet": (200, 64), "distillation": (200, 64),
-             "resnet50": (400, 64), "gan": (200, 64)}
+             "resnet50": (500, 64), "gan": (200, 64)}
 flags.DEFINE_list("port", list(PORTS), f"Ports to run, of {', '.join(PORTS)}.")
 flags.DEFINE_integer("steps", None, "Training steps of every run (default: "
                      "each port's, PORT_RUNS).")
@@ -73,6 +74,17 @@ flags.DEFINE_integer("run_seed", 0, "Seed of both trainers (weights, batch "
                      "order).")
 flags.DEFINE_integer("teacher_steps", 200, "distillation: the teacher's "
                      "training steps (model.fit, one device).")
+
+
+@flags.validator("port")
+def _check_ports(ports):
+  unknown = [p for p in ports if p not in PORTS]
+  if unknown or not ports:  # absl's line names the flag and its value
+    what = f"unknown port {', '.join(unknown)}" if unknown else "no port"
+    raise flags.ValidationError(f"{what}; valid: {', '.join(PORTS)}")
+  return True
+
+
 ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's distillation
 LEARNING_RATE = 1e-3  # Adam's, of every model
 FLAGS = flags.FLAGS
@@ -191,10 +203,9 @@ def _distloop(port, strategy_name, strategy):
       row = json.loads(line)
       if row["split"] == "train":
         last[row["name"]] = row["value"]
-  gan_losses = ({k: last[k] for k in ("d_loss", "g_loss")}
-                if port.name == "gan" else None)
-  return (results["loss"], results["accuracy"], last["examples_per_second"],
-          gan_losses)
+  return dict(test_loss=results["loss"], test_accuracy=results["accuracy"],
+              speed=last["examples_per_second"],
+              **{name: last.get(name) for name in TRAIN_METRICS})
 
 
 def _fit(port, strategy):
@@ -247,10 +258,9 @@ def _fit(port, strategy):
 
   history = model.fit(port.fit_input(), epochs=1, steps_per_epoch=steps,
                       verbose=0, callbacks=[Clock()])
-  gan_losses = None
+  train = {name: history.history.get(name, [None])[-1]
+           for name in TRAIN_METRICS}
   if port.name in ("distillation", "gan"):  # the classifier, on its loss
-    if port.name == "gan":
-      gan_losses = {k: history.history[k][-1] for k in ("d_loss", "g_loss")}
     model = model.student if port.name == "distillation" else (
         model.discriminator)
     with strategy.scope():
@@ -259,9 +269,12 @@ def _fit(port, strategy):
   loss, accuracy = model.evaluate(x_test, y_test, batch_size=port.batch,
                                   verbose=0)
   speed = (steps - half) * port.batch / (times[steps] - times[half])
-  return loss, accuracy, speed, gan_losses
+  return dict(test_loss=loss, test_accuracy=accuracy, speed=speed, **train)
 
 
+# The train scalars both sides report, as means over steps steps/2+1..steps
+# (distloop: its last loop; fit: its logs, the metrics reset at steps/2).
+TRAIN_METRICS = ("loss", "accuracy", "d_loss", "g_loss")
 TEACHER = None  # the teacher's weights file (distillation)
 # keras-io's model classes, made once TensorFlow is set up.
 _KERAS_IO = {}
@@ -327,7 +340,7 @@ def _keras_io_gan():
       d_optimizer.build(self.discriminator.trainable_variables)
       g_optimizer.build(self.generator.trainable_variables)
       self.trackers = {name: keras.metrics.Mean(name=name)
-                       for name in ("loss", "d_loss", "g_loss")}
+                       for name in TRAIN_METRICS}
 
     @property
     def metrics(self):
@@ -367,6 +380,9 @@ def _keras_io_gan():
       for name, value in (("loss", classify), ("d_loss", d_loss),
                           ("g_loss", g_loss)):
         self.trackers[name].update_state(value * replicas)
+      self.trackers["accuracy"].update_state(tf.cast(tf.equal(
+          tf.argmax(logits, axis=-1, output_type=labels.dtype), labels),
+                                                     tf.float32))
       return {name: m.result() for name, m in self.trackers.items()}
 
   return GAN
@@ -389,12 +405,15 @@ def _train_teacher(port):
   return path
 
 
+def _pair(run, first, second):
+  """`first / second` of a run's train scalars, or "" without them."""
+  if run[first] is None:
+    return ""
+  return f"{run[first]:.4f} / {run[second]:.4f}"
+
+
 def main(argv):
   del argv
-  unknown = [p for p in FLAGS.port if p not in PORTS]
-  if unknown or not FLAGS.port:
-    raise app.UsageError(f"--port={','.join(FLAGS.port)}: each must be one "
-                         f"of {', '.join(PORTS)}")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import framework  # pylint: disable=g-import-not-at-top
   framework.configure_cpu_devices(2)
@@ -405,10 +424,10 @@ def main(argv):
   tf.config.experimental.enable_op_determinism()
   print(host_line())
   print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
-  print("\n| port | data | strategy | trainer | steps x batch | test loss | "
-        "test accuracy | GAN d_loss / g_loss | examples/s | distloop / fit "
-        "| wall s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("\n| port | data | strategy | trainer | steps x batch | train loss "
+        "/ accuracy, 2nd half | test loss | test accuracy | GAN d_loss / "
+        "g_loss, 2nd half | examples/s, 2nd half | distloop / fit | wall s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   digits = os.path.join(tempfile.mkdtemp(), "digits.npz")
   _digits(digits)
   global TEACHER  # pylint: disable=global-statement
@@ -428,15 +447,14 @@ def main(argv):
         args = (port, strategy) if run is _fit else (port, strategy_name,
                                                      strategy)
         rows.append((trainer, run(*args), time.perf_counter() - began))
-      fit_speed = rows[0][1][2]
-      for trainer, (loss, accuracy, speed, gan_losses), wall in rows:
-        ratio = f"{speed / fit_speed:.2f}" if trainer == "distloop" else ""
-        gan_text = (f"{gan_losses['d_loss']:.4f} / {gan_losses['g_loss']:.4f}"
-                    if gan_losses else "")
+      for trainer, run, wall in rows:
+        ratio = (f"{run['speed'] / rows[0][1]['speed']:.2f}"
+                 if trainer == "distloop" else "")
         print(f"| {name} | {port.data_label} | {strategy_name} | {trainer} | "
-              f"{port.steps} x {port.batch} | {loss:.4f} | {accuracy:.4f} | "
-              f"{gan_text} | {speed:.0f} | {ratio} | {wall:.0f} |",
-              flush=True)
+              f"{port.steps} x {port.batch} | {_pair(run, 'loss', 'accuracy')}"
+              f" | {run['test_loss']:.4f} | {run['test_accuracy']:.4f} | "
+              f"{_pair(run, 'd_loss', 'g_loss')} | {run['speed']:.0f} | "
+              f"{ratio} | {wall:.0f} |", flush=True)
   print(f"\ntotal {time.perf_counter() - start:.0f} s; {host_line()}")
 
 
