@@ -60,9 +60,9 @@ PORT_RUNS = {"mnist_convnet": (200, 64), "distillation": (200, 64),
              "resnet50": (500, 64), "gan": (200, 64)}
 flags.DEFINE_list("port", list(PORTS), f"Ports to run, of {', '.join(PORTS)}.")
 flags.DEFINE_integer("steps", None, "Training steps of every run (default: "
-                     "each port's, PORT_RUNS).")
+                     "each port's, PORT_RUNS).", lower_bound=2)
 flags.DEFINE_integer("batch", None, "Global batch size of every run "
-                     "(default: each port's, PORT_RUNS).")
+                     "(default: each port's, PORT_RUNS).", lower_bound=2)
 flags.DEFINE_integer("examples", 4096, "Generated training digits (a "
                      "quarter as many test ones).")
 flags.DEFINE_string("cifar10_dir", None, "resnet50: the CIFAR-10 python "
@@ -122,7 +122,7 @@ def _digits(path):
 
 
 class Port:
-  """One port's run settings, data and models.
+  """One port's steps, batch and data (loaded as distloop loads it).
 
   Args:
     name: one of PORTS.
@@ -152,6 +152,7 @@ class Port:
     return inputs.train_dataset(self.data, self.batch, seed=FLAGS.run_seed)
 
   def test_split(self):
+    """The whole test split: images as float32 in [0, 1], labels."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     x, y = (np.asarray(a) for a in (self.data.test_x, self.data.test_y))
     if x.dtype == np.uint8:
@@ -397,7 +398,7 @@ def _train_teacher(port):
   teacher.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
-  x, y = (a for a in (port.data.train_x, port.data.train_y))
+  x, y = port.data.train_x, port.data.train_y
   teacher.fit(x[:].astype("float32") / 255, y[:], batch_size=port.batch,
               epochs=1, steps_per_epoch=FLAGS.teacher_steps, verbose=0)
   path = os.path.join(tempfile.mkdtemp(), "teacher.weights.h5")
