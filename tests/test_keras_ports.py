@@ -1,11 +1,13 @@
 """The keras-io ports under scripts/examples run at a few steps: the MNIST
 convnet on an MNIST-shaped array file (`--dataset=numpy`) and ResNet50 by
-name. (The distillation and GAN ports run in test_trainer_tracking.py,
-killed and resumed.)"""
+name; and keras_ports_vs_fit.py prints its table (the GAN's model.fit
+baseline, ResNet50 on a CIFAR-10 layout). (The distillation and GAN ports
+run in test_trainer_tracking.py, killed and resumed.)"""
 
 import numpy as np
 import pytest
 
+from framework.data import datasets
 from helpers import ROOT, run_python
 
 
@@ -41,16 +43,44 @@ def test_resnet50_port_trains_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("port", [
-    "mnist_convnet", pytest.param("distillation", marks=pytest.mark.slow),
+    "mnist_convnet", "gan",
+    pytest.param("distillation", marks=pytest.mark.slow),
     pytest.param("resnet50", marks=pytest.mark.slow)])
 def test_port_beside_model_fit_prints_its_table(tmp_path, port):
+  # resnet50 reads CIFAR-10's python layout (--cifar10_dir): a tiny one.
+  cifar10 = tmp_path / "cifar10"
+  rng = np.random.default_rng(0)
+  datasets.write_cifar10(str(cifar10), rng.integers(0, 256, (64, 32, 32, 3)),
+                         rng.integers(0, 10, 64),
+                         rng.integers(0, 256, (16, 32, 32, 3)),
+                         rng.integers(0, 10, 16))
   proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
                     f"--port={port}", "--steps=4", "--teacher_steps=4",
-                    "--batch=32", "--examples=256", cwd=str(tmp_path),
-                    fresh=True)
+                    "--batch=16", "--examples=256", f"--cifar10_dir={cifar10}",
+                    cwd=str(tmp_path), fresh=True)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [line for line in proc.stdout.splitlines()
+  assert proc.stdout.startswith("host: "), proc.stdout[:300]
+  rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
           if line.startswith(f"| {port} |")]
-  assert [r.split("|")[2:4] for r in rows] == [
-      [" default ", " model.fit "], [" default ", " distloop "],
-      [" mirrored ", " model.fit "], [" mirrored ", " distloop "]]
+  assert [[c.strip() for c in r[2:4]] for r in rows] == [
+      ["default", "model.fit"], ["default", "distloop"],
+      ["mirrored", "model.fit"], ["mirrored", "distloop"]]
+  assert all(r[1].strip() == ("CIFAR-10" if port == "resnet50" else "digits")
+             for r in rows)
+  assert all(float(r[10]) > 0 for r in rows[1::2])  # distloop / fit
+  # Train loss / accuracy of the second half, from both sides.
+  assert all(len(r[5].split("/")) == 2 for r in rows), rows
+  if port == "gan":
+    # Both sides report d_loss / g_loss; the same models, batches and noise
+    # give the same losses at a few steps.
+    losses = [[float(v) for v in r[8].split("/")] for r in rows]
+    for fit, ours in (losses[0:2], losses[2:4]):
+      assert fit == pytest.approx(ours, abs=0.01)
+
+
+def test_port_names_are_checked(tmp_path):
+  proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
+                    "--port=mnist,gan", cwd=str(tmp_path), fresh=True)
+  assert proc.returncode != 0
+  assert ("--port=['mnist', 'gan']: unknown port mnist; valid: "
+          "mnist_convnet, distillation, resnet50, gan") in proc.stderr

@@ -39,6 +39,24 @@ flags.DEFINE_float("generator_learning_rate", 1e-3, "Adam rate of the "
 FLAGS = flags.FLAGS
 
 
+def build_generator(latent_dim, image_shape):
+  """The generator: noise [latent_dim] to an image of `image_shape` in
+  [0, 1] (what the input pipeline hands the discriminator)."""
+  return keras.Sequential([
+      keras.Input((latent_dim,)),
+      keras.layers.Dense(128, activation="relu"),
+      keras.layers.Dense(math.prod(image_shape), activation="sigmoid"),
+      keras.layers.Reshape(image_shape)], name="generator")
+
+
+def noise(step, batch_size, latent_dim):
+  """This replica's noise [batch_size, latent_dim] of step `step` (the
+  steps done before it): stateless, the same again on a resumed step."""
+  replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+  seed = tf.stack([tf.cast(step, tf.int32), tf.cast(replica, tf.int32)])
+  return tf.random.stateless_normal([batch_size, latent_dim], seed=seed)
+
+
 class GANTrainer(framework.Trainer):
   """Discriminator step (`self.model`, `self.optimizer`: real images
   classified and called real, generated ones called fake), then generator
@@ -57,13 +75,9 @@ class GANTrainer(framework.Trainer):
                generator_learning_rate=1e-3, **kwargs):
     super().__init__(model, optimizer, strategy, **kwargs)
     self.latent_dim = int(latent_dim)
-    shape = tuple(model.input_shape[1:])
     with strategy.scope():  # one copy per replica
-      self.generator = keras.Sequential([
-          keras.Input((self.latent_dim,)),
-          keras.layers.Dense(128, activation="relu"),
-          keras.layers.Dense(math.prod(shape), activation="sigmoid"),
-          keras.layers.Reshape(shape)], name="generator")
+      self.generator = build_generator(self.latent_dim,
+                                       tuple(model.input_shape[1:]))
       self.generator_optimizer = keras.optimizers.Adam(
           generator_learning_rate)
       self.generator_optimizer.build(self.generator.trainable_variables)
@@ -71,11 +85,7 @@ class GANTrainer(framework.Trainer):
                generator_optimizer=self.generator_optimizer)
 
   def _noise(self, images):
-    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-    seed = tf.stack([tf.cast(self.global_step, tf.int32),
-                     tf.cast(replica, tf.int32)])
-    return tf.random.stateless_normal(
-        [tf.shape(images)[0], self.latent_dim], seed=seed)
+    return noise(self.global_step, tf.shape(images)[0], self.latent_dim)
 
   def train_step(self, batch):
     images, labels = batch

@@ -1,24 +1,47 @@
-"""A keras-io port against Keras's own `model.fit`, same model, data, steps,
-seed and optimizer, on one device and on `mirrored`, back to back.
+"""The keras-io ports against Keras's own `model.fit`: same model, data,
+batch order, steps, seed and optimizer, on one device and on `mirrored`,
+back to back in one process.
 
-    python scripts/examples/keras_ports_vs_fit.py --steps=200 --batch=64
-    python scripts/examples/keras_ports_vs_fit.py --port=distillation
+    python scripts/examples/keras_ports_vs_fit.py \
+        --cifar10_dir=/path/to/cifar-10-batches-py
+    python scripts/examples/keras_ports_vs_fit.py --port=distillation,gan
 
-Ports, on generated MNIST-shaped uint8 arrays
-(`mnist_convnet.synthetic_digits`; no download): keras-io's MNIST convnet
-(`mnist_convnet.build`), and keras-io's knowledge distillation (its
-`Distiller` model's `compute_loss` under `fit` against distillation.py's
-`Distiller` trainer) of `mnist_convnet.build_student` from a teacher
-(`mnist_convnet.build`) trained first by `fit` for `--teacher_steps`; and
-`keras.applications.ResNet50` by name (`--port=resnet50`, the digits padded
-to 32x32x3).
-Prints one table row per (trainer, strategy): test loss and accuracy after
-`--steps`, and the examples/s of the second half of the steps (the first
-half includes tracing), with distloop's as a ratio of fit's.
+Ports (`--port`, all four by default; each with its own steps and batch,
+PORT_RUNS, unless `--steps` / `--batch` set them for all):
+
+- mnist_convnet: keras-io's MNIST convnet (`mnist_convnet.build`) on
+  generated MNIST-shaped uint8 arrays (`mnist_convnet.synthetic_digits`,
+  `--examples`; written to an .npz that distloop reads as `--dataset=numpy`).
+- distillation: keras-io's knowledge distillation of
+  `mnist_convnet.build_student` from a teacher (`mnist_convnet.build`
+  trained first by `fit` for `--teacher_steps`): keras-io's `Distiller`
+  model (a `compute_loss` override) under `fit` against distillation.py's
+  `Distiller` trainer; the same digits.
+- resnet50: `keras.applications.ResNet50` (random weights, 32x32x3, 10
+  classes, logits) by name (`--model=keras.applications:ResNet50`) on
+  CIFAR-10 (`--cifar10_dir`, the python-pickle layout; default Keras's
+  cache).
+- gan: gan.py's `GANTrainer` (semi-supervised GAN: `mnist_convnet.build`
+  as discriminator and classifier, `gan.build_generator`) against the same
+  two models and losses as a keras.Model with its own `train_step` under
+  `fit` (keras-io's "GAN overriding Model.train_step" form); the same digits.
+
+`fit` reads the batches distloop reads, in its order
+(`framework.data.inputs.train_dataset`: a (seed, epoch) shuffle, uint8
+divided by 255). Op determinism is on for both (distloop's default).
+Prints the host, the command, then one table row per (port, strategy,
+trainer): the train loss and accuracy (and the GAN's d_loss / g_loss) as
+means over the second half of the steps, test loss and accuracy after the
+steps (the whole test split), the examples/s of the second half of the
+steps (the first half includes tracing) with distloop's as a ratio of
+fit's, and the run's wall time (build, steps, evaluation).
 docs/results/keras_ports.md records a run.
 """
 
+import json
 import os
+import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -30,46 +53,131 @@ cli.quiet_startup()
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
-flags.DEFINE_integer("steps", 200, "Training steps of each run.")
-flags.DEFINE_integer("batch", 64, "Global batch size.")
-flags.DEFINE_integer("examples", 4096, "Generated training examples.")
-flags.DEFINE_integer("run_seed", 0, "Seed of both trainers.")
-flags.DEFINE_enum("port", "mnist_convnet",
-                  ["mnist_convnet", "distillation", "resnet50"], "Which port.")
+PORTS = ("mnist_convnet", "distillation", "resnet50", "gan")
+# Each port's (steps, global batch): ResNet50 from scratch needs a few
+# hundred CIFAR-10 steps to leave chance; the rest learn the digits in 200.
+PORT_RUNS = {"mnist_convnet": (200, 64), "distillation": (200, 64),
+             "resnet50": (500, 64), "gan": (200, 64)}
+flags.DEFINE_list("port", list(PORTS), f"Ports to run, of {', '.join(PORTS)}.")
+flags.DEFINE_integer("steps", None, "Training steps of every run (default: "
+                     "each port's, PORT_RUNS).", lower_bound=2)
+flags.DEFINE_integer("batch", None, "Global batch size of every run "
+                     "(default: each port's, PORT_RUNS).", lower_bound=2)
+flags.DEFINE_integer("examples", 4096, "Generated training digits (a "
+                     "quarter as many test ones).")
+flags.DEFINE_string("cifar10_dir", None, "resnet50: the CIFAR-10 python "
+                    "directory (cifar-10-batches-py; default: Keras's "
+                    "cache, downloaded when online). Not --data_dir: "
+                    "train.py's flag, which the distillation and GAN ports "
+                    "define when they load.")
+flags.DEFINE_integer("run_seed", 0, "Seed of both trainers (weights, batch "
+                     "order).")
 flags.DEFINE_integer("teacher_steps", 200, "distillation: the teacher's "
                      "training steps (model.fit, one device).")
-ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's
+
+
+@flags.validator("port")
+def _check_ports(ports):
+  unknown = [p for p in ports if p not in PORTS]
+  if unknown or not ports:  # absl's line names the flag and its value
+    what = f"unknown port {', '.join(unknown)}" if unknown else "no port"
+    raise flags.ValidationError(f"{what}; valid: {', '.join(PORTS)}")
+  return True
+
+
+ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's distillation
+LEARNING_RATE = 1e-3  # Adam's, of every model
 FLAGS = flags.FLAGS
 
 
-def _data(path):
+def host_line():
+  """CPU, cores, the CPU's vector flags, TensorFlow and Keras versions."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  model, cpu_flags = platform.processor() or platform.machine(), []
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          model = value.strip()
+        elif key.strip() == "flags":
+          cpu_flags = value.split()
+          break
+  except OSError:
+    pass
+  vector = [f for f in cpu_flags if f.startswith(("avx", "amx", "fma"))]
+  return (f"host: {model}, {len(os.sched_getaffinity(0))} cores, CPU flags "
+          f"{' '.join(vector) or 'none of avx/amx/fma'}; TensorFlow "
+          f"{tf.__version__}, Keras {keras.__version__}; load average "
+          f"{os.getloadavg()[0]:.2f}")
+
+
+def _digits(path):
+  """Writes the generated digits to `path` (.npz of the numpy contract)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   (x, y), (x_test, y_test) = mnist_convnet.synthetic_digits(FLAGS.examples)
-  if FLAGS.port == "resnet50":  # its smallest input: 32x32x3
-    def rgb32(images):
-      return np.repeat(np.pad(images, ((0, 0), (2, 2), (2, 2), (0, 0))), 3,
-                       axis=-1)
-    x, x_test = rgb32(x), rgb32(x_test)
   np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
-  return (x, y), (x_test, y_test)
 
 
-def _distloop(strategy_name, strategy, data_path):
+class Port:
+  """One port's steps, batch and data (loaded as distloop loads it).
+
+  Args:
+    name: one of PORTS.
+    digits: the generated digits' .npz.
+  """
+
+  def __init__(self, name, digits):
+    from framework.data import datasets  # pylint: disable=g-import-not-at-top
+    self.name = name
+    steps, batch = PORT_RUNS[name]
+    self.steps = FLAGS.steps or steps
+    self.batch = FLAGS.batch or batch
+    if name == "resnet50":
+      self.dataset_name, self.data_dir = "cifar10", FLAGS.cifar10_dir
+      self.data_label = "CIFAR-10"
+    else:
+      self.dataset_name, self.data_dir = "numpy", digits
+      self.data_label = "digits"
+    self.data = datasets.load_dataset(self.dataset_name,
+                                      data_dir=self.data_dir)
+    self.input_shape = self.data.input_shape
+    self.num_classes = self.data.num_classes
+
+  def fit_input(self):
+    """distloop's training batches, in its order, for `fit`."""
+    from framework.data import inputs  # pylint: disable=g-import-not-at-top
+    return inputs.train_dataset(self.data, self.batch, seed=FLAGS.run_seed)
+
+  def test_split(self):
+    """The whole test split: images as float32 in [0, 1], labels."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    x, y = (np.asarray(a) for a in (self.data.test_x, self.data.test_y))
+    if x.dtype == np.uint8:
+      x = x.astype(np.float32) / 255
+    return x, y
+
+
+def _distloop(port, strategy_name, strategy):
+  """distloop's run of `port`: (test loss, test accuracy, examples/s of
+  the last loop, {d_loss, g_loss of the last loop} for the GAN)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import functools  # pylint: disable=g-import-not-at-top
   import framework  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
   from framework.app import experiment  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   model_dir = tempfile.mkdtemp()
-  half = FLAGS.steps // 2
+  half = port.steps // 2
   config = framework.ExperimentConfig(
-      dataset="numpy", data_dir=data_path, model_dir=model_dir,
-      strategy=strategy_name, global_batch_size=FLAGS.batch,
-      train_steps=FLAGS.steps, seed=FLAGS.run_seed, export_saved_model=False,
-      optimizer=framework.OptimizerConfig(name="adam", learning_rate=1e-3),
-      loop=framework.LoopConfig(train_steps=FLAGS.steps, steps_per_loop=half))
-  if FLAGS.port == "distillation":
-    import functools  # pylint: disable=g-import-not-at-top
+      dataset=port.dataset_name, data_dir=port.data_dir, model_dir=model_dir,
+      strategy=strategy_name, global_batch_size=port.batch,
+      train_steps=port.steps, seed=FLAGS.run_seed, export_saved_model=False,
+      optimizer=framework.OptimizerConfig(name="adam",
+                                          learning_rate=LEARNING_RATE),
+      loop=framework.LoopConfig(train_steps=port.steps, steps_per_loop=half))
+  if port.name == "distillation":
     import distillation  # pylint: disable=g-import-not-at-top
     results = experiment.run(
         config, strategy=strategy, build_model=mnist_convnet.build_student,
@@ -77,75 +185,100 @@ def _distloop(strategy_name, strategy, data_path):
             distillation.Distiller, teacher_model="mnist_convnet:build",
             teacher_weights=TEACHER, alpha=ALPHA,
             distillation_temperature=TEMPERATURE))
-  elif FLAGS.port == "resnet50":
-    import dataclasses  # pylint: disable=g-import-not-at-top
+  elif port.name == "gan":
+    import gan  # pylint: disable=g-import-not-at-top
+    results = experiment.run(
+        config, strategy=strategy, build_model=mnist_convnet.build,
+        trainer_cls=functools.partial(
+            gan.GANTrainer, latent_dim=gan.FLAGS.latent_dim,
+            generator_learning_rate=LEARNING_RATE))
+  elif port.name == "resnet50":
     results = experiment.run(dataclasses.replace(
         config, model="keras.applications:ResNet50"), strategy=strategy)
   else:
     results = experiment.run(config, strategy=strategy,
                              build_model=mnist_convnet.build)
-  speed = None
+  last = {}  # the last loop's train scalars: steps half+1..steps
   with open(os.path.join(model_dir, "metrics.jsonl")) as f:
     for line in f:
       row = json.loads(line)
-      if row["split"] == "train" and row["name"] == "examples_per_second":
-        speed = row["value"]  # the last loop's: steady state
-  return results["loss"], results["accuracy"], speed
+      if row["split"] == "train":
+        last[row["name"]] = row["value"]
+  return dict(test_loss=results["loss"], test_accuracy=results["accuracy"],
+              speed=last["examples_per_second"],
+              **{name: last.get(name) for name in TRAIN_METRICS})
 
 
-def _fit(strategy, train, test):
+def _fit(port, strategy):
+  """`model.fit`'s run of `port`: as `_distloop`."""
   import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(FLAGS.run_seed)
-  (x, y), (x_test, y_test) = train, test
   cross_entropy = keras.losses.SparseCategoricalCrossentropy(
       from_logits=True)
+  shape, classes = port.input_shape, port.num_classes
   with strategy.scope():
-    if FLAGS.port == "distillation":
-      student = mnist_convnet.build_student((28, 28, 1), 10)
-      teacher = mnist_convnet.build((28, 28, 1), 10)
+    if port.name == "distillation":
+      # Student first, as distloop builds them (the same initial weights).
+      student = mnist_convnet.build_student(shape, classes)
+      teacher = mnist_convnet.build(shape, classes)
       teacher.load_weights(TEACHER)
-      model = _KerasIoDistiller(student, teacher)
-      model.compile(optimizer=keras.optimizers.Adam(1e-3),
+      model = _KERAS_IO["distiller"](student, teacher)
+      model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                     metrics=["accuracy"])
-    elif FLAGS.port == "resnet50":
-      model = keras.applications.ResNet50(
-          weights=None, input_shape=x.shape[1:], classes=10,
-          classifier_activation=None)
-      model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                    loss=cross_entropy, metrics=["accuracy"])
+    elif port.name == "gan":
+      import gan  # pylint: disable=g-import-not-at-top
+      model = _KERAS_IO["gan"](
+          mnist_convnet.build(shape, classes),
+          gan.build_generator(gan.FLAGS.latent_dim, shape),
+          gan.FLAGS.latent_dim)
+      model.compile(d_optimizer=keras.optimizers.Adam(LEARNING_RATE),
+                    g_optimizer=keras.optimizers.Adam(LEARNING_RATE))
     else:
-      model = mnist_convnet.build((28, 28, 1), 10)
-      model.compile(optimizer=keras.optimizers.Adam(1e-3),
+      if port.name == "resnet50":
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=shape, classes=classes,
+            classifier_activation=None)
+      else:
+        model = mnist_convnet.build(shape, classes)
+      model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                     loss=cross_entropy, metrics=["accuracy"])
-  data = tf.data.Dataset.from_tensor_slices((x.astype("float32") / 255, y))
-  data = data.shuffle(len(x), seed=FLAGS.run_seed).repeat().batch(
-      FLAGS.batch, drop_remainder=True)
-  half = FLAGS.steps // 2
+  half, steps = port.steps // 2, port.steps
   times = {}
 
   class Clock(keras.callbacks.Callback):
+    """The time at the end of steps `half` and `steps`; the metrics start
+    again after step `half` (the GAN's losses: the second half's mean)."""
 
     def on_train_batch_end(self, batch, logs=None):
-      if batch + 1 in (half, FLAGS.steps):
+      if batch + 1 in (half, steps):
         times[batch + 1] = time.perf_counter()
+      if batch + 1 == half:
+        for metric in self.model.metrics:
+          metric.reset_state()
 
-  model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
-            callbacks=[Clock()])
-  if FLAGS.port == "distillation":  # the student, on its own loss
-    model = model.student
+  history = model.fit(port.fit_input(), epochs=1, steps_per_epoch=steps,
+                      verbose=0, callbacks=[Clock()])
+  train = {name: history.history.get(name, [None])[-1]
+           for name in TRAIN_METRICS}
+  if port.name in ("distillation", "gan"):  # the classifier, on its loss
+    model = model.student if port.name == "distillation" else (
+        model.discriminator)
     with strategy.scope():
       model.compile(loss=cross_entropy, metrics=["accuracy"])
-  loss, accuracy = model.evaluate(x_test.astype("float32") / 255, y_test,
-                                  batch_size=FLAGS.batch, verbose=0)
-  speed = (FLAGS.steps - half) * FLAGS.batch / (times[FLAGS.steps]
-                                                - times[half])
-  return loss, accuracy, speed
+  x_test, y_test = port.test_split()
+  loss, accuracy = model.evaluate(x_test, y_test, batch_size=port.batch,
+                                  verbose=0)
+  speed = (steps - half) * port.batch / (times[steps] - times[half])
+  return dict(test_loss=loss, test_accuracy=accuracy, speed=speed, **train)
 
 
+# The train scalars both sides report, as means over steps steps/2+1..steps
+# (distloop: its last loop; fit: its logs, the metrics reset at steps/2).
+TRAIN_METRICS = ("loss", "accuracy", "d_loss", "g_loss")
 TEACHER = None  # the teacher's weights file (distillation)
-_KerasIoDistiller = None  # its class, made once TensorFlow is set up
+# keras-io's model classes, made once TensorFlow is set up.
+_KERAS_IO = {}
 
 
 def _keras_io_distiller():
@@ -177,21 +310,107 @@ def _keras_io_distiller():
   return Distiller
 
 
-def _train_teacher(train):
+def _keras_io_gan():
+  """keras-io's "GAN overriding Model.train_step" form (a keras.Model with
+  `compile(d_optimizer, g_optimizer)`, Mean trackers and its own
+  `train_step`) with gan.py's semi-supervised losses and noise: the
+  discriminator's logits classify, and D = sigmoid(logsumexp(logits)) says
+  "real"; the same two updates per step as `gan.GANTrainer`. Keras's loss
+  objects scale each replica's mean by 1 / replicas and its optimizers sum
+  the gradients over the replicas, so the update is the global batch's."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import gan  # pylint: disable=g-import-not-at-top
+
+  class GAN(keras.Model):
+
+    def __init__(self, discriminator, generator, latent_dim):
+      super().__init__()
+      self.discriminator = discriminator
+      self.generator = generator
+      self.latent_dim = latent_dim
+      self.classify_loss = keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True)
+      self.real_loss = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def compile(self, d_optimizer, g_optimizer):
+      super().compile()
+      self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+      # Built here, under the strategy's scope: built lazily inside a
+      # replica's step they fail under MirroredStrategy (keras#19246).
+      d_optimizer.build(self.discriminator.trainable_variables)
+      g_optimizer.build(self.generator.trainable_variables)
+      self.trackers = {name: keras.metrics.Mean(name=name)
+                       for name in TRAIN_METRICS}
+
+    @property
+    def metrics(self):
+      return list(self.trackers.values())
+
+    def call(self, images):
+      return self.discriminator(images)  # a classifier's logits
+
+    def _says_real(self, logits, target):
+      """Binary cross-entropy of D against `target` (1 real, 0 fake), D's
+      logit the logsumexp of the class `logits`."""
+      score = tf.reduce_logsumexp(logits, axis=-1, keepdims=True)
+      return self.real_loss(tf.fill(tf.shape(score), target), score)
+
+    def train_step(self, data):
+      images, labels = data
+      noise = gan.noise(self.d_optimizer.iterations, tf.shape(images)[0],
+                        self.latent_dim)
+      fake = self.generator(noise, training=True)
+      d_vars = self.discriminator.trainable_variables
+      with tf.GradientTape() as tape:
+        logits = self.discriminator(images, training=True)
+        classify = self.classify_loss(labels, logits)
+        d_loss = classify + self._says_real(logits, 1.0) + self._says_real(
+            self.discriminator(fake, training=True), 0.0)
+      self.d_optimizer.apply_gradients(zip(tape.gradient(d_loss, d_vars),
+                                           d_vars))
+      g_vars = self.generator.trainable_variables
+      with tf.GradientTape() as tape:
+        g_loss = self._says_real(self.discriminator(
+            self.generator(noise, training=True), training=True), 1.0)
+      self.g_optimizer.apply_gradients(zip(tape.gradient(g_loss, g_vars),
+                                           g_vars))
+      # The losses are scaled by 1 / replicas (see above): the trackers
+      # get the replica's own mean.
+      replicas = tf.distribute.get_strategy().num_replicas_in_sync
+      for name, value in (("loss", classify), ("d_loss", d_loss),
+                          ("g_loss", g_loss)):
+        self.trackers[name].update_state(value * replicas)
+      self.trackers["accuracy"].update_state(tf.cast(tf.equal(
+          tf.argmax(logits, axis=-1, output_type=labels.dtype), labels),
+                                                     tf.float32))
+      return {name: m.result() for name, m in self.trackers.items()}
+
+  return GAN
+
+
+def _train_teacher(port):
   """The teacher's weights file: mnist_convnet.build after `fit`."""
   import keras  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(FLAGS.run_seed + 1)
-  teacher = mnist_convnet.build((28, 28, 1), 10)
-  teacher.compile(optimizer=keras.optimizers.Adam(1e-3),
+  teacher = mnist_convnet.build(port.input_shape, port.num_classes)
+  teacher.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
-  x, y = train
-  teacher.fit(x.astype("float32") / 255, y, batch_size=FLAGS.batch,
+  x, y = port.data.train_x, port.data.train_y
+  teacher.fit(x[:].astype("float32") / 255, y[:], batch_size=port.batch,
               epochs=1, steps_per_epoch=FLAGS.teacher_steps, verbose=0)
   path = os.path.join(tempfile.mkdtemp(), "teacher.weights.h5")
   teacher.save_weights(path)
   return path
+
+
+def _pair(run, first, second):
+  """`first / second` of a run's train scalars, or "" without them."""
+  if run[first] is None:
+    return ""
+  return f"{run[first]:.4f} / {run[second]:.4f}"
 
 
 def main(argv):
@@ -201,25 +420,43 @@ def main(argv):
   framework.configure_cpu_devices(2)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.get_logger().setLevel("ERROR")
-  data_path = os.path.join(tempfile.mkdtemp(), "digits.npz")
-  train, test = _data(data_path)
-  global TEACHER, _KerasIoDistiller  # pylint: disable=global-statement
-  if FLAGS.port == "distillation":
-    TEACHER = _train_teacher(train)
-    _KerasIoDistiller = _keras_io_distiller()
-  print(f"| port | strategy | trainer | steps | test loss | test accuracy "
-        f"| examples/s | distloop / fit |")
-  print("|---|---|---|---|---|---|---|---|")
-  for name in ("default", "mirrored"):
-    strategy = framework.make_strategy(name)
-    fit = _fit(strategy, train, test)
-    ours = _distloop(name, strategy, data_path)
-    for trainer, (loss, accuracy, speed) in (("model.fit", fit),
-                                            ("distloop", ours)):
-      ratio = f"{ours[2] / fit[2]:.2f}" if trainer == "distloop" else ""
-      print(f"| {FLAGS.port} | {name} | {trainer} | {FLAGS.steps} | "
-            f"{loss:.4f} | {accuracy:.4f} | {speed:.0f} | {ratio} |",
-            flush=True)
+  # distloop's default (ExperimentConfig.deterministic), on for fit too: it
+  # stays on in the process once a distloop run sets it.
+  tf.config.experimental.enable_op_determinism()
+  print(host_line())
+  print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
+  print("\n| port | data | strategy | trainer | steps x batch | train loss "
+        "/ accuracy, 2nd half | test loss | test accuracy | GAN d_loss / "
+        "g_loss, 2nd half | examples/s, 2nd half | distloop / fit | wall s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  digits = os.path.join(tempfile.mkdtemp(), "digits.npz")
+  _digits(digits)
+  global TEACHER  # pylint: disable=global-statement
+  start = time.perf_counter()
+  for name in FLAGS.port:
+    port = Port(name, digits)
+    if name == "distillation" and TEACHER is None:
+      TEACHER = _train_teacher(port)
+      _KERAS_IO["distiller"] = _keras_io_distiller()
+    if name == "gan" and "gan" not in _KERAS_IO:
+      _KERAS_IO["gan"] = _keras_io_gan()
+    for strategy_name in ("default", "mirrored"):
+      strategy = framework.make_strategy(strategy_name)
+      rows = []
+      for trainer, run in (("model.fit", _fit), ("distloop", _distloop)):
+        began = time.perf_counter()
+        args = (port, strategy) if run is _fit else (port, strategy_name,
+                                                     strategy)
+        rows.append((trainer, run(*args), time.perf_counter() - began))
+      for trainer, run, wall in rows:
+        ratio = (f"{run['speed'] / rows[0][1]['speed']:.2f}"
+                 if trainer == "distloop" else "")
+        print(f"| {name} | {port.data_label} | {strategy_name} | {trainer} | "
+              f"{port.steps} x {port.batch} | {_pair(run, 'loss', 'accuracy')}"
+              f" | {run['test_loss']:.4f} | {run['test_accuracy']:.4f} | "
+              f"{_pair(run, 'd_loss', 'g_loss')} | {run['speed']:.0f} | "
+              f"{ratio} | {wall:.0f} |", flush=True)
+  print(f"\ntotal {time.perf_counter() - start:.0f} s; {host_line()}")
 
 
 if __name__ == "__main__":
