@@ -12,9 +12,8 @@ from framework import model_parallel as mp
 from framework.core import protocols
 from framework.core.trainer import Trainer
 from models import gpt_parallel
-from tests.model_parallel_reference import build
-from tests.transformer_split_reference import (BATCH, LENGTH, OPTIONS, VOCAB,
-                                               flat, relative, token_batches)
+from tests.transformer_split_reference import (BATCH, flat, relative,
+                                               tiny_gpt, token_batches)
 
 STRATEGY = tf.distribute.get_strategy()  # one replica: the mesh's own copies
 OPTIMIZERS = {"momentum": lambda: keras.optimizers.SGD(0.5, momentum=0.9),
@@ -32,17 +31,15 @@ NUM_LAYERS = {"data:2,model:2": 1, "data:2,pipeline:2": 2}
 GROUPS = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
 
 
-def tiny_gpt(mesh):
-  """transformer_split_reference's tiny GPT with `mesh`'s block count."""
-  return build("gpt", (LENGTH,), VOCAB, tie_embeddings=True,
-               **dict(OPTIONS, num_layers=NUM_LAYERS[mesh]))
+def gpt(mesh):
+  """The tiny GPT with `mesh`'s block count."""
+  return tiny_gpt(num_layers=NUM_LAYERS[mesh])
 
 
 def make_trainer(mesh, optimizer, shard):
   return mp.TensorParallelTrainer(
-      tiny_gpt(mesh), OPTIMIZERS[optimizer](), STRATEGY,
-      global_batch_size=BATCH, replica_devices=GROUPS,
-      shard_optimizer_state=shard, **MESHES[mesh])
+      gpt(mesh), OPTIMIZERS[optimizer](), STRATEGY, global_batch_size=BATCH,
+      replica_devices=GROUPS, shard_optimizer_state=shard, **MESHES[mesh])
 
 
 def weights(trainer):
@@ -137,7 +134,7 @@ def run(mesh, optimizer, steps, resume=True):
                                       weights(resumed)),
                    "steps": int(resumed.optimizer.iterations.numpy())}
     # The sharded mesh's checkpoint on one device (no mesh, no sharding).
-    unsplit = Trainer(tiny_gpt(mesh), OPTIMIZERS[optimizer](), STRATEGY,
+    unsplit = Trainer(gpt(mesh), OPTIMIZERS[optimizer](), STRATEGY,
                       global_batch_size=BATCH)
     unsplit.optimizer.build(unsplit.model.trainable_variables)
     restore(unsplit, paths[True])
