@@ -15,7 +15,7 @@ def test_mnist_convnet_port_writes_its_data_and_trains(tmp_path):
   script = f"{ROOT}/scripts/examples/mnist_convnet.py"
   data = tmp_path / "mnist.npz"
   proc = run_python(script, f"--write_data={data}", "--synthetic_digits",
-                    "--synthetic_examples=256", fresh=True)
+                    "--synthetic_examples=256")
   assert proc.returncode == 0, proc.stderr[-2000:]
   with np.load(data) as arrays:
     assert arrays["x_train"].shape == (256, 28, 28, 1)
@@ -24,8 +24,7 @@ def test_mnist_convnet_port_writes_its_data_and_trains(tmp_path):
   proc = run_python(script, f"--data_dir={data}", "--train_steps=4",
                     "--global_batch_size=32", "--strategy=mirrored",
                     "--cpu_devices=2", "--export_saved_model=false",
-                    f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path),
-                    fresh=True)
+                    f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "final eval" in proc.stderr
   assert (tmp_path / "run" / "ckpt-4.index").exists()
@@ -37,7 +36,7 @@ def test_resnet50_port_trains_by_name(tmp_path):
                     "--dataset=synthetic", "--train_steps=1",
                     "--global_batch_size=8", "--eval_steps=1",
                     "--export_saved_model=false",
-                    f"--model_dir={tmp_path / 'run'}", fresh=True)
+                    f"--model_dir={tmp_path / 'run'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "final eval" in proc.stderr
 
@@ -57,7 +56,7 @@ def test_port_beside_model_fit_prints_its_table(tmp_path, port):
   proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
                     f"--port={port}", "--steps=4", "--teacher_steps=4",
                     "--batch=16", "--examples=256", f"--cifar10_dir={cifar10}",
-                    cwd=str(tmp_path), fresh=True)
+                    cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.startswith("host: "), proc.stdout[:300]
   rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
@@ -80,7 +79,7 @@ def test_port_beside_model_fit_prints_its_table(tmp_path, port):
 
 def test_port_names_are_checked(tmp_path):
   proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
-                    "--port=mnist,gan", cwd=str(tmp_path), fresh=True)
+                    "--port=mnist,gan", cwd=str(tmp_path))
   assert proc.returncode != 0
   assert ("--port=['mnist', 'gan']: unknown port mnist; valid: "
           "mnist_convnet, distillation, resnet50, gan") in proc.stderr

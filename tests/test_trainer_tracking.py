@@ -21,8 +21,10 @@ import tensorflow as tf
 import framework
 from framework.app import experiment
 from framework.core import checkpoints
+import helpers
 from helpers import ROOT
 from shared_strategy import mirrored
+import zygote_client
 
 
 def _student(strategy):
@@ -113,18 +115,25 @@ def test_an_extra_model_not_declared_is_one_line_before_model_dir(
 
 
 def _example(example, model_dir, strategy, popen=False):
-  args = [sys.executable,
-          os.path.join(ROOT, "scripts", "examples", example),
-          "--model=mlp", "--hidden_units=16", "--dataset=synthetic", f"--strategy={strategy}", "--cpu_devices=2",
+  """Runs the port to its end (its final weights' sha256), or, with
+  `popen`, starts it and returns the process. Forked from the test zygote
+  (tests/zygote.py): TensorFlow is imported once, and the process is the
+  run itself, so SIGKILL of it is kill -9 of the run."""
+  script = os.path.join(ROOT, "scripts", "examples", example)
+  args = ["--model=mlp", "--hidden_units=16", "--dataset=synthetic",
+          f"--strategy={strategy}", "--cpu_devices=2",
           "--global_batch_size=32", "--train_steps=24", "--steps_per_loop=1",
           "--checkpoint_every=1", "--eval_steps=1",
           "--export_saved_model=false", f"--model_dir={model_dir}"]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   if popen:
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-  proc = subprocess.run(args, env=env, capture_output=True, text=True,
-                        timeout=300)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if helpers.needs_fresh_interpreter(args, env):
+      return subprocess.Popen([sys.executable, script, *args], env=env,
+                              stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    return zygote_client.popen(script, args, cwd=ROOT, env=env,
+                               stdout=os.devnull, stderr=os.devnull)
+  proc = helpers.run_python(script, *args, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return re.search(r"final weights sha256=(\w+)", proc.stderr).group(1)
 
