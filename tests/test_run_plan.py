@@ -77,9 +77,11 @@ def test_resolve_reads_the_task_and_touches_no_file(tmp_path):
 
 def test_a_batch_the_replicas_cannot_share_fails_before_the_model_dir(
     tmp_path):
+  # Checked once, by the Trainer the run builds, before any file.
   with pytest.raises(ConfigError, match="global_batch_size=33 is not "
-                     "divisible by the 2 replicas"):
-    run_plan.resolve(_config(tmp_path / "run", global_batch_size=33),
-                     shared_strategy.mirrored())
+                     "divisible by the 2 replicas of MirroredStrategy; use a "
+                     "multiple of 2"):
+    experiment.run(_config(tmp_path / "run", global_batch_size=33),
+                   strategy=shared_strategy.mirrored())
   assert not os.path.exists(tmp_path / "run")
 

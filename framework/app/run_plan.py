@@ -34,7 +34,6 @@ from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
-from framework.core.trainer import check_batch_split
 from framework.data import datasets, inputs
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
@@ -193,7 +192,8 @@ def _warn_if_main(path):
 def place(config, strategy=None):
   """(config, strategy) of a run, before its data: the precision made
   concrete, the strategy made (unless given), the model split placed on
-  it, the batch checked against its replicas. Touches no file."""
+  it. Touches no file. (The batch is checked against the replicas once,
+  by the Trainer it is given to.)"""
   # `auto` becomes what it means on this machine, once, before anything
   # reads the config (the check, model_info.json, the policy).
   config = dataclasses.replace(config, mixed_precision=(
@@ -214,8 +214,6 @@ def place(config, strategy=None):
                  model_parallel.mode, len(model_parallel.replica_devices),
                  model_parallel.device_count[0], piece,
                  model_parallel.replica_devices)
-  check_batch_split(config.global_batch_size,
-                    strategy.num_replicas_in_sync, config.strategy)
   return config, strategy
 
 

@@ -94,16 +94,16 @@ def sparse_categorical_loss(labels: tf.Tensor,
 # A Trainer averages per-example losses over the *global* batch itself (see
 # `Trainer.average`), so these return one value per example (or per pixel) and
 # never reduce: a Keras loss object would divide by the replica count.
-def check_batch_split(global_batch_size, replicas, strategy_name=None):
+def check_batch_split(global_batch_size, strategy):
   """Raises ConfigError unless the global batch splits evenly over the
-  replicas: the one statement of that rule and of its message, made by
-  the Trainer and, before any file or data, by a run's resolve."""
+  strategy's replicas (made once, by the Trainer, before anything is
+  written to a run's model_dir)."""
+  replicas = strategy.num_replicas_in_sync
   if global_batch_size % replicas:
-    of = (f"strategy={strategy_name}" if strategy_name is not None
-          else "this strategy")
     raise ConfigError(
         f"global_batch_size={global_batch_size} is not divisible by the "
-        f"{replicas} replicas of {of}; use a multiple of {replicas}")
+        f"{replicas} replicas of {type(strategy).__name__}; use a multiple "
+        f"of {replicas}")
 
 
 def smoothed_sparse_categorical_loss(label_smoothing):
@@ -474,7 +474,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         max_skipped_steps=max_skipped_steps, grad_accum_steps=grad_accum_steps,
         ema_decay=ema_decay, eval_tta=eval_tta)
     replicas = strategy.num_replicas_in_sync
-    check_batch_split(global_batch_size, replicas)
+    check_batch_split(global_batch_size, strategy)
     if (global_batch_size // replicas) % grad_accum_steps:
       raise ConfigError(
           f"grad_accum_steps={grad_accum_steps} does not divide the per-replica "
