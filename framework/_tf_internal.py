@@ -92,7 +92,12 @@ class SavedAsVariable(tf.__internal__.tracking.Trackable):
     return {VARIABLE_VALUE_KEY: self._save_value()}
 
   def _restore_from_tensors(self, restored_tensors):
-    return self._restore_value(restored_tensors[VARIABLE_VALUE_KEY])
+    value = restored_tensors[VARIABLE_VALUE_KEY]
+    if self.shape is not None:
+      # Restored inside a multi-worker function the value has no static
+      # shape, which splitting it needs.
+      value = tf.ensure_shape(value, self.shape)
+    return self._restore_value(value)
 
 
 # --- tf.distribute (core/ps_training.py, model_parallel/copies.py). -----------

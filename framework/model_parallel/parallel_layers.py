@@ -202,7 +202,10 @@ class ShardedWeight(_tf_internal.Trackable):
                                  for s in self.shards], axis=self.axis)}
 
   def _restore_from_tensors(self, restored_tensors):
-    values = tf.split(restored_tensors[_VALUE],
+    # Restored inside a multi-worker function the value has no static
+    # shape; tf.split needs its rank.
+    whole = tf.ensure_shape(restored_tensors[_VALUE], self.shape)
+    values = tf.split(whole,
                       [int(s.shape[self.axis]) for s in self.shards],
                       axis=self.axis)
     ops = [shard.assign(value) for shard, value in zip(self.shards, values)]
