@@ -248,10 +248,29 @@ def taken_options(name, options, search_dir=None):
   signature = builder_forms.signature_of(builder)
   if signature is None:
     return dict(options)
-  if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
-    return dict(options)
   accepted = builder_forms.option_parameters(signature)
-  return {k: v for k, v in options.items() if k in accepted}
+  if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+    taken = dict(options)
+  else:
+    taken = {k: v for k, v in options.items() if k in accepted}
+  if is_import_path(name) and name.split(".")[0].split(":")[0] not in (
+      "keras", "tensorflow"):
+    # A function of one's own is called with its own defaults for what
+    # was not set: recorded, so that model_info.json says what it built.
+    for key, parameter in accepted.items():
+      if (key not in taken and key not in builder_forms.KEYWORD_DEFAULTS
+          and _plain(parameter.default)):
+        taken[key] = parameter.default
+  return taken
+
+
+def _plain(value):
+  """Whether `value` is JSON-like data (a default worth recording)."""
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value is not inspect.Parameter.empty
+  if isinstance(value, (list, tuple)):
+    return all(_plain(v) for v in value)
+  return False
 
 
 def check_outputs(name, model, num_classes, dataset):

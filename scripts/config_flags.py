@@ -187,8 +187,14 @@ def config_from_flags(flag_values=flags.FLAGS, hparam_flags=()):
         if (field.name, name) in values})
     if field.name == "dataset_options":  # only what the dataset's loader takes
       values[(field.name,)] = built.for_dataset(values[("dataset",)])
-    else:
+    elif values[("model",)] in BUILTIN_MODELS:
       values[(field.name,)] = dataclasses.asdict(built)
+    else:
+      # A model of one's own keeps its own defaults: only the options the
+      # command line (or a flag file) set reach it.
+      values[(field.name,)] = {
+          f.path[-1]: getattr(built, f.path[-1]) for f in all_flags
+          if f.path[:-1] == (field.name,) and flag_values[f.name].present}
   for flag in all_flags:
     text = flag_values[flag.name].value
     if flag.kind is dict and text:

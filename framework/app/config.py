@@ -178,7 +178,8 @@ class ExperimentConfig:
       help="More options for the model's builder as key=value,... (a list "
       "value continues after commas: hidden_units=32,16,dropout=false), "
       "typed from its signature; they override the flags of the built-in "
-      "options.", default_factory=dict,
+      "options. A model of one's own gets only the options set (flags "
+      "given, --model_options); its own defaults stand otherwise.", default_factory=dict,
       options=builtin_options.ModelOptions,
       free_form=True)
   dataset_options: dict = setting(default_factory=dict, flag=False,
