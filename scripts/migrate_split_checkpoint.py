@@ -84,6 +84,10 @@ def migrate(config):
   from framework.core.checkpoints.run_files import RunLock
   from framework.errors import CheckpointError, ConfigError
   # pylint: enable=g-import-not-at-top
+  if not tf.io.gfile.isdir(config.model_dir):
+    raise ConfigError(
+        f"model_dir={config.model_dir!r} does not exist: give the folder of "
+        "the run whose checkpoint to migrate")
   config, strategy = run_plan.place(config)
   with RunLock(config.model_dir):
     plan = run_plan.resolve(config, strategy, placed=True)
@@ -117,6 +121,14 @@ def migrate(config):
     objects = checkpoints.checkpoint_objects(
         trainer, checkpoints.checkpoint_items(trainer))
     objects["optimizer"] = trainer.optimizer
+    problem = manager.damage(path)
+    if problem:
+      raise CheckpointError(
+          f"cannot migrate checkpoint {path}: {problem}"
+          + (f" (the copy this script kept before migrating; if the run's "
+             f"own {os.path.basename(path)} is intact and not migrated, "
+             f"delete {os.path.dirname(path)} and run it again)" if kept else
+             " (put back an intact copy of it, e.g. from a backup)"))
     source = kept or _keep(path, config.model_dir)
     try:
       status = tf.train.Checkpoint(**objects).restore(source)

@@ -17,7 +17,7 @@ def test_mnist_convnet_port_writes_its_data_and_trains(tmp_path):
   proc = run_python(script, f"--write_data={data}", "--synthetic_digits",
                     "--synthetic_examples=256")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  with np.load(data) as arrays:
+  with np.load(data, allow_pickle=False) as arrays:
     assert arrays["x_train"].shape == (256, 28, 28, 1)
     assert arrays["x_train"].dtype == np.uint8
   # From another folder: the script puts its own on sys.path.

@@ -126,6 +126,71 @@ def test_evaluate_and_predict_import_nothing_by_default(evil, tmp_path):
                        ("predict.py", [f"--image={image}"])):
     proc = run_script(script, f"--model_dir={evil['model_dir']}", *args,
                       check=False)
-    assert_one_line_error(proc, script, "evil_net:build", "--trust_model_code",
-                          "--model=evil_net:build")
+    line = assert_one_line_error(proc, script, "evil_net:build",
+                                 "--trust_model_code", "your own copy")
+    # Naming the run's function again would not import the run's code, but
+    # the line must not suggest that this makes the run's code safe.
+    assert "--model=evil_net:build" not in line
     assert not evil["marker"].exists()
+
+
+# A module that writes `marker` when imported and builds the mlp.
+MARKING_NET = """
+open({marker!r}, "w").write("imported")
+from models.mlp import build as plain
+"""
+
+
+@pytest.fixture
+def shadowed(tmp_path, monkeypatch):
+  """A downloaded run whose model_info.json names `user_nets:plain` in a
+  folder inside the run, and a user's project folder, the current one,
+  with a `user_nets.py` of their own (neither folder on sys.path)."""
+  model_dir = tmp_path / "run"
+  experiment.run(_config(model_dir, "mlp"))
+  runs_code = model_dir / "code"
+  runs_code.mkdir()
+  (runs_code / "user_nets.py").write_text(
+      MARKING_NET.format(marker=str(tmp_path / "run_marker")))
+  project = tmp_path / "project"
+  project.mkdir()
+  (project / "user_nets.py").write_text(
+      MARKING_NET.format(marker=str(tmp_path / "user_marker")))
+  path = model_dir / "model_info.json"
+  info = json.loads(path.read_text())
+  info.update(model="user_nets:plain", model_import_dir=str(runs_code))
+  path.write_text(json.dumps(info))
+  monkeypatch.chdir(project)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  yield dict(model_dir=str(model_dir), info=info, project=str(project),
+             run_marker=tmp_path / "run_marker",
+             user_marker=tmp_path / "user_marker")
+  sys.modules.pop("user_nets", None)
+
+
+def test_a_named_model_is_the_users_own_code_never_the_runs(shadowed):
+  info = export.with_model(shadowed["info"], "user_nets:plain")
+  export.build_inference_model(info)
+  assert not shadowed["run_marker"].exists()
+  assert shadowed["user_marker"].exists()
+  assert sys.modules["user_nets"].__file__ == os.path.join(
+      shadowed["project"], "user_nets.py")
+
+
+def test_only_trust_imports_from_the_runs_recorded_folder(shadowed):
+  os.chdir(os.path.dirname(shadowed["project"]))  # no user_nets.py here
+  with pytest.raises(framework.ConfigError, match="no module named"):
+    export.build_inference_model(
+        export.with_model(shadowed["info"], "user_nets:plain"))
+  assert not shadowed["run_marker"].exists()
+  export.build_inference_model(shadowed["info"], trust_model_code=True)
+  assert shadowed["run_marker"].exists()
+
+
+@pytest.mark.slow
+def test_evaluate_with_model_imports_the_users_module(shadowed):
+  proc = run_script("evaluate.py", f"--model_dir={shadowed['model_dir']}",
+                    "--model=user_nets:plain", cwd=shadowed["project"])
+  assert "accuracy" in proc.stdout
+  assert not shadowed["run_marker"].exists()
+  assert shadowed["user_marker"].exists()

@@ -6,7 +6,8 @@ refused by train.py in one line naming scripts/migrate_split_checkpoint.py,
 resumes on the same mesh exactly as one continuous run (weights and Adam's
 slots within 1e-5), in the unsplit layout, also when a first migration was
 killed half-way through its save. The script refuses another
-split's flags in one line.
+split's flags, a damaged checkpoint (naming the file) and a missing
+--model_dir in one line.
 """
 
 import os
@@ -115,3 +116,37 @@ def test_the_script_refuses_another_split_in_one_line(tmp_path, old_run):
       proc, "migrate_split_checkpoint.py",
       "was saved by split mesh=data:2,model:2",
       "flags of the run that wrote it", unchanged=before)
+
+
+@pytest.mark.slow
+def test_a_damaged_kept_checkpoint_is_one_line_naming_the_file(
+    tmp_path, old_run):
+  model_dir = tmp_path / "run"
+  shutil.copytree(old_run, model_dir)
+  # A migration that kept its copy and stopped; then the copy was damaged.
+  kept = model_dir / "before_migration"
+  kept.mkdir()
+  for name in os.listdir(model_dir):
+    if name.startswith(f"ckpt-{K}.index") or name.startswith(
+        f"ckpt-{K}.data-"):
+      shutil.copy2(model_dir / name, kept)
+  data = sorted(p for p in os.listdir(kept) if ".data-" in p)[0]
+  os.truncate(kept / data, 1000)
+  before = helpers.snapshot(str(model_dir))
+  proc = _train(model_dir, 2 * K, *MESH, script="migrate_split_checkpoint.py",
+                check=False)
+  helpers.assert_one_line_error(
+      proc, "migrate_split_checkpoint.py", str(kept / data), "is damaged",
+      unchanged=before)
+
+
+def test_a_missing_model_dir_is_one_line_and_creates_nothing(tmp_path):
+  model_dir = tmp_path / "missing"
+  proc = helpers.run_script(
+      "migrate_split_checkpoint.py", "--model=mlp", "--dataset=synthetic",
+      "--train_steps=2",
+      f"--model_dir={model_dir}", check=False)
+  helpers.assert_one_line_error(proc, "migrate_split_checkpoint.py",
+                                f"model_dir={str(model_dir)!r}",
+                                "does not exist")
+  assert not model_dir.exists()

@@ -73,8 +73,9 @@ def test_import_path_trains_and_is_recorded(user_run):
 def test_evaluate_and_predict_rebuild_it_in_a_fresh_process(user_run,
                                                             tmp_path):
   # cwd is the repository and PYTHONPATH does not name the user's
-  # directory: only model_info.json says where my_nets lives. Its code runs
-  # only when trusted (evaluate.py) or named again (predict.py).
+  # directory: only model_info.json says where my_nets lives, which is
+  # read only when trusted (evaluate.py). Named again (predict.py), the
+  # module is the user's own, from their current folder.
   env = {"PYTHONPATH": None}
   proc = run_script("evaluate.py", f"--model_dir={user_run['model_dir']}",
                     "--trust_model_code", env=env)
@@ -86,7 +87,7 @@ def test_evaluate_and_predict_rebuild_it_in_a_fresh_process(user_run,
   out = str(tmp_path / "prediction.json")
   run_script("predict.py", f"--model_dir={user_run['model_dir']}",
              "--model=my_nets:build", f"--image={png}",
-             f"--output_json={out}", env=env)
+             f"--output_json={out}", env=env, cwd=user_run["user_dir"])
   with open(out) as f:
     summary = json.load(f)
   assert summary["model"] == "my_nets:build"

@@ -346,9 +346,11 @@ class EvalConfig:
     poll_seconds: how often `watch` looks for a new checkpoint.
     timeout_seconds: `watch` stops after this long with nothing new.
     model: the model (registered name or `module:function`) instead of
-      model_info.json's; naming it trusts its code.
-    trust_model_code: import the `module:function` model_info.json names
-      (off by default: see `export.build_inference_model`).
+      model_info.json's; naming it trusts your own copy of its code,
+      imported from your `sys.path` or current folder, never the run's.
+    trust_model_code: import the `module:function` model_info.json names,
+      from the run's recorded folder if need be (off by default: see
+      `export.build_inference_model`).
   """
   model_dir: str = setting(help="The training run's directory.")
   checkpoint: str | None = setting(
@@ -376,10 +378,12 @@ class EvalConfig:
       "(exit 1 if none came at all).", read_by=_WATCH)
   model: str | None = setting(
       None, "The model (registered name or package.module:function) instead "
-      "of model_info.json's; naming a module trusts its code.")
+      "of model_info.json's; naming a module trusts your own copy of it, "
+      "imported from PYTHONPATH or the current folder, never the run's.")
   trust_model_code: bool = setting(
-      False, "Import the module:function that model_info.json names (runs "
-      "that module's code; off by default, as Keras's safe_mode).")
+      False, "Import the module:function that model_info.json names, from "
+      "the run's recorded folder if it is not on PYTHONPATH (runs that "
+      "module's code; off by default, as Keras's safe_mode).")
 
   def __post_init__(self):
     if not self.model_dir:
@@ -429,7 +433,8 @@ class PredictConfig:
       "train.py --best_metric).")
   model: str | None = setting(
       None, "Model name or package.module:function; overrides "
-      "model_info.json (naming a module trusts its code), or names a "
+      "model_info.json (naming a module trusts your own copy of it, from "
+      "PYTHONPATH or the current folder, never the run's), or names a "
       "CIFAR-10 model when there is none.")
   trust_model_code: bool = same_as(EvalConfig, "trust_model_code")
   index: int | None = setting(

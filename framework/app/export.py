@@ -228,19 +228,23 @@ def build_inference_model(
 
   Safe by default, as Keras's `safe_mode`: a registered model name is
   built; a `module:function` recorded in `info` is imported (which runs
-  that module's code) only with `trust_model_code=True`, which a caller
-  also implies by naming the model itself (`info = dict(info,
-  model=name)`: see `with_model`). Otherwise a ConfigError says how.
+  that module's code) only with `trust_model_code=True`, from `info`'s
+  `model_import_dir` if it is not on `sys.path`. A model the caller names
+  itself (`with_model`) is imported from the caller's `sys.path` or current
+  folder, never from `model_import_dir`. Otherwise a ConfigError says how.
   """
   check_model_code(info, trust_model_code)
   name = info["model"]
+  # The run's recorded folder is the run's code: only when trusted, and
+  # never for a model the user named (their own copy, from their folders).
+  search_dir = (info.get("model_import_dir")
+                if trust_model_code and _NAMED_BY_USER not in info else None)
   options = dict(info.get("model_options") or {}, **_TRAINING_ONLY_OPTIONS)
   options = {k: tuple(v) if isinstance(v, list) else v
              for k, v in options.items()}
   model = models.build_model(name, info["input_shape"],
                              len(info["class_names"]),
-                             search_dir=info.get("model_import_dir"),
-                             **options)
+                             search_dir=search_dir, **options)
   registry.check_outputs(name, model, len(info["class_names"]),
                          info.get("dataset"))
   return model
@@ -257,9 +261,11 @@ def check_model_code(
     raise ConfigError(
         f"{MODEL_INFO_FILE} names the model function {name!r}"
         + (f" (in {where})" if where else "") + "; importing it runs that "
-        f"code, so it is not done by default: name it again with "
-        f"--model={name} (model=), or trust the run's code with "
-        "--trust_model_code (trust_model_code=True)")
+        "code, so it is not done by default: name your own copy of the code "
+        "with --model (model=), imported from your PYTHONPATH or current "
+        "folder, never the run's, or pass --trust_model_code "
+        "(trust_model_code=True) to import it from the run's recorded "
+        "folder")
 
 
 # In-memory only (never written): the model a caller named itself.

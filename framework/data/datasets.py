@@ -81,14 +81,61 @@ def check_labels(dataset, where=""):
   return dataset
 
 
+# CIFAR-10's python files are pickles, and a run folder names the one it
+# read (model_info.json's data_dir): unpickling an arbitrary class would run
+# whatever its `__reduce__` names. The files hold only dicts, lists, bytes,
+# strings, ints and numpy arrays, so only the globals those need are found.
+def _latin1_encode(text, encoding):
+  """`_codecs.encode` as pickle protocol 2 uses it for bytes; nothing else."""
+  if not isinstance(text, str) or encoding != "latin1":
+    raise pickle.UnpicklingError(
+        f"_codecs.encode({type(text).__name__}, {encoding!r})")
+  return text.encode("latin1")
+
+
+_ALLOWED_GLOBALS = {
+    # numpy arrays: pickle protocols 0-4 (numpy 1 and 2 names), and 5.
+    ("numpy.core.multiarray", "_reconstruct"): None,
+    ("numpy._core.multiarray", "_reconstruct"): None,
+    ("numpy.core.numeric", "_frombuffer"): None,
+    ("numpy._core.numeric", "_frombuffer"): None,
+    ("numpy", "ndarray"): None,
+    ("numpy", "dtype"): None,
+    # bytes written by Python 3 with protocol 2 (write_cifar10's).
+    ("_codecs", "encode"): _latin1_encode,
+    ("__builtin__", "bytes"): None,
+    ("builtins", "bytes"): None,
+}
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+  """An unpickler that refuses every class or function but the few that
+  plain data and numpy arrays need."""
+
+  def find_class(self, module, name):
+    if (module, name) not in _ALLOWED_GLOBALS:
+      raise pickle.UnpicklingError(
+          f"it holds a {module}.{name} object, not plain data (a CIFAR-10 "
+          "file holds only dicts, lists, bytes, strings, ints and numpy "
+          "arrays; other objects could run code when loaded, so none is)")
+    return (_ALLOWED_GLOBALS[(module, name)] or
+            super().find_class(module, name))
+
+
 def _unpickle(path):
+  """The dict a CIFAR-10 python file holds (bytes keys decoded), read
+  without running any code it may name (DataError naming `path`)."""
   try:
     with open(path, "rb") as f:
-      raw = pickle.load(f, encoding="bytes")
-    return {(k.decode() if isinstance(k, bytes) else k): v
-            for k, v in raw.items()}
+      raw = _PlainDataUnpickler(f, encoding="bytes").load()
   except Exception as e:  # pickle raises many types on a corrupt file
-    raise DataError(f"cannot read CIFAR-10 file {path}: {e}") from None
+    raise DataError(f"cannot read CIFAR-10 file {path}: {first_line(e)}"
+                    ) from None
+  if not isinstance(raw, dict):
+    raise DataError(f"CIFAR-10 file {path} holds a {type(raw).__name__}, "
+                    "not the dict of a CIFAR-10 batch")
+  return {(k.decode() if isinstance(k, bytes) else k): v
+          for k, v in raw.items()}
 
 
 def _cifar_batch(path):

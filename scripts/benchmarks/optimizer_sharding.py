@@ -150,7 +150,7 @@ def _child(model, replicas, shard):
                f"replicas (shard={shard}) failed:\n{proc.stderr[-3000:]}")
     with open(path) as f:
       result = json.load(f)
-    with np.load(path + ".npz") as weights:
+    with np.load(path + ".npz", allow_pickle=False) as weights:
       result["weights"] = [weights[k] for k in sorted(
           weights.files, key=lambda k: int(k.split("_")[1]))]
     return result
