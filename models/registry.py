@@ -188,14 +188,17 @@ def import_path_of(builder):
   return f"{module}:{qualname}"
 
 
-def call_builder(builder, input_shape, num_classes, options, name=None):
+def call_builder(builder, input_shape, num_classes, options, name=None, *,
+                 scaled_pixels=None, why=None):
   """Calls `builder` in its form (`models.builder_forms`) with the options
   it accepts: `builder(input_shape=, classes=, ...)` or
   `builder(input_shape, num_classes, **options)`.
 
   Raises ConfigError naming the builder (`name`, else its import path) if
   its signature fits neither form or it returns no `keras.Model`; the
-  user's function is only called once its arguments fit.
+  user's function is only called once its arguments fit. `scaled_pixels`
+  and `why`: whether its inputs are uint8 images divided by 255, and what
+  says so (`models.input_scale.give_pixels`).
   """
   name = name or import_path_of(builder) or repr(builder)
   signature = builder_forms.signature_of(builder)
@@ -224,7 +227,7 @@ def call_builder(builder, input_shape, num_classes, options, name=None):
         f"model={name!r} returned {got}, not a keras.Model: the model "
         "function must return the model (a keras.Model of logits)")
   # A model that rescales its own input gets the 0-255 pixels it expects.
-  return input_scale.give_pixels(model, name)
+  return input_scale.give_pixels(model, name, scaled_pixels, why)
 
 
 def check_model(name, options=None, search_dir=None):
@@ -423,7 +426,14 @@ def check_task(name, per_pixel, dataset, model=None):
 
 
 def build_model(name, input_shape, num_classes, *, search_dir=None,
-                **options):
-  """Builds model `name`; options it does not take are ignored."""
+                scaled_pixels=None, why=None, **options):
+  """Builds model `name`; options it does not take are ignored.
+
+  `scaled_pixels`: whether its inputs are uint8 images divided by 255 (a
+  model that expects 0-255 pixels then gets them); None: assumed so, and
+  logged if it matters (`models.input_scale.give_pixels`); `why` says
+  what decided it, for that line.
+  """
   return call_builder(get_builder(name, search_dir), input_shape, num_classes,
-                      options, name=name)
+                      options, name=name, scaled_pixels=scaled_pixels,
+                      why=why)

@@ -28,6 +28,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from models import input_scale
 from framework.app import export, factory, run_plan
 from framework.app.config import ExperimentConfig
 from framework.core import protocols
@@ -92,6 +93,9 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
                enabled=strategies.is_chief(strategy)) as lock:
     plan = run_plan.resolve(config, strategy, train_input=train_input,
                             eval_input=eval_input, placed=True)
+    # A resumed run's model is built as it was trained (its input scale).
+    plan = run_plan.with_recorded_scale(
+        plan, export.read_model_info_quietly(plan.config.model_dir))
     config = plan.config
     if config.check_distribution:
       # Before the real trainer exists; the build re-seeds, so the run is
@@ -145,6 +149,10 @@ def _resume(plan, trainer, controller, *, custom_train, custom_eval):
   if record["model_parallel"]["mode"] != "none":  # which trainer ran
     record["model_parallel"]["trainer"] = type(trainer).__name__
   info = dict(export.model_info(config, plan.dataset),
+              # How the model was built: evaluate.py, predict.py and a
+              # resume build it the same.
+              **{input_scale.RECORD: input_scale.wrapped(
+                  protocols.unsplit_model(trainer))},
               train_steps=controller.config.train_steps,
               **export.data_sources(custom_train, custom_eval),
               run_plan=record)

@@ -30,7 +30,7 @@ from absl import logging
 import tensorflow as tf
 
 import models
-from models import registry
+from models import input_scale, registry
 from framework.app.config import EvalConfig, ExperimentConfig
 from framework.core import optimizers
 from framework.core.checkpoints import run_files
@@ -244,10 +244,26 @@ def build_inference_model(
              for k, v in options.items()}
   model = models.build_model(name, info["input_shape"],
                              len(info["class_names"]),
-                             search_dir=search_dir, **options)
+                             search_dir=search_dir,
+                             **recorded_scale(info), **options)
   registry.check_outputs(name, model, len(info["class_names"]),
                          info.get("dataset"))
   return model
+
+
+def recorded_scale(info):
+  """`build_model`'s `scaled_pixels` and `why` for the run `info`
+  describes: as it was built (`input_scale.RECORD`; absent: a run from
+  before the record, built without the wrapper)."""
+  if input_scale.RECORD in info:
+    wrapped = bool(info[input_scale.RECORD])
+    return {"scaled_pixels": wrapped,
+            "why": f"{MODEL_INFO_FILE} records {input_scale.RECORD}="
+                   f"{str(wrapped).lower()} for this run"}
+  return {"scaled_pixels": False,
+          "why": f"the run predates the {input_scale.RECORD} record of "
+                 f"{MODEL_INFO_FILE} and so was trained on its inputs as "
+                 "they are"}
 
 
 def check_model_code(
@@ -427,6 +443,8 @@ def describe_run(model_dir: str, build_model: Callable, *,
           "dataset_options": dict(dataset_options or {}),
           "global_batch_size": global_batch_size, "seed": seed,
           "input_preprocessing": preprocessing.CONTRACT,
+          # `build_model` built it as it is, with no wrapper in front.
+          input_scale.RECORD: False,
           "trained_by": "Controller",
           **data_sources(
               None if dataset else "custom", None if dataset else "custom")}

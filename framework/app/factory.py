@@ -73,14 +73,20 @@ def optimizer_config(config, steps):
 
 
 def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
-                              compute_precision=None, task=None):
+                              compute_precision=None, task=None,
+                              scaled_pixels=None, scaled_pixels_why=None):
   """(model, optimizer, LoopConfig with the run's length) under `strategy`.
 
   `build_model(input_shape, num_classes, **options)` builds the model
   (default: the builder `config.model` names). `compute_precision` replaces
   `config.mixed_precision` for the model's dtype policy (None: the run's).
-  `task`: the dataset's (None: from `dataset`).
+  `task`: the dataset's (None: from `dataset`). `scaled_pixels`,
+  `scaled_pixels_why`: whether the inputs are uint8 images divided by 255
+  and why (a `RunPlan`'s; None: from `dataset`), see `models.input_scale`.
   """
+  if scaled_pixels is None and scaled_pixels_why is None:
+    scaled_pixels, scaled_pixels_why = preprocessing.scaled_pixels(dataset)
+  scale = dict(scaled_pixels=scaled_pixels, why=scaled_pixels_why)
   steps = total_steps(config, dataset.num_train_examples)
   loop = dataclasses.replace(config.loop or LoopConfig(train_steps=steps),
                              train_steps=steps)
@@ -99,13 +105,13 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
       try:
         if build_model is None:
           model = models.build_model(config.model, dataset.input_shape,
-                                     dataset.num_classes,
+                                     dataset.num_classes, **scale,
                                      **config.model_options)
         else:
           model = registry.call_builder(build_model, dataset.input_shape,
                                         dataset.num_classes,
                                         config.model_options,
-                                        name=config.model)
+                                        name=config.model, **scale)
       except ConfigError:
         raise  # the builder's own check, already one line
       except ValueError as e:
@@ -169,9 +175,12 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
   """
   task = plan.task if plan is not None else None
   trainer_cls = trainer_cls or default_trainer_cls(dataset, task=task)
+  scale = {} if plan is None else dict(
+      scaled_pixels=plan.scaled_pixels,
+      scaled_pixels_why=plan.scaled_pixels_why)
   model, optimizer, loop = build_model_and_optimizer(
       config, strategy, dataset, build_model,
-      compute_precision=compute_precision, task=task)
+      compute_precision=compute_precision, task=task, **scale)
   if make_trainer is None:
     # The model-parallel trainers load only when a split is asked for.
     split = split and config.model_parallel.mode != "none"

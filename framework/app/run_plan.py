@@ -34,7 +34,7 @@ from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig
-from framework.data import datasets, inputs
+from framework.data import datasets, inputs, preprocessing
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
@@ -87,6 +87,11 @@ class RunPlan:
     chief: whether this process writes the run's files.
     parameter_server: whether a coordinator schedules the steps.
     eval: the `EvalPlan`.
+    scaled_pixels: whether the model's inputs are uint8 images divided by
+      255 (None: not known), which decides whether a model that expects
+      0-255 pixels gets its input times 255 (`models.input_scale`); a
+      resumed run's record decides over the data (`with_recorded_scale`).
+    scaled_pixels_why: what decided `scaled_pixels`, for the log line.
   """
   config: Any
   strategy: Any = dataclasses.field(repr=False, compare=False)
@@ -98,12 +103,17 @@ class RunPlan:
   chief: bool
   parameter_server: bool
   eval: EvalPlan
+  scaled_pixels: Optional[bool] = None
+  scaled_pixels_why: Optional[str] = None
 
   @classmethod
-  def of(cls, config, strategy, dataset):
+  def of(cls, config, strategy, dataset, train_data=None):
     """The plan of a `place`d `config` (its `mixed_precision` concrete)
-    under a made `strategy` on a loaded `dataset`."""
+    under a made `strategy` on a loaded `dataset` (`train_data`: the
+    first dataset a custom `train_input` gives)."""
+    scaled, why = preprocessing.scaled_pixels(dataset, train_data)
     return cls(config=config, strategy=strategy, dataset=dataset,
+               scaled_pixels=scaled, scaled_pixels_why=why,
                task=language_model.task_name(dataset),
                precision=config.mixed_precision,
                replicas=strategy.num_replicas_in_sync,
@@ -238,16 +248,28 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
                config.strategy, replicas, dataset.name,
                dataset.num_train_examples, dataset.num_test_examples)
   # Custom inputs: the model is built for the features they give.
-  dataset = fit_dataset(dataset, config.dataset, train_input, eval_input)
+  train_data = train_input(0) if train_input is not None else None
+  dataset = fit_dataset(dataset, config.dataset, train_data, eval_input)
   if train_input is None:
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
                            config.global_batch_size)
-  plan = RunPlan.of(config, strategy, dataset)
+  plan = RunPlan.of(config, strategy, dataset, train_data)
   # Before the distribution check, which builds the model too (a model
   # registered without its task: `factory` checks it once built).
   models.check_task(config.model, plan.task, config.dataset)
   return plan
+
+
+def with_recorded_scale(plan, previous_info):
+  """`plan` with the input scale that `previous_info` (the model_dir's
+  model_info.json, None: a new run) records: a resumed run is built as it
+  was trained (`export.recorded_scale`)."""
+  if previous_info is None:
+    return plan
+  scale = export.recorded_scale(previous_info)
+  return dataclasses.replace(plan, scaled_pixels=scale["scaled_pixels"],
+                             scaled_pixels_why=scale["why"])
 
 
 def features_shape(data):
@@ -278,15 +300,16 @@ class _WithInputShape:
     return getattr(self._dataset, name)
 
 
-def fit_dataset(dataset, dataset_name, train_input, eval_input):
-  """`dataset`, with the input shape `train_input(0)` gives if that differs.
+def fit_dataset(dataset, dataset_name, train_data, eval_input):
+  """`dataset`, with the input shape of `train_data` (what a custom
+  `train_input(0)` gives; None: no custom input) if that differs.
 
   Raises ConfigError when the shapes differ and there is no `eval_input`:
   the run would evaluate on `dataset`'s test split, of the other shape.
   """
-  if train_input is None:
+  if train_data is None:
     return dataset
-  shape = features_shape(train_input(0))
+  shape = features_shape(train_data)
   if shape is None or shape == tuple(dataset.input_shape):
     return dataset
   if eval_input is None:

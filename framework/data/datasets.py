@@ -25,6 +25,12 @@ class ArraySplits:
     return tuple(self.train_y.shape[1:])
 
   @property
+  def feature_dtype(self):
+    """The features' dtype name as stored (`uint8` images are divided by
+    255 on their way to the model)."""
+    return np.dtype(self.train_x.dtype).name
+
+  @property
   def num_classes(self):
     return len(self.class_names)
 

@@ -74,6 +74,8 @@ def _to_float(images):
 
 class FileDataset:
   """A dataset read from sharded files (TFRecords, an image folder)."""
+  # Its records hold uint8 images (`prepare_features` divides them by 255).
+  feature_dtype = "uint8"
 
   def __init__(self, name, train, test, *, class_names, image_shape,
                label_shape=(), shards_per_group=DEFAULT_SHARDS_PER_GROUP,

@@ -61,6 +61,44 @@ def has_uint8_features(element_spec):
              for spec in tf.nest.flatten(element_spec))
 
 
+def scaled_pixels(dataset, data=None):
+  """(scaled, why): whether a model trained on `dataset` (or on `data`,
+  the first `tf.data.Dataset` a custom `train_input` gives) gets uint8
+  images divided by 255 (None: it cannot be told), and the reason, for a
+  log line. A model that expects 0-255 pixels is handed its input times
+  255 only then (`models.input_scale`)."""
+  if data is not None:
+    if not isinstance(data, tf.data.Dataset):
+      return None, (
+          "train_input gives a distributed dataset, passed to the model as "
+          "it is: assumed it holds images in [0, 1] (the input contract); "
+          "give a plain tf.data.Dataset to have its dtype decide")
+    spec = data.element_spec
+    if has_uint8_features(spec):
+      return True, ("train_input gives uint8 images, which the input "
+                    "pipeline divides by 255")
+    if isinstance(spec, MaskedBatch):
+      spec = spec.batch
+    if isinstance(spec, tuple) and len(spec) >= 2:
+      spec = spec[0]
+    dtypes = sorted({getattr(s, "dtype", tf.float32).name
+                     for s in tf.nest.flatten(spec)})
+    return False, (f"train_input gives {'/'.join(dtypes)} features, which "
+                   "reach the model as they are")
+  name = getattr(dataset, "name", None)
+  dtype = getattr(dataset, "feature_dtype", None)
+  if dtype is None:
+    return None, (
+        f"dataset={name} does not say its features' dtype: assumed uint8 "
+        "images, divided by 255 (give the dataset a feature_dtype "
+        "attribute to have it decide)")
+  if dtype == "uint8":
+    return True, (f"dataset={name} has uint8 images, which the input "
+                  "pipeline divides by 255")
+  return False, (f"dataset={name} has {dtype} features, which reach the "
+                 "model as they are")
+
+
 def scale_dataset(dataset):
   """A plain `tf.data.Dataset` with the contract applied (unchanged if it
   has no uint8 features)."""

@@ -190,6 +190,7 @@ def _generation(splits):
 class TextDataset(file_input.FileDataset):
   """A `FileDataset` of token sequences: features stay int32 tokens."""
   task = TASK
+  feature_dtype = "int32"
 
   def prepare_features(self, features):
     return tf.cast(features, tf.int32)
