@@ -40,3 +40,12 @@ def test_one_stray_huge_label_is_one_line_naming_it(tmp_path):
                         "label 100000000", "4 distinct values", "class_names",
                         unchanged=before)
   assert not (tmp_path / "run").exists()
+
+
+def test_a_model_refused_for_other_labels_is_told_their_shape(tmp_path):
+  y = np.zeros((64, 5), np.int32)  # neither a class index nor a mask
+  _write(tmp_path / "data.npz", y, y[:16])
+  proc = run_script(*TRAIN, cwd=tmp_path, check=False)
+  assert_one_line_error(proc, "train.py", "model='mlp'",
+                        "its labels have shape [5] per example",
+                        unchanged=snapshot(tmp_path / "run"))
