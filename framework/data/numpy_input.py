@@ -209,10 +209,11 @@ def _load(load, path, key):
                     ) from None
 
 
-def _distinct(labels, rows=1 << 16):
-  """The sorted distinct values of `labels`, read `rows` examples at a time
-  (a mapped array is never copied whole)."""
+def _distinct(labels, chunk=1 << 22):
+  """The sorted distinct values of `labels`, read about `chunk` values at a
+  time (a mapped array is never copied whole)."""
   seen = np.zeros(0, labels.dtype)
+  rows = max(1, chunk // max(1, int(np.prod(labels.shape[1:]))))
   for start in range(0, len(labels), rows):
     seen = np.union1d(seen, labels[start:start + rows])
   return seen
