@@ -396,7 +396,7 @@ def declared_task(name):
   return _TASKS.get(name)
 
 
-def check_task(name, per_pixel, dataset, model=None):
+def check_task(name, per_pixel, dataset, model=None, label_shape=None):
   """Raises ConfigError unless model `name` solves the dataset's task.
 
   Args:
@@ -405,6 +405,8 @@ def check_task(name, per_pixel, dataset, model=None):
     dataset: the dataset's name, for the message.
     model: the built model, if any: its output rank decides for a model
       registered without a task.
+    label_shape: the shape of one example's labels, if known: the message
+      says what was seen.
   """
   load_builtin(name)
   if isinstance(per_pixel, str):
@@ -420,6 +422,8 @@ def check_task(name, per_pixel, dataset, model=None):
   labels = {"segmentation": "one class per pixel",
             "language_model": "the next token at every position"}.get(
                 want, "one class per image")
+  if label_shape is not None:
+    labels += f": its labels have shape {list(label_shape)} per example"
   raise ConfigError(
       f"model={name!r} is a {task} model but dataset={dataset!r} is a {want} "
       f"task ({labels}); use a {want} model: {', '.join(fitting) or 'none'}")

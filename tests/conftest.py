@@ -8,8 +8,13 @@ count, or several workers, start subprocesses (see tests/helpers.py).
 import collections
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# distloop's cache (checks done once, framework/data/integrity.py): the
+# session's own folder, not the user's ~/.cache.
+if not os.environ.get("DISTLOOP_CACHE_DIR"):
+  os.environ["DISTLOOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="distloop_cache_")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 

@@ -257,7 +257,8 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
   plan = RunPlan.of(config, strategy, dataset, train_data)
   # Before the distribution check, which builds the model too (a model
   # registered without its task: `factory` checks it once built).
-  models.check_task(config.model, plan.task, config.dataset)
+  models.check_task(config.model, plan.task, config.dataset,
+                    label_shape=getattr(dataset, "label_shape", None))
   return plan
 
 

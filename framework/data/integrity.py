@@ -12,9 +12,17 @@ Errors raised inside a `tf.data` graph surface as `InvalidArgumentError`;
 their message carries `MARKER`, and `data_error(e)` turns such an error back
 into the one-line `DataError` it stands for (the scripts and the Controller
 call it).
+
+A check that reads a whole file (the CRC-32 pass over an `.npz`) is done
+once per file as it is: `record_checked` notes it in distloop's cache folder
+(`cache_dir()`, never the data folder, which the readers only read), keyed
+by the file's real path, size, mtime and inode, and `checked_before` finds
+it until the file changes.
 """
 
 import hashlib
+import json
+import os
 import re
 
 import numpy as np
@@ -86,6 +94,62 @@ def file_sha256(path, chunk=1 << 22):
     for block in iter(lambda: f.read(chunk), b""):
       digest.update(block)
   return digest.hexdigest()
+
+
+def cache_dir():
+  """distloop's cache folder: `$DISTLOOP_CACHE_DIR`, else
+  `$XDG_CACHE_HOME/distloop`, else `~/.cache/distloop`."""
+  if os.environ.get("DISTLOOP_CACHE_DIR"):
+    return os.environ["DISTLOOP_CACHE_DIR"]
+  base = (os.environ.get("XDG_CACHE_HOME") or
+          os.path.join(os.path.expanduser("~"), ".cache"))
+  return os.path.join(base, "distloop")
+
+
+def file_identity(path):
+  """What a record of `path` is keyed by: real path, size, mtime, inode.
+  Take it before a check, so that a file changed while it was read is not
+  recorded as checked."""
+  stat = os.stat(path)
+  return {"path": os.path.realpath(path), "size": stat.st_size,
+          "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def _record_path(path, check):
+  key = hashlib.sha256(f"{check}\0{os.path.realpath(path)}".encode())
+  return os.path.join(cache_dir(), "checked", key.hexdigest()[:32] + ".json")
+
+
+def checked_before(path, check):
+  """Whether `check` (a name) passed on `path` as it is now (a record of
+  `record_checked` with its current size, mtime and inode)."""
+  try:
+    with open(_record_path(path, check)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return record == dict(file_identity(path), check=check)
+
+
+def record_checked(path, check, identity):
+  """Records that `check` passed on `path` as `identity` (`file_identity`
+  taken before the check) described it; nothing if the file has changed
+  since, or the cache folder cannot be written (the check is then redone
+  next time)."""
+  if file_identity(path) != identity:
+    return
+  target = _record_path(path, check)
+  temporary = f"{target}.{os.getpid()}.tmp"
+  try:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(temporary, "w") as f:
+      json.dump(dict(identity, check=check), f)
+    os.replace(temporary, target)
+  except OSError:
+    try:
+      os.remove(temporary)
+    except OSError:
+      pass
 
 
 def checked_shard(path, count, fingerprint=None):

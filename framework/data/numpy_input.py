@@ -9,6 +9,16 @@ cache is shared by the workers of one host. A compressed `.npz`
 (`np.savez_compressed`) cannot be mapped and is read into memory once per
 process, with a warning.
 
+What is mapped is checked first: every array's stored bytes must be exactly
+what its header's shape and dtype need (a header listing more rows than
+stored would map neighbouring bytes), and an `.npz`'s members must match
+their CRC-32s; that pass reads the whole file, so it is done once and
+recorded outside the data folder (`integrity.record_checked`) until the file
+changes. Labels of shape [examples, 1] are class indices like [examples].
+Without `class_names` the class count is the largest label + 1, unless that
+is far beyond the number of distinct labels (a stray label would build a
+model of that many classes): then the label is named in a DataError.
+
 Batches are the same pure function of (seed, step) as for in-memory arrays
 (`framework.data.inputs`), so a resumed run gets exactly the batches an
 uninterrupted one would, and the same batches as the same arrays in memory.
@@ -21,25 +31,30 @@ every error about a bad file say the same.
 import os
 import struct
 import zipfile
+import zlib
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from framework.data import inputs
+from framework.data import inputs, integrity
 from framework.data.datasets import ArraySplits
 from framework.data.config import InputConfig
-from framework.errors import DataError, check_positive
+from framework.errors import DataError, check_positive, first_line
 from framework.settings import default
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 CLASS_NAMES_KEY = "class_names"
+_CRC_CHECK = "npz-crc32"
+# Without class_names, a largest label + 1 above _SPREAD times the number of
+# distinct labels + _SLACK is a stray value, not classes the data lacks.
+_SPREAD, _SLACK = 2, 16
 # The data contract, appended to every error about the arrays.
 CONTRACT = ("x_train, x_test: numbers of shape [examples, ...] (e.g. "
             "[N, 28, 28, 1]), uint8 divided by 255 to [0, 1], any other "
             "dtype reaching the model as float32 as given; y_train, y_test: "
-            "integer class indices 0..classes-1 of shape [examples] (or "
-            "[examples, height, width] masks); "
+            "integer class indices 0..classes-1 of shape [examples] or "
+            "[examples, 1] (or [examples, height, width] masks); "
             "class_names: optional strings")
 
 
@@ -48,8 +63,42 @@ def _contract_error(message):
   return DataError(f"{message} (dataset=numpy: {CONTRACT})")
 
 
+def _read_header(f):
+  """(shape, fortran_order, dtype) of the `.npy` header at `f`'s position,
+  leaving `f` at the array's first byte."""
+  version = np.lib.format.read_magic(f)
+  read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                 else np.lib.format.read_array_header_2_0)
+  return read_header(f)
+
+
+def _check_size(where, shape, dtype, stored):
+  """DataError unless `stored` bytes are exactly the data of the header's
+  `shape` and `dtype` (fewer: a header listing more rows than stored, whose
+  mapping would read neighbouring bytes; more: bytes no header describes)."""
+  wanted = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if stored != wanted:
+    raise DataError(
+        f"{where} is damaged: its header lists shape {tuple(shape)} of "
+        f"{dtype} ({wanted} bytes of data) but it stores {stored} bytes "
+        "(truncated, or a wrong header; save it again with np.save/np.savez)")
+
+
+def _npy_file(path, key):
+  """The `.npy` file `path` memory-mapped, its size checked against its
+  header."""
+  with open(path, "rb") as f:
+    shape, _, dtype = _read_header(f)
+    offset = f.tell()
+  if not dtype.hasobject:
+    _check_size(f"data_dir={os.path.dirname(path)!r}: {key}.npy", shape, dtype,
+                os.path.getsize(path) - offset)
+  return np.load(path, allow_pickle=False, mmap_mode="r")
+
+
 def _npz_member(path, key):
-  """The `.npz` member `key` memory-mapped in place (None if compressed)."""
+  """The `.npz` member `key` memory-mapped in place (None if compressed),
+  its size checked against its header."""
   with zipfile.ZipFile(path) as archive:
     info = archive.getinfo(key + ".npy")
   if info.compress_type != zipfile.ZIP_STORED:
@@ -58,20 +107,44 @@ def _npz_member(path, key):
     f.seek(info.header_offset)
     local = f.read(30)  # the member's local header: its own name and extra
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    f.seek(info.header_offset + 30 + name_len + extra_len)
-    version = np.lib.format.read_magic(f)
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, fortran, dtype = read_header(f)
+    start = info.header_offset + 30 + name_len + extra_len
+    f.seek(start)
+    shape, fortran, dtype = _read_header(f)
     offset = f.tell()
   if dtype.hasobject:
     raise DataError(f"data_dir={path!r}: {key} holds Python objects; save "
                     "numeric arrays")
+  _check_size(f"data_dir={path!r}: member {key}.npy", shape, dtype,
+              info.file_size - (offset - start))
   if not shape or 0 in shape:
     # np.memmap cannot map 0 bytes; such a split is refused below anyway.
     return np.zeros(shape, dtype)
   return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape,
                    order="F" if fortran else "C")
+
+
+def _check_crcs(path, keys):
+  """DataError unless the `.npz` members of `keys` match their CRC-32s.
+
+  A memory-mapped member bypasses zipfile's own check, so each is read
+  through zipfile once; the pass is recorded (`integrity.record_checked`)
+  and not repeated while the file keeps its size, mtime and inode.
+  """
+  if integrity.checked_before(path, _CRC_CHECK):
+    return
+  identity = integrity.file_identity(path)
+  with zipfile.ZipFile(path) as archive:
+    for key in keys:
+      try:
+        with archive.open(key + ".npy") as member:
+          while member.read(1 << 24):
+            pass
+      except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+        raise DataError(
+            f"data_dir={path!r}: member {key}.npy is damaged ({first_line(e)}"
+            "): its bytes are not the ones the archive recorded; save it "
+            "again with np.savez") from None
+  integrity.record_checked(path, _CRC_CHECK, identity)
 
 
 def _open_arrays(data_dir):
@@ -92,7 +165,7 @@ def _open_arrays(data_dir):
     for key in KEYS + (CLASS_NAMES_KEY,):
       path = os.path.join(data_dir, key + ".npy")
       if os.path.isfile(path):
-        arrays[key] = _load(np.load, path, key, mmap_mode="r")
+        arrays[key] = _load(_npy_file, path, key)
     return arrays
   if not os.path.isfile(data_dir):
     raise DataError(f"data_dir={data_dir!r} does not exist (dataset=numpy "
@@ -107,16 +180,16 @@ def _open_arrays(data_dir):
     raise _contract_error(
         f"data_dir={data_dir!r} has no {', '.join(missing)}; it has "
         f"{', '.join(sorted(members)) or 'nothing'}")
+  present = [k for k in KEYS + (CLASS_NAMES_KEY,) if k in members]
   compressed = []
-  for key in KEYS + (CLASS_NAMES_KEY,):
-    if key not in members:
-      continue
+  for key in present:
     array = _load(_npz_member, data_dir, key)
     if array is None:
       compressed.append(key)
       array = _load(lambda p, k: np.load(p, allow_pickle=False)[k],
                     data_dir, key)
     arrays[key] = array
+  _check_crcs(data_dir, present)
   if compressed:
     logging.warning(
         "%s is compressed: %s read into memory (np.savez, or a folder of "
@@ -125,16 +198,45 @@ def _open_arrays(data_dir):
   return arrays
 
 
-def _load(load, path, key, **kwargs):
+def _load(load, path, key):
   try:
-    return load(path, key, **kwargs) if load is not np.load else load(
-        path, allow_pickle=False, **kwargs)
+    return load(path, key)
   except DataError:
     raise
   except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
     raise DataError(f"cannot read {key} from {path}: "
                     f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                     ) from None
+
+
+def _distinct(labels, chunk=1 << 22):
+  """The sorted distinct values of `labels`, read about `chunk` values at a
+  time (a mapped array is never copied whole)."""
+  seen = np.zeros(0, labels.dtype)
+  rows = max(1, chunk // max(1, int(np.prod(labels.shape[1:]))))
+  for start in range(0, len(labels), rows):
+    seen = np.union1d(seen, labels[start:start + rows])
+  return seen
+
+
+def _classes_of_labels(data_dir, labels):
+  """The class count of `labels` ({split: labels}) without class names: the
+  largest label + 1 (at least 2), unless that is far beyond the labels'
+  distinct values (more than `_SPREAD` times their number + `_SLACK`): then
+  a stray label, which would build that many classes, is a DataError."""
+  distinct = np.unique(np.concatenate([_distinct(y) for y in labels.values()]))
+  top = int(distinct[-1])
+  if top + 1 > _SPREAD * len(distinct) + _SLACK:
+    split, y = next((k, y) for k, y in labels.items()
+                    if len(y) and int(np.max(y)) == top)
+    example = np.unravel_index(
+        int(np.argmax(np.asarray(y).reshape(-1) == top)), y.shape)[0]
+    raise _contract_error(
+        f"data_dir={data_dir!r}: y_{split} example {example} has label {top}, "
+        f"which would make {top + 1} classes, but the labels hold only "
+        f"{len(distinct)} distinct values; fix that label, or give "
+        f"{CLASS_NAMES_KEY} (one name per class) to declare the classes")
+  return max(top + 1, 2)
 
 
 class NumpyDataset(ArraySplits):
@@ -169,6 +271,13 @@ class NumpyDataset(ArraySplits):
         raise _contract_error(
             f"data_dir={data_dir!r}: x_{split} is {x.dtype}; features are "
             "numbers")
+    for split in ("train", "test"):
+      y = getattr(self, f"{split}_y")
+      if y.ndim == 2 and y.shape[1] == 1:
+        # One class index per example, as a column: a classification label.
+        logging.info("%s: y_%s has shape %s: read as class indices of shape "
+                     "[%d]", data_dir, split, y.shape, len(y))
+        setattr(self, f"{split}_y", y[:, 0])
     if self.train_x.shape[1:] != self.test_x.shape[1:]:
       raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
                       f"{self.train_x.shape[1:]}, x_test's "
@@ -180,8 +289,9 @@ class NumpyDataset(ArraySplits):
     if class_names is None and CLASS_NAMES_KEY in arrays:
       class_names = [str(n) for n in np.asarray(arrays[CLASS_NAMES_KEY])]
     if class_names is None:
-      top = max(int(np.max(self.train_y)), int(np.max(self.test_y)))
-      class_names = [f"class_{i}" for i in range(max(top + 1, 2))]
+      classes = _classes_of_labels(data_dir, {"train": self.train_y,
+                                              "test": self.test_y})
+      class_names = [f"class_{i}" for i in range(classes)]
     self.class_names = tuple(class_names)
 
   def test_samples(self, n):
