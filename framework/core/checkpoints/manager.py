@@ -331,7 +331,8 @@ def reserved_names() -> frozenset:
 def reserved_name_error(where: str, name: str) -> ConfigError:
   """The one-line error for tracking an object under a reserved name."""
   whose = ("distloop's checkpoint already uses" if name in OWN_NAMES
-           else "is an attribute of tf.train.Checkpoint itself")
+           else "tf.train.Checkpoint itself uses (an attribute the object "
+           "would shadow)")
   public = sorted(n for n in reserved_names() if not n.startswith("_"))
   return ConfigError(
       f"{where}: {name!r} is a name {whose}; choose another (not one of "
