@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core import evaluation, optimizer_sharding, summaries
+from framework.core.checkpoints import manager as checkpoint_manager
 from framework.core.config import TrainerConfig
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
 from framework.core.gradients import GradientPipeline
@@ -548,31 +549,62 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     """Checkpoints `objects` (extra models, optimizers, variables: a
     teacher, a discriminator and its optimizer) with the run, by name.
 
-    `__init__` does not run under `strategy.scope()`: create them in
-    `with self.strategy.scope():` (an optimizer built there, `opt.build(
-    variables)`, so that a resume restores its slots), then track them.
-    Raises ConfigError, in one line, for an object whose variables were
-    created outside the scope or an optimizer not yet built.
+    A value is a keras.Model, layer, optimizer, `keras.Variable`,
+    `tf.Variable` or `tf.Module`, or a list, tuple or dict (string keys) of
+    them, checkpointed element by element. `__init__` does not run under
+    `strategy.scope()`: create them in `with self.strategy.scope():` (an
+    optimizer built there, `opt.build(variables)`, so that a resume
+    restores its slots), then track them.
+
+    Raises ConfigError, in one line, for a name the checkpoint itself uses
+    (distloop's `model`, `optimizer`, `global_step`, ..., and
+    `tf.train.Checkpoint`'s `save`, `restore`, `save_counter`, ...), a value
+    a checkpoint cannot hold (an int, a string, an array, a function), a
+    variable created outside the scope or an optimizer not yet built.
     """
+    reserved = checkpoint_manager.reserved_names()
     for name, value in objects.items():
       where = f"{type(self).__name__}.track({name}=...)"
-      if (isinstance(value, keras.optimizers.Optimizer)
-          and not value.built):
-        raise ConfigError(f"{where}: the optimizer is not built; call "
-                          f"{name}.build(variables) under "
-                          "self.strategy.scope() before tracking it")
-      variables = getattr(value, "variables", None)
-      if variables is None and isinstance(value, tf.Variable):
-        variables = [value]
-      for v in variables or ():
-        if not self.strategy.extended.variable_created_in_scope(
-            getattr(v, "value", v)):
-          raise ConfigError(
-              f"{where}: its variable {v.name!r} was created outside "
-              f"strategy.scope(); create it under `with "
-              f"self.strategy.scope():` in __init__ (under "
-              f"{type(self.strategy).__name__} each replica needs its copy)")
+      if name in reserved:
+        raise checkpoint_manager.reserved_name_error(where, name)
+      for label, element in checkpoint_manager.tracked_elements(
+          value, name, where):
+        self._check_trackable(where, label, element, whole=label == name)
     self.tracked_objects = dict(self.tracked_objects, **objects)
+
+  def _check_trackable(self, where, label, value, whole):
+    """Raises ConfigError unless `value` (the tracked value if `whole`,
+    else the element `label` of a tracked list, tuple or dict) can be
+    checkpointed and restored under this trainer's strategy."""
+    its = "its" if whole else f"{label}: its"
+    if not isinstance(value, _tf_internal.Trackable):
+      kind = type(value)
+      kind = (kind.__name__ if kind.__module__ == "builtins"
+              else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}")
+      raise ConfigError(
+          f"{where}: {'the value' if whole else label} has type {kind}, "
+          "which a checkpoint cannot hold; track "
+          "a keras.Model, layer, optimizer, keras.Variable, tf.Variable or "
+          "tf.Module, or a list, tuple or dict of them")
+    if isinstance(value, keras.optimizers.Optimizer) and not value.built:
+      raise ConfigError(f"{where}: {'the optimizer' if whole else label} is "
+                        f"not built; call {label}.build(variables) under "
+                        "self.strategy.scope() before tracking it")
+    if isinstance(value, (tf.Variable, keras.Variable)):
+      variables = [value]
+    else:  # a model, layer, optimizer or tf.Module
+      variables = getattr(value, "variables", None) or ()
+    for v in variables:
+      # A keras.Variable holds the tf.Variable the strategy made as `value`
+      # (a tf.Variable's `value` is a method).
+      held = v.value if isinstance(v, keras.Variable) else v
+      if (isinstance(held, tf.Variable) and
+          not self.strategy.extended.variable_created_in_scope(held)):
+        raise ConfigError(
+            f"{where}: {its} variable "
+            f"{v.name!r} was created outside strategy.scope(); create it "
+            f"under `with self.strategy.scope():` in __init__ (under "
+            f"{type(self.strategy).__name__} each replica needs its copy)")
 
   @property
   def num_replicas(self) -> int:

@@ -314,6 +314,52 @@ class CheckpointManager:
     return path
 
 
+# The names distloop gives the objects of a run's checkpoint:
+# `checkpoint_objects`' and `checkpoint_items`' (the loss scale's, the
+# EMA's). tests/test_trainer_tracking.py checks that they cover them all.
+OWN_NAMES = ("model", "optimizer", "global_step", "rng_states", "loss_scale",
+             "loss_scale_good_steps", "ema")
+
+
+def reserved_names() -> frozenset:
+  """Names a tracked object cannot have: distloop's own (`OWN_NAMES`) and
+  every attribute of a `tf.train.Checkpoint` (`save`, `restore`,
+  `save_counter`, its private state), which the object would shadow."""
+  return frozenset(OWN_NAMES).union(dir(tf.train.Checkpoint()))
+
+
+def reserved_name_error(where: str, name: str) -> ConfigError:
+  """The one-line error for tracking an object under a reserved name."""
+  whose = ("distloop's checkpoint already uses" if name in OWN_NAMES
+           else "tf.train.Checkpoint itself uses (an attribute the object "
+           "would shadow)")
+  public = sorted(n for n in reserved_names() if not n.startswith("_"))
+  return ConfigError(
+      f"{where}: {name!r} is a name {whose}; choose another (not one of "
+      f"{', '.join(public)} or a private attribute of tf.train.Checkpoint)")
+
+
+def tracked_elements(value: Any, label: str, where: Optional[str] = None):
+  """Yields (label, object) for each object a tracked `value` holds: the
+  value itself, or the elements of a list, tuple or dict of them, nested
+  (tf.train.Checkpoint tracks those element by element), labelled
+  `label[0]`, `label['key']`. With `where`, a dict key that is not a string
+  (which a checkpoint cannot name) raises ConfigError in one line."""
+  if isinstance(value, (list, tuple)):
+    for i, element in enumerate(value):
+      yield from tracked_elements(element, f"{label}[{i}]", where)
+  elif isinstance(value, dict):
+    for key, element in value.items():
+      if where is not None and not isinstance(key, str):
+        raise ConfigError(
+            f"{where}: {label} has the key {key!r}, a "
+            f"{type(key).__name__}; a checkpoint names a dict's elements by "
+            "their keys, which must be strings")
+      yield from tracked_elements(element, f"{label}[{key!r}]", where)
+  else:
+    yield label, value
+
+
 def checkpoint_objects(trainer: Any,
                        extra: Optional[Mapping[str, Any]] = None) -> dict:
   """What a run's checkpoint holds: model, optimizer, global step, the
@@ -321,7 +367,7 @@ def checkpoint_objects(trainer: Any,
   masks), `extra` and the trainer's `tracked_objects`.
 
   Raises ConfigError, in one line, for a tracked name the checkpoint
-  already uses.
+  already uses (`reserved_names`).
   """
   objects = dict(model=trainer.model,
                  optimizer=protocols.checkpointed_optimizer(trainer),
@@ -331,11 +377,11 @@ def checkpoint_objects(trainer: Any,
   if rng_states:
     objects["rng_states"] = rng_states
   tracked = tracked_objects(trainer)
+  reserved = reserved_names()
   for name in tracked:
-    if name in objects or name == "rng_states":
-      raise ConfigError(f"{type(trainer).__name__}.track({name}=...): "
-                        f"{name!r} is a name the checkpoint already uses; "
-                        "choose another")
+    if name in objects or name in reserved:
+      raise reserved_name_error(f"{type(trainer).__name__}.track({name}=...)",
+                                name)
   objects.update(tracked)
   return objects
 
@@ -344,23 +390,28 @@ def tracked_objects(trainer: Any) -> dict:
   """The trainer's `tracked_objects` ({} by default).
 
   Raises ConfigError, in one line, for a keras.Model or optimizer attribute
-  of a trainer class of one's own that is neither its `model`/`optimizer`
-  nor tracked: it would be left out of every checkpoint, so a resumed run
+  (or one in a list, tuple or dict attribute) of a trainer class of one's
+  own that is neither its `model`/`optimizer` nor tracked: it would be left out of every checkpoint, so a resumed run
   would silently restart it.
   """
   tracked = dict(protocols.optional(trainer, "tracked_objects"))
   if type(trainer).__module__.startswith("framework."):
     return tracked  # the framework's own trainers declare theirs
-  known = [trainer.model, trainer.optimizer, *tracked.values()]
+  known = [trainer.model, trainer.optimizer]
+  for name, value in tracked.items():
+    known += [element for _, element in tracked_elements(value, name)]
   for name, value in sorted(vars(trainer).items()):
-    if (isinstance(value, (keras.Model, keras.optimizers.Optimizer))
-        and not any(value is k for k in known)):
-      kind = ("keras.Model" if isinstance(value, keras.Model)
-              else "optimizer")
-      raise ConfigError(
-          f"{type(trainer).__name__}.{name} (a {kind}) is not checkpointed: "
-          f"create it in __init__ under `with self.strategy.scope():` and "
-          f"register it with self.track({name}=self.{name})")
+    # A list, tuple or dict attribute: its models and optimizers too.
+    for label, element in tracked_elements(value, name):
+      if (isinstance(element, (keras.Model, keras.optimizers.Optimizer))
+          and not any(element is k for k in known)):
+        kind = ("keras.Model" if isinstance(element, keras.Model)
+                else "optimizer")
+        raise ConfigError(
+            f"{type(trainer).__name__}.{label} (a {kind}) is not "
+            f"checkpointed: create it in __init__ under `with "
+            f"self.strategy.scope():` and register it with "
+            f"self.track({name}=self.{name})")
   return tracked
 
 
