@@ -136,6 +136,7 @@ def get_builder(name, search_dir=None):
   module_name, _, attribute = name.partition(":")
   if not module_name or not attribute:
     raise ConfigError(_valid(name))
+  check_import_path(name)
   module = _import_module(name, module_name, search_dir)
   builder = module
   for part in attribute.split("."):
@@ -154,6 +155,22 @@ def get_builder(name, search_dir=None):
                       f"{type(builder).__name__}, not a callable "
                       "build(input_shape, num_classes, **options)")
   return builder
+
+
+def check_import_path(name):
+  """ConfigError unless import path `name` is `package.module:attribute`
+  of dotted identifiers whose attribute parts are public (no leading
+  underscore: no dunder or private attribute is ever reached)."""
+  module_name, _, attribute = name.partition(":")
+  parts = attribute.split(".")
+  if (all(p.isidentifier() for p in module_name.split("."))
+      and all(p.isidentifier() and not p.startswith("_") for p in parts)):
+    return
+  raise ConfigError(
+      f"model={name!r} is not valid: an import path is package.module:"
+      "function, the function named by public identifiers (e.g. "
+      "keras.applications:ResNet50 or my_models.nets:build); attributes "
+      "starting with '_' are refused")
 
 
 def import_dir(name):
@@ -205,7 +222,8 @@ def call_builder(builder, input_shape, num_classes, options, name=None, *,
   if builder_forms.classes_keyword(signature):
     kwargs = builder_forms.keyword_arguments(name, signature, input_shape,
                                              num_classes, options)
-    model = builder(**kwargs)
+    model = _call_with_weights(builder, kwargs, name)
+    builder_forms.check_logits(name, model)
   else:
     if builder_forms.names_one_only(signature):
       raise builder_forms.refuse(name, builder, signature)
@@ -230,13 +248,45 @@ def call_builder(builder, input_shape, num_classes, options, name=None, *,
   return input_scale.give_pixels(model, name, scaled_pixels, why)
 
 
-def check_model(name, options=None, search_dir=None):
+def _call_with_weights(builder, kwargs, name):
+  """`builder(**kwargs)`; a `weights` file that does not fit the model is
+  a ConfigError naming it (the builder is called again without it to tell
+  that failure from any other)."""
+  if kwargs.get("weights") is None:
+    return builder(**kwargs)
+  try:
+    return builder(**kwargs)
+  except Exception as e:  # pylint: disable=broad-except  (Keras's loaders)
+    try:
+      builder(**dict(kwargs, weights=None))
+    except Exception:  # pylint: disable=broad-except
+      raise e from None  # not the weights' fault
+    lines = str(e).strip().splitlines()
+    raise ConfigError(
+        f"model={name!r}: model_options weights={kwargs['weights']!r} does "
+        f"not fit the model ({lines[0] if lines else type(e).__name__}); "
+        f"expected {builder_forms.WEIGHTS_FILES} with the same options") from None
+
+
+def check_model(name, options=None, search_dir=None, *, resuming=False):
   """ConfigError, before any work, if model `name` cannot be found or the
-  options name a weights file that is not there (keyword form)."""
+  options do not fit it (keyword form: a `weights` file that is not there
+  or not a Keras weights file, unless `resuming` from a checkpoint, which
+  holds every weight; a `classifier_activation` other than logits)."""
   builder = get_builder(name, search_dir)
   if builder_forms.classes_keyword(builder_forms.signature_of(builder)):
-    builder_forms.check_weights(name, options or {})
+    if not resuming:
+      builder_forms.check_weights(name, options or {})
+    builder_forms.check_activation(name, options or {})
   return builder
+
+
+def architecture_options(name, options, search_dir=None):
+  """`options` for building model `name` whose weights then come from a
+  checkpoint or weights file: a keyword-form builder's initial `weights`
+  file is not loaded (it may have moved since the run began)."""
+  signature = builder_forms.signature_of(get_builder(name, search_dir))
+  return builder_forms.without_initial_weights(signature, options)
 
 
 def taken_options(name, options, search_dir=None):
@@ -341,7 +391,8 @@ def parse_options(name, text):
   default's type); a list value continues after commas
   (`hidden_units=32,16,dropout=false`). The input shape and the class
   count (a positional builder's first two arguments) are not options; a
-  `weights` file of a keyword-form builder must exist.
+  keyword-form builder's `classifier_activation` must give logits (its
+  `weights` file is checked by `check_model`).
 
   Raises:
     ConfigError: naming the bad key or value and the valid keys.
@@ -385,7 +436,9 @@ def parse_options(name, text):
                         f"{valid}") from None
     values[key] = value
   if keyword_form:
-    builder_forms.check_weights(name, values)
+    # The weights file is checked by the run, which knows whether it
+    # resumes (then the file is not needed).
+    builder_forms.check_activation(name, values)
   return values
 
 

@@ -15,7 +15,7 @@ import framework
 from framework.app import experiment
 from models import registry
 from models.options import ModelOptions
-from helpers import run_script
+from helpers import assert_one_line_error, run_script, snapshot
 from shared_strategy import mirrored
 
 APPLICATIONS = ("MobileNetV2", "ResNet50", "EfficientNetB0")
@@ -123,3 +123,81 @@ def test_positional_builders_are_called_as_before():
 
   registry.call_builder(build, (4, 4, 1), 3, {"depth": 2}, name="m:build")
   assert calls == [((4, 4, 1), 3, ["depth"])]
+
+
+def _garbage_weights(folder):
+  """{kind: path} of files that are no Keras weights file for MobileNetV2
+  (alpha=0.35, 10 classes)."""
+  model = registry.build_model("keras.applications:MobileNetV2", (32, 32, 3),
+                               5, alpha=0.35)  # another head: does not fit
+  other = str(folder / "five_classes.weights.h5")
+  model.save_weights(other)
+  with open(other, "rb") as f:
+    data = f.read()
+  model.save(str(folder / "whole.keras"))
+  with open(folder / "whole.keras", "rb") as f:
+    archive = f.read()
+  files = {"random.weights.h5": np.random.default_rng(0).bytes(4096),
+           "notes.txt": b"not weights\n",
+           "truncated.weights.h5": data[:len(data) // 2],
+           "truncated.h5": data[:len(data) // 2],
+           "truncated.keras": archive[:len(archive) // 2]}
+  for name, content in files.items():
+    (folder / name).write_bytes(content)
+  return {name: str(folder / name) for name in [*files,
+                                                "five_classes.weights.h5"]}
+
+
+def test_garbage_weights_file_is_one_line_naming_it(tmp_path):
+  files = _garbage_weights(tmp_path)
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  before = snapshot(str(model_dir))
+  for name, path in files.items():
+    proc = run_script("train.py", "--dataset=synthetic", "--train_steps=1",
+                      f"--model_dir={model_dir}",
+                      "--model=keras.applications:MobileNetV2",
+                      f"--model_options=alpha=0.35,weights={path}",
+                      check=False)
+    expected = ("does not fit the model" if name.startswith("five")
+                else "is not a Keras weights file")
+    line = assert_one_line_error(proc, "train.py", f"weights={path!r}",
+                                 expected, ".weights.h5", unchanged=before)
+    assert "Traceback" not in proc.stderr, (name, line)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model=keras.applications:ResNet50.__class__"],
+     "attributes starting with '_' are refused"),
+    (["--model=keras.applications:_private"],
+     "attributes starting with '_' are refused"),
+    (["--model=keras.applications:MobileNetV2",
+      "--model_options=classifier_activation=softmax"],
+     "classifier_activation='softmax' is not supported: distloop's losses "
+     "take logits; use classifier_activation=None"),
+])
+def test_private_path_or_softmax_is_one_line(tmp_path, args, message):
+  model_dir = tmp_path / "run"
+  before = snapshot(str(model_dir))
+  proc = run_script("train.py", "--dataset=synthetic", "--train_steps=1",
+                    f"--model_dir={model_dir}", *args, check=False)
+  assert_one_line_error(proc, "train.py", message, unchanged=before)
+
+
+def _softmax_head(input_shape=None, classes=10):
+  return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                           keras.layers.Dense(classes, activation="softmax")])
+
+
+def test_final_softmax_layer_is_refused():
+  with pytest.raises(framework.ConfigError, match="applies softmax"):
+    registry.call_builder(_softmax_head, (4, 4, 1), 3, {}, name="m:f")
+
+
+def test_classifier_activation_none_or_linear_gives_logits():
+  for value in ("None", "linear"):
+    options = registry.parse_options("keras.applications:MobileNetV2",
+                                     f"alpha=0.35,classifier_activation={value}")
+    model = registry.build_model("keras.applications:MobileNetV2",
+                                 (32, 32, 3), 10, **options)
+    assert model.layers[-1].activation is keras.activations.linear

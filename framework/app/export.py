@@ -224,7 +224,9 @@ def read_model_info_quietly(model_dir):
 
 def build_inference_model(
     info, *, trust_model_code=default(EvalConfig, "trust_model_code")):
-  """The model described by `info`, built without any strategy.
+  """The model described by `info`, built without any strategy, without
+  its weights (a keyword-form model's initial `weights` file is not read:
+  load the run's).
 
   Safe by default, as Keras's `safe_mode`: a registered model name is
   built; a `module:function` recorded in `info` is imported (which runs
@@ -242,6 +244,10 @@ def build_inference_model(
   options = dict(info.get("model_options") or {}, **_TRAINING_ONLY_OPTIONS)
   options = {k: tuple(v) if isinstance(v, list) else v
              for k, v in options.items()}
+  # Its weights come from the run (a checkpoint, the weights file), not
+  # from the initial weights file it started from.
+  options = registry.architecture_options(
+      name, options, search_dir=info.get("model_import_dir"))
   model = models.build_model(name, info["input_shape"],
                              len(info["class_names"]),
                              search_dir=search_dir,

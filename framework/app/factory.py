@@ -22,6 +22,7 @@ from framework.app import run_plan
 from framework import settings
 from framework.app import export
 from framework.core import actions, checkpoints, optimizers, precision
+from framework.core.checkpoints.manager import has_checkpoint
 from framework.core import evaluation
 from framework.core import protocols, ps_training
 from framework.core.config import LoopConfig, TrainerConfig
@@ -100,17 +101,21 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
   # Layers keep the dtype policy they are built with; restore the global one.
   policy = keras.mixed_precision.global_policy()
   precision.set_precision(compute_precision or config.mixed_precision)
+  options = config.model_options
+  if has_checkpoint(config.model_dir):
+    # The checkpoint restored next holds every weight: the initial weights
+    # file (keyword form) is not loaded, and may have moved.
+    options = registry.architecture_options(config.model, options)
   try:
     with strategy.scope():
       try:
         if build_model is None:
           model = models.build_model(config.model, dataset.input_shape,
                                      dataset.num_classes, **scale,
-                                     **config.model_options)
+                                     **options)
         else:
           model = registry.call_builder(build_model, dataset.input_shape,
-                                        dataset.num_classes,
-                                        config.model_options,
+                                        dataset.num_classes, options,
                                         name=config.model, **scale)
       except ConfigError:
         raise  # the builder's own check, already one line

@@ -166,10 +166,14 @@ def named_model(config, build_model):
   """`config` naming `build_model` by its import path (or, without one,
   `config.model` checked against the registry before any work)."""
   if build_model is None:
-    # A bad --model (or weights file) fails before any work.
-    registry.check_model(config.model, config.model_options)
+    # A bad --model (or weights file) fails before any work; a resume
+    # needs no initial weights file (its checkpoint holds every weight).
+    registry.check_model(config.model, config.model_options,
+                         resuming=manager.has_checkpoint(config.model_dir))
     return config
   path = registry.import_path_of(build_model)
+  if path is not None:
+    registry.check_import_path(path)
   if path is None:
     raise ConfigError(
         f"build_model={build_model!r} must be a module-level function "

@@ -15,6 +15,8 @@ optimizer are created in `__init__` under `self.strategy.scope()` and
 registered with `self.track(...)`: every checkpoint holds them, and a run
 killed with kill -9 resumes exactly as an uninterrupted one. The noise is
 stateless, drawn from (step, replica), so a resumed step draws the same.
+A resume trains the generator at --generator_learning_rate (logged when it
+differs from the checkpoint's), as the discriminator at --learning_rate.
 """
 
 import functools
@@ -27,7 +29,9 @@ cli.quiet_startup()  # Before TensorFlow is imported: train.py's quiet logs.
 cli.import_tensorflow_quietly()  # This module imports it right away.
 
 from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging  # pylint: disable=g-import-not-at-top
 import keras
+import numpy as np
 import tensorflow as tf
 
 import framework
@@ -83,6 +87,26 @@ class GANTrainer(framework.Trainer):
       self.generator_optimizer.build(self.generator.trainable_variables)
     self.track(generator=self.generator,
                generator_optimizer=self.generator_optimizer)
+    self.generator_learning_rate = float(generator_learning_rate)
+    self._rate_applied = False
+
+  def train(self, iterator, num_steps):
+    if not self._rate_applied:
+      self._apply_generator_rate()
+    return super().train(iterator, num_steps)
+
+  def _apply_generator_rate(self):
+    """Sets the generator's rate to `generator_learning_rate` before the
+    first step: a resumed run restored the checkpoint's, and, as the
+    discriminator's --learning_rate, the flag decides."""
+    self._rate_applied = True
+    opt = self.generator_optimizer
+    restored = float(keras.ops.convert_to_numpy(opt.learning_rate))
+    wanted = self.generator_learning_rate
+    if restored != float(np.float32(wanted)):
+      opt.learning_rate = wanted  # assigned to its (checkpointed) variable
+      logging.info("generator_learning_rate=%g replaces the checkpoint's %g",
+                   wanted, restored)
 
   def _noise(self, images):
     return noise(self.global_step, tf.shape(images)[0], self.latent_dim)

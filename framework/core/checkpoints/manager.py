@@ -644,6 +644,19 @@ def absolute(path):
   return path if "://" in path else os.path.abspath(path)
 
 
+def has_checkpoint(directory):
+  """Whether a run in `directory` resumes from a checkpoint (or refuses to
+  start from scratch): some checkpoint it lists has files there, as
+  `latest_intact` decides. Reads only the listing, no tensor."""
+  if not directory:
+    return False
+  try:
+    paths = _listed_checkpoints(directory) or []
+  except CheckpointError:
+    return False  # the restore names the problem
+  return any(tf.io.gfile.glob(p + ".*") for p in paths)
+
+
 def latest_intact(directory, restore_policy="latest_intact"):
   """(newest intact checkpoint or None, [(damaged path, problem), ...]).
 
