@@ -120,18 +120,41 @@ def _doc(text):
   return (text or "").strip()
 
 
-def _signature(member):
-  """`(args)` of a function, or of a class's constructor, without self."""
-  init = getattr(member, "members", {}).get("__init__")
-  target = init if init is not None else member
+def _signature(member, method=False):
+  """`(args) -> result` as a caller writes it: a class's constructor without
+  `self`, a method without `self` (or `cls`), a function with every
+  parameter (pdoc's `signature_without_self` drops the first one)."""
+  import pdoc.doc  # pylint: disable=g-import-not-at-top
   try:
-    return str(getattr(target, "signature_without_self", None) or
-               target.signature)
+    if isinstance(member, pdoc.doc.Class):
+      init = member.members.get("__init__")
+      return str(init.signature_without_self if init is not None
+                 else member.signature)
+    if method and not member.is_staticmethod:
+      return str(member.signature_without_self)
+    return str(member.signature)
   except (AttributeError, ValueError, TypeError):
     return "(...)"
 
 
-def _render_class(member, out):
+def _own_code(member):
+  """Whether `member` is defined in this repository (not Keras, object)."""
+  return member.taken_from[0].split(".")[0] in ("framework", "models")
+
+
+def _owner(cls, name):
+  """The class of `cls`'s MRO that defines attribute `name`."""
+  return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def _render_class(member, out, documented=()):
+  """Appends `member`'s entry: constructor, fields, public methods.
+
+  Every public method of this repository's code is listed, the base
+  classes' too (a custom step calls `average`, `apply_gradients`, ...),
+  except those a base class in `documented` has: the entry of the most
+  basic one that has them lists them.
+  """
   import pdoc.doc  # pylint: disable=g-import-not-at-top
   out += ["```python", f"class {member.name}{_signature(member)}", "```", "",
           _doc(member.docstring), ""]
@@ -145,12 +168,25 @@ def _render_class(member, out):
       out.append(f"| `{field.name}` | `{_cell(annotation.lstrip(': '))}` | "
                  f"{'`' + _cell(default) + '`' if default else ''} | {_cell(doc)} |")
     out.append("")
+  elsewhere = {}
+  # pdoc marks every member of a re-exported class inherited: no filter.
   for name, method in member.members.items():
     if (name.startswith("_") or not isinstance(method, pdoc.doc.Function) or
-        method.is_inherited or not method.docstring):
+        not _own_code(method)):
       continue
-    out += [f"- **`{name}{_signature(method)}`**", "",
-            "  " + _doc(method.docstring).replace("\n", "\n  "), ""]
+    owner = _owner(member.obj, name)
+    listed_by = [c for c in member.obj.__mro__[1:]
+                 if c in documented and owner in c.__mro__]
+    if listed_by:
+      elsewhere.setdefault(listed_by[-1].__name__, []).append(name)
+      continue
+    out += [f"#### `{member.name}.{name}`", "", "```python",
+            f"def {name}{_signature(method, method=True)}", "```", ""]
+    if method.docstring:
+      out += [_doc(method.docstring), ""]
+  for owner, names in elsewhere.items():
+    out += [f"Also `{owner}`'s methods: " +
+            ", ".join(f"`{n}`" for n in names) + ".", ""]
 
 
 def render_api():
@@ -160,6 +196,11 @@ def render_api():
            "docstrings. How they fit together: "
            "[the guide](../guide/python_api.md).", ""]
   body = []
+  documented = {getattr(importlib.import_module(module), name)
+                for module in API_MODULES
+                for name in getattr(importlib.import_module(module),
+                                    "__all__", ())}
+  documented = {obj for obj in documented if isinstance(obj, type)}
   for module_name in API_MODULES:
     module = importlib.import_module(module_name)
     for name in getattr(module, "__all__", ()):
@@ -173,7 +214,7 @@ def render_api():
       where = member.taken_from[0]
       body += [f"### `{module_name}.{name}`", "", f"*from `{where}`*", ""]
       if isinstance(member, pdoc.doc.Class):
-        _render_class(member, body)
+        _render_class(member, body, documented)
       elif isinstance(member, pdoc.doc.Function):
         body += ["```python", f"def {name}{_signature(member)}", "```", "",
                  _doc(member.docstring), ""]

@@ -39,6 +39,7 @@ from framework.core.checkpoints.run_files import RunLock
 from framework.distribute import cluster, strategies
 from framework.distribute.config import ClusterOptions
 from framework.distribute.tf_config import require_tf_config
+from framework.errors import DistloopError, first_line
 
 
 def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
@@ -181,9 +182,26 @@ def _export(config, trainer, info):
     export.save_weights(model, os.path.join(config.model_dir,
                                             export.WEIGHTS_FILE))
     if config.export_saved_model:
-      # This run's own config named the model: its code is trusted.
-      export.export_saved_model(model, info, os.path.join(
-          config.model_dir, export.EXPORT_DIR), trust_model_code=True)
+      _export_saved_model(config, model, info)
+
+
+def _export_saved_model(config, model, info):
+  """The SavedModel; one warning line if TensorFlow cannot save this model:
+  the training succeeded and its checkpoints and weights file are written."""
+  try:
+    # This run's own config named the model: its code is trusted.
+    export.export_saved_model(model, info, os.path.join(
+        config.model_dir, export.EXPORT_DIR), trust_model_code=True)
+  except DistloopError:
+    raise  # A full disk, a read-only folder: one error line, as any save.
+  except Exception as e:  # pylint: disable=broad-except
+    reason = first_line(e)
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    logging.warning(
+        "SavedModel not exported to %s (%s: %s); the checkpoints and %s are "
+        "written (--noexport_saved_model skips the export)",
+        os.path.join(config.model_dir, export.EXPORT_DIR), type(e).__name__,
+        reason, export.WEIGHTS_FILE)
 
 
 # One process's task of a run: what `train.py` runs after parsing its flags.

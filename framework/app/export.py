@@ -310,6 +310,12 @@ class ServingModule(tf.Module):
   def __init__(self, model, input_shape, class_names, task=None):
     super().__init__(name="serving")
     self.model = model
+    # The random state of Keras's random layers (RandomFlip, Dropout, a
+    # `keras.random` call with a seed generator) is in `model.variables` but
+    # is no TensorFlow trackable of the model, and the serving function
+    # reads it even with training=False: tracked here, as Keras's own
+    # ExportArchive does, or the SavedModel refuses the function.
+    self.model_variables = list(model.variables)
     self.class_names = tf.constant(list(class_names))
     if task == LANGUAGE_MODEL:
       self.serve = tf.function(self._serve_tokens, input_signature=[

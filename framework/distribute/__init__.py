@@ -2,3 +2,15 @@
 
 The lowest layer after `framework.errors`: it imports no other layer.
 """
+
+import importlib
+import importlib.util
+
+
+def __getattr__(name):
+  # Submodules load on first use (PEP 562), so that the documented dotted
+  # names (`framework.app.experiment.run`) work after `import framework`
+  # without importing every module, and TensorFlow, up front.
+  if not importlib.util.find_spec(f"{__name__}.{name}"):
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return importlib.import_module(f"{__name__}.{name}")

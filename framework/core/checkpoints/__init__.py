@@ -13,5 +13,16 @@ is what a run's checkpoint holds of a trainer. Beside it: `best.py`
 run) and `run_files.py` (atomic writes, the run lock, the run state).
 """
 
+import importlib
+import importlib.util
+
 from framework.core.checkpoints.manager import (
     CheckpointManager, checkpoint_items, checkpoint_objects, for_loop)
+
+
+def __getattr__(name):
+  # The other modules (`best`, `warm_start`, `run_files`) load on first use
+  # (PEP 562), so their documented dotted names work after `import framework`.
+  if not importlib.util.find_spec(f"{__name__}.{name}"):
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return importlib.import_module(f"{__name__}.{name}")

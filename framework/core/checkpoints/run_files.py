@@ -47,7 +47,8 @@ def write_atomically(path, write):
   """Calls `write(tmp_path)`, then renames it to `path` (file or directory).
 
   Raises ModelDirError, naming `path` and the reason (e.g. "No space left on
-  device"), if writing or renaming fails; `path` is then unchanged.
+  device"), if writing or renaming fails; `path` is then unchanged, as it
+  is when `write` raises anything else (which propagates).
   """
   directory, name = os.path.split(path)
   tmp = os.path.join(directory, TMP_PREFIX + name)
@@ -65,13 +66,17 @@ def write_atomically(path, write):
       _remove(old)
     else:
       tf.io.gfile.rename(tmp, path, overwrite=True)
-  except (OSError, tf.errors.OpError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever failed (also `write` itself: a model TensorFlow cannot save),
+    # its partial output goes and `path` stays as it was.
     try:
       _remove(tmp)
       if os.path.isdir(old) and not os.path.exists(path):
         os.rename(old, path)
     except OSError:
       pass
+    if not isinstance(e, (OSError, tf.errors.OpError)):
+      raise
     raise ModelDirError(
         f"cannot write {path} ({_reason(e)}); "
         + ("the previous version is unchanged"
