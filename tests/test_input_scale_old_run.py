@@ -6,8 +6,10 @@ import json
 
 import keras
 import numpy as np
+import pytest
 
 import framework
+import framework.errors
 from framework.app import experiment, export
 from models import input_scale
 
@@ -65,3 +67,22 @@ def test_an_old_run_resumes_as_it_was_trained(tmp_path, monkeypatch):
     rebuilt.load_weights(str(tmp_path / export.WEIGHTS_FILE))
     for got, want in zip(rebuilt.weights, seen["model"].weights):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_run_wrapped_before_the_record_keeps_its_times_255(tmp_path):
+  # The code between the wrapper and its record: wrapped, nothing recorded.
+  experiment.run(_config(tmp_path, 2), build_model=rescaling_first)
+  info_path = tmp_path / export.MODEL_INFO_FILE
+  info = json.loads(info_path.read_text())
+  assert info.pop(RECORD) is True
+  info_path.write_text(json.dumps(info))
+
+  # evaluate.py / predict.py: the checkpoints' fingerprint says wrapped.
+  rebuilt = export.build_inference_model(
+      export.read_model_info(str(tmp_path)), trust_model_code=True)
+  assert wrapped(rebuilt)
+  # A resume cannot tell: it is refused (one line), never trained on
+  # inputs of another scale.
+  with pytest.raises(framework.errors.CheckpointError,
+                     match="model_fingerprint"):
+    experiment.run(_config(tmp_path, 4), build_model=rescaling_first)

@@ -33,7 +33,7 @@ import models
 from models import input_scale, registry
 from framework.app.config import EvalConfig, ExperimentConfig
 from framework.core import optimizers
-from framework.core.checkpoints import run_files
+from framework.core.checkpoints import manager, run_files
 from framework.core.config import TrainerConfig
 from framework.data import config as data_config, datasets, preprocessing
 from framework.data.config import InputConfig
@@ -210,6 +210,15 @@ def read_model_info(model_dir):
              if k not in info]
   if missing:
     raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+  if input_scale.RECORD not in info:
+    # A run from before the record: its checkpoints' fingerprint tells
+    # whether it was built with its input times 255 (`unrecorded_scale`).
+    try:
+      saved = manager.read_run_config(model_dir) or {}
+    except CheckpointError:
+      saved = {}
+    if saved.get("model_fingerprint"):
+      info = dict(info, **{RUN_FINGERPRINT: saved["model_fingerprint"]})
   return info
 
 
@@ -248,10 +257,9 @@ def build_inference_model(
   # from the initial weights file it started from.
   options = registry.architecture_options(
       name, options, search_dir=info.get("model_import_dir"))
-  model = models.build_model(name, info["input_shape"],
-                             len(info["class_names"]),
-                             search_dir=search_dir,
-                             **recorded_scale(info), **options)
+  _, model = unrecorded_scale(info, lambda **scale: models.build_model(
+      name, info["input_shape"], len(info["class_names"]),
+      search_dir=search_dir, **scale, **options))
   registry.check_outputs(name, model, len(info["class_names"]),
                          info.get("dataset"))
   return model
@@ -270,6 +278,33 @@ def recorded_scale(info):
           "why": f"the run predates the {input_scale.RECORD} record of "
                  f"{MODEL_INFO_FILE} and so was trained on its inputs as "
                  "they are"}
+
+
+def unrecorded_scale(info, build):
+  """(`recorded_scale(info)`, `build(**it)`), where `build(scaled_pixels=,
+  why=)` builds the run's model.
+
+  A run folder written before the record was built either without the
+  times-255 input (before the wrapper existed) or with it (the wrapper
+  without its record). Built without it, the model's `model_fingerprint`
+  equals the one its checkpoints were saved with (`read_model_info` reads
+  it) only in the first case. (A wrapped model's own fingerprint depends on
+  the names Keras gave its layers in that process: it is not compared.)
+  """
+  scale = recorded_scale(info)
+  model = build(**scale)
+  saved = info.get(RUN_FINGERPRINT)
+  if (input_scale.RECORD in info or not saved or input_scale.wrapped(model)
+      or model_fingerprint(model) == saved):
+    return scale, model
+  wrapped = {"scaled_pixels": True,
+             "why": f"the run predates the {input_scale.RECORD} record of "
+                    f"{MODEL_INFO_FILE}, and its checkpoints were saved "
+                    "from the model with that input"}
+  other = build(**wrapped)
+  if input_scale.wrapped(other):
+    return wrapped, other
+  return scale, model
 
 
 def check_model_code(
@@ -292,6 +327,9 @@ def check_model_code(
 
 # In-memory only (never written): the model a caller named itself.
 _NAMED_BY_USER = "_model_named_by_user"
+# `read_model_info`'s note of run_config.json's fingerprint, for a run
+# folder without `input_scale.RECORD`.
+RUN_FINGERPRINT = "_run_fingerprint"
 
 
 def with_model(info, model):
