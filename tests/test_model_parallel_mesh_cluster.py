@@ -6,7 +6,9 @@ GPT."""
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 
 import h5py
 import numpy as np
@@ -198,3 +200,40 @@ def test_a_one_process_checkpoint_resumes_on_the_cluster(
   assert proc.returncode == 0, proc.stdout[-5000:]
   assert "Restored checkpoint" in proc.stdout
   _assert_equals_unsplit(model_dir, unsplit_run)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_then_max_restarts_ends_with_the_same_weights(
+    tmp_path, split_run):
+  from tests import cluster_utils as cu  # pylint: disable=g-import-not-at-top
+  model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")
+  with open(log, "wb") as out:
+    job = subprocess.Popen(
+        [*LAUNCH, "--workers=2", "--max_restarts=1", "--grace_period=2",
+         "--", *train_command(), *GPT, *CLUSTER, f"--train_steps={STEPS}",
+         "--checkpoint_every=1", f"--model_dir={model_dir}"],
+        cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 600
+    while not re.search(r"^\[launch\] worker:1 pid=(\d+)", open(log).read(),
+                        re.M):
+      assert job.poll() is None and time.monotonic() < deadline, (
+          open(log).read()[-4000:])
+      time.sleep(0.05)
+    pid = re.search(r"^\[launch\] worker:1 pid=(\d+)", open(log).read(),
+                    re.M).group(1)
+    killed_after = cu.wait_for_checkpoint(model_dir, 1, [job])
+    os.kill(int(pid), signal.SIGKILL)
+    code = cu.wait_exit(job, timeout=900)
+  finally:
+    cu.stop_all([job])
+  output = open(log).read()
+  assert code == 0, output[-4000:]
+  assert killed_after < STEPS and "restart 1 of 1" in output, output[-4000:]
+  restored = [int(s) for s in re.findall(
+      r"^\[chief:0\].*Restored checkpoint .*/ckpt-(\d+)", output, re.M)]
+  assert restored and restored[0] >= killed_after, output[-4000:]
+  want, got = _weights(split_run[0]), _weights(model_dir)
+  assert sorted(want) == sorted(got) and want
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
