@@ -5,12 +5,15 @@ weights does, on one device and on mirrored; a frozen teacher and a model
 tracked with an optimizer of its own stay as they are; a tracked model the
 loss does not reach is one line at the first step."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import framework
+import helpers
 from shared_strategy import mirrored
 
 GLOBAL_BATCH = 8
@@ -181,3 +184,86 @@ def test_a_model_with_its_own_tracked_optimizer_is_left_to_it():
   assert [id(v) for v in trainer.trainable_variables] == [
       id(v) for v in encoder.trainable_variables]
   assert len(optimizer.variables) == 2 + 2 * len(encoder.trainable_variables)
+
+
+# The VAE as an app (train.py's flags): the run's model (mlp, 10 logits) is
+# the encoder of a 5-d latent, the tracked decoder reconstructs 8 means of
+# the image.
+_VAE_APP = """
+from distloop_cli import cli
+cli.quiet_startup()
+cli.import_tensorflow_quietly()
+import keras
+import tensorflow as tf
+import framework
+from distloop_cli import train
+
+
+class VAE(framework.Trainer):
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    with self.strategy.scope():
+      self.decoder = keras.Sequential([keras.Input((5,)),
+                                       keras.layers.Dense(8)])
+    self.track(decoder=self.decoder)
+
+  def compute_loss(self, batch):
+    images, _ = batch
+    images = tf.cast(images, tf.float32)
+    target = tf.reduce_mean(tf.reshape(images, [tf.shape(images)[0], 8, -1]),
+                            axis=-1)
+    stats = tf.cast(self.model(images, training=True), tf.float32)
+    mean, log_var = stats[:, :5], stats[:, 5:]
+    squared = tf.reduce_sum(tf.square(target - self.decoder(mean)), axis=-1)
+    kl = -0.5 * tf.reduce_sum(
+        1 + log_var - tf.square(mean) - tf.exp(log_var), axis=-1)
+    return squared + kl, {}
+
+
+if __name__ == "__main__":
+  cli.run_app(lambda argv: train.run_main(trainer_cls=VAE))
+"""
+
+
+def _checkpoint(model_dir):
+  path = tf.train.latest_checkpoint(str(model_dir))
+  return {name: tf.train.load_variable(path, name)
+          for name, _ in tf.train.list_variables(path)
+          # How many saves the folder has seen, not the state.
+          if name not in ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/"
+                          ".ATTRIBUTES/VARIABLE_VALUE")}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_the_decoder_as_an_uninterrupted_one(tmp_path):
+  """2 steps, relaunched to 4 == 4 uninterrupted, bit for bit: the
+  decoder's weights and its Adam slots are checkpointed and restored."""
+  app = tmp_path / "vae.py"
+  app.write_text(_VAE_APP)
+  common = ["--model=mlp", "--hidden_units=8", "--dataset=synthetic",
+            "--global_batch_size=8", "--optimizer=adam", "--eval_steps=1",
+            "--export_saved_model=false"]
+
+  def run(model_dir, steps):
+    proc = helpers.run_python(str(app), *common, f"--model_dir={model_dir}",
+                              f"--train_steps={steps}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _checkpoint(model_dir)
+
+  at_2 = run(tmp_path / "resumed", 2)
+  resumed = run(tmp_path / "resumed", 4)
+  whole = run(tmp_path / "whole", 4)
+  # The decoder's weights, saved where the checkpoint first meets them: as
+  # the optimizer's 5th and 6th (after the mlp's 4).
+  decoder = [k for k in whole if re.match(r"optimizer/_trainable_variables/"
+                                          r"[45]/", k)]
+  # Adam's moments of the decoder's kernel (no weight of the mlp has its
+  # shape).
+  slots = [k for k in whole if k.startswith("optimizer/_variables/")
+           and whole[k].shape == (5, 8)]
+  assert len(decoder) == 2 and len(slots) == 2, sorted(whole)
+  assert all(not np.array_equal(at_2[k], whole[k]) for k in decoder + slots)
+  assert sorted(resumed) == sorted(whole)
+  for name, value in whole.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)
