@@ -267,3 +267,8 @@ def test_a_resumed_run_trains_the_decoder_as_an_uninterrupted_one(tmp_path):
   assert sorted(resumed) == sorted(whole)
   for name, value in whole.items():
     np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_sharded_optimizer_state_trains_the_tracked_decoder_alike(one_device):
+  _, after = _run(mirrored(), shard_optimizer_state=True)
+  _assert_close(after, one_device[1], atol=1e-5)
