@@ -55,6 +55,31 @@ def optimizer_slot_variables(optimizer):
           if v.name not in ("iteration", "learning_rate")]
 
 
+def unbuild_optimizer(optimizer):
+  """Drops a built optimizer's slots, so that `optimizer.build(variables)`
+  builds it again, over other variables, as if it had never been built
+  (the same variables, the same checkpoint keys). Only before its first
+  step: the slots' values are lost. Missing publicly: Keras builds an
+  optimizer once (`build` returns when `built`)."""
+  own = [v for v in optimizer.variables
+         if v.name in ("iteration", "learning_rate")]
+  tracker = optimizer._tracker
+  # A new list, not the old one emptied: TensorFlow refuses to checkpoint a
+  # tracked list whose elements were removed. Assigned while Keras's
+  # tracker is away, as in the optimizer's __init__ (it would wrap it).
+  del optimizer.__dict__["_tracker"]
+  optimizer._variables = []
+  optimizer.__dict__["_tracker"] = tracker
+  tracker.config["variables"] = (tracker.config["variables"][0],
+                                 optimizer._variables)
+  tracker.stored_ids["variables"] = set()
+  for v in own:
+    optimizer._track_variable(v)
+  optimizer._trainable_variables = []
+  optimizer._trainable_variables_indices = {}
+  optimizer.built = False
+
+
 def uses_weight_decay(optimizer, variable):
   """Whether `optimizer`'s weight decay applies to `variable` (its
   `exclude_from_weight_decay` lists). Missing publicly: the query."""

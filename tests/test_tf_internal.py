@@ -153,6 +153,31 @@ def test_optimizer_slots_alone_and_a_shared_step_counter():
   assert int(second.iterations.numpy()) == 5
 
 
+def test_an_unbuilt_optimizer_builds_again_as_if_new(tmp_path):
+  """Built over one model, unbuilt and built over two: the variables and
+  checkpoint keys of one built over both in the first place."""
+  first = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  second = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+  both = first.trainable_variables + second.trainable_variables
+  rebuilt, fresh = keras.optimizers.Adam(0.1), keras.optimizers.Adam(0.1)
+  rebuilt.build(first.trainable_variables)
+  _tf_internal.unbuild_optimizer(rebuilt)
+  rebuilt.build(both)
+  fresh.build(both)
+  assert [v.name for v in rebuilt.variables] == [
+      v.name for v in fresh.variables]
+  assert len(rebuilt.variables) == 2 + 2 * 4
+
+  def keys(optimizer, name):
+    path = tf.train.Checkpoint(optimizer=optimizer).save(
+        str(tmp_path / name))
+    return sorted(tf.train.list_variables(path))
+
+  assert keys(rebuilt, "rebuilt") == keys(fresh, "fresh")
+  rebuilt.apply_gradients([(tf.ones_like(v), v) for v in both])
+  assert int(rebuilt.iterations.numpy()) == 1
+
+
 def test_random_layers_have_a_seed_generator():
   assert _tf_internal.has_seed_generator(keras.layers.Dropout(0.5))
   assert _tf_internal.has_seed_generator(keras.layers.RandomFlip())

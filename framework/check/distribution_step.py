@@ -87,7 +87,9 @@ def probe_optimizer(trainer):
   update is exactly minus the applied gradient."""
   with trainer.strategy.scope():
     probe = keras.optimizers.SGD(learning_rate=1.0, momentum=PROBE_MOMENTUM)
-    probe.build(trainer.model.trainable_variables)
+    # The default step also trains tracked models (Trainer.trainable_variables).
+    probe.build(getattr(trainer, "trainable_variables", None)
+                or trainer.model.trainable_variables)
   return probe
 
 

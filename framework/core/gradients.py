@@ -14,7 +14,7 @@
                                                    # float16 overflow); EMA
 
 `GradientPipeline` is a mixin of `framework.Trainer`: it reads the
-trainer's `model`, `optimizer`, `strategy`, `grad_accum_steps`,
+trainer's `model`, `trainable_variables`, `optimizer`, `strategy`, `grad_accum_steps`,
 `loss_scale`, `clip_norm`, `communication`, `fused_updates`, `ema`,
 `nan_policy` and skip counters, and `compute_gradients(batch)`.
 """
@@ -80,13 +80,14 @@ class GradientPipeline:
 
   def apply_gradients(self, grads: Sequence[tf.Tensor],
                       variables: Sequence[tf.Variable] | None = None) -> Any:
-    """Applies already all-reduced `grads` once (call from `train_step`).
+    """Applies already all-reduced `grads` once (call from `train_step`) to
+    `variables` (default: the trainer's `trainable_variables`).
 
     Unlike Keras's `optimizer.apply_gradients`, this never all-reduces: it
     updates each variable's copies with the gradient already on their device
     and advances `optimizer.iterations` once.
     """
-    variables = list(variables or self.model.trainable_variables)
+    variables = list(variables or self.trainable_variables)
     self._applied_in_trace = True
     if len(grads) != len(variables):
       raise ValueError(f"apply_gradients got {len(grads)} gradients for "

@@ -221,9 +221,13 @@ class StepLoop:
 
   def step_variables(self) -> list[Any]:
     """Every variable one step may change: the model's, the optimizer's,
-    the EMA's, the float16 loss scale's, the skip counters and
+    the tracked models' it trains, the EMA's, the float16 loss scale's, the skip counters and
     `global_step` (what the distribution check puts back afterwards)."""
     state = list(self.model.variables) + list(self.optimizer.variables)
+    # The tracked models the default step trains (their BatchNorm
+    # statistics too).
+    state += [v for _, layer, _ in getattr(self, "_trained_tracked", ())
+              for v in layer.variables]
     if self.ema is not None:
       state += list(self.ema.averages) + [self.ema.num_updates]
     if self.loss_scale is not None:
@@ -393,6 +397,17 @@ def compile_error(error):
           if ops else "XLA cannot compile the step (" +
           text.strip().splitlines()[0][:200] + ")")
   return f"jit_compile: {what}; run without jit_compile"
+
+
+def _knows(optimizer, variables):
+  """Whether `optimizer` was built over any of `variables`."""
+  for v in variables:
+    try:
+      _tf_internal.optimizer_variable_index(optimizer, v)
+      return True
+    except KeyError:
+      pass
+  return False
 
 
 class Trainer(StepLoop, GradientPipeline, Evaluating):
@@ -571,6 +586,58 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
           value, name, where):
         self._check_trackable(where, label, element, whole=label == name)
     self.tracked_objects = dict(self.tracked_objects, **objects)
+    trained = self._tracked_trainable()
+    if [id(v) for _, _, vs in trained for v in vs] != [
+        id(v) for v in self.trainable_variables[
+            len(self.model.trainable_variables):]]:
+      self._build_optimizer_over(trained, where)
+
+  # The tracked models and layers the default step trains, and the
+  # trainable weights each adds: [(label, layer, [variable])].
+  _trained_tracked = ()
+
+  def _tracked_trainable(self):
+    """[(label, layer, its new trainable weights)] of every tracked keras Layer or
+    Model that the default step trains: under the default `train_step`
+    only, not frozen (`trainable = False`), with no tracked optimizer of
+    its own (that optimizer's step, e.g. a GAN's generator, updates it)."""
+    if type(self).train_step is not Trainer.train_step:
+      return []
+    elements = [element for name, value in self.tracked_objects.items()
+                for element in checkpoint_manager.tracked_elements(value, name)]
+    optimizers = [obj for _, obj in elements
+                  if isinstance(obj, keras.optimizers.Optimizer)
+                  and obj is not self.optimizer]
+    seen = {id(v) for v in self.model.trainable_variables}
+    trained = []
+    for label, obj in elements:
+      if not isinstance(obj, keras.layers.Layer):
+        continue
+      weights = [v for v in obj.trainable_variables if id(v) not in seen]
+      if not weights or any(_knows(o, weights) for o in optimizers):
+        continue
+      seen.update(id(v) for v in weights)
+      trained.append((label, obj, weights))
+    return trained
+
+  def _build_optimizer_over(self, trained, where):
+    """Builds the run's optimizer again over the model's and `trained`'s
+    weights (its slots then checkpoint and restore with the run's)."""
+    if int(self.optimizer.iterations.numpy()):
+      raise ConfigError(
+          f"{where}: the default train_step would train it with the run's "
+          "optimizer, which has already taken steps; track it before the "
+          "first step (in __init__)")
+    variables = list(self.model.trainable_variables) + [
+        v for _, _, vs in trained for v in vs]
+    with self.strategy.scope():
+      _tf_internal.unbuild_optimizer(self.optimizer)
+      if self.optimizer_sharding is not None:
+        self.optimizer_sharding = optimizer_sharding.ShardedOptimizerState(
+            self.optimizer, self.strategy, variables)
+      else:
+        self.optimizer.build(variables)
+    self._trained_tracked = tuple(trained)
 
   def _check_trackable(self, where, label, value, whole):
     """Raises ConfigError unless `value` (the tracked value if `whole`,
@@ -605,6 +672,15 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             f"{v.name!r} was created outside strategy.scope(); create it "
             f"under `with self.strategy.scope():` in __init__ (under "
             f"{type(self.strategy).__name__} each replica needs its copy)")
+
+  @property
+  def trainable_variables(self) -> list[Any]:
+    """What the default step trains with the run's optimizer: the model's
+    trainable weights, then those of each tracked keras Model or Layer
+    that is trainable and has no tracked optimizer of its own (a
+    `train_step` override: the model's alone)."""
+    return list(self.model.trainable_variables) + [
+        v for _, _, vs in self._trained_tracked for v in vs]
 
   @property
   def num_replicas(self) -> int:
@@ -670,8 +746,31 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       loss, metrics = self.loss_share(batch)
       # float16: scale up so that small gradients do not underflow.
       scaled_loss = self.scale_loss(loss)
-    grads = tape.gradient(scaled_loss, self.model.trainable_variables)
-    return grads, {"loss": loss, **metrics}
+    grads = tape.gradient(scaled_loss, self.trainable_variables)
+    return self._check_tracked_gradients(grads), {"loss": loss, **metrics}
+
+  def _check_tracked_gradients(self, grads):
+    """`grads`; a tracked model that the loss does not reach is an error
+    (raised by `train` once traced) and its missing gradients zeros."""
+    grads = list(grads)
+    start = len(self.model.trainable_variables)
+    for label, _, weights in self._trained_tracked:
+      mine = grads[start:start + len(weights)]
+      missing = sum(g is None for g in mine)
+      if missing and not self._trace_error:
+        reaches = ("reaches none" if missing == len(weights)
+                   else f"does not reach {missing}")
+        self._trace_error = (
+            f"{type(self).__name__}.track({label}=...): the loss {reaches} "
+            f"of its {len(weights)} trainable weights, which the default "
+            "train_step trains with the run's optimizer; use it in "
+            f"compute_loss, freeze it ({label}.trainable = False) or "
+            "track an optimizer of its own beside it and override "
+            "train_step")
+      grads[start:start + len(weights)] = [
+          tf.zeros_like(v) if g is None else g for g, v in zip(mine, weights)]
+      start += len(weights)
+    return grads
 
   def loss_share(self, batch):
     """(this replica's share of the loss, metric shares) of one (micro-)
@@ -681,9 +780,11 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     loss = self._share(loss)
     # Layer regularisers are per model, not per example: split them evenly
     # over replicas and micro-batches.
-    if self.model.losses:
+    losses = list(self.model.losses) + [
+        l for _, layer, _ in self._trained_tracked for l in layer.losses]
+    if losses:
       loss += tf.nn.scale_regularization_loss(
-          tf.add_n(self.model.losses)) / self.grad_accum_steps
+          tf.add_n(losses)) / self.grad_accum_steps
     return loss, {name: self._share(value)
                   for name, value in (metrics or {}).items()}
 
