@@ -24,8 +24,15 @@ from framework.errors import ConfigError
 from models import builder_forms, input_scale
 
 _BUILDERS = {}
-_TASKS = {}  # name -> "classification" or "segmentation", where declared
-TASKS = ("classification", "segmentation", "language_model")
+_TASKS = {}  # name -> one of TASKS, where declared
+# `custom`: not a classifier; its trainer's `compute_loss` is the task (an
+# autoencoder, a VAE, a regression): no check of outputs against classes.
+CUSTOM = "custom"
+TASKS = ("classification", "segmentation", "language_model", CUSTOM)
+# How a model that is not a classifier runs (in the errors that meet one).
+CUSTOM_HINT = ("a model that is not a classifier runs with a Trainer "
+               "subclass that sets task = 'custom' and overrides "
+               "compute_loss (docs/guide/own_model.md)")
 # The modules of this package that register the built-in builders (and the
 # gpt split), imported at the first look-up: `import models` stays free of
 # TensorFlow.
@@ -53,10 +60,12 @@ def register(name, task=None):
   """Decorator: makes a builder available to `build_model(name, ...)`.
 
   Args:
-    task: "classification" (logits [batch, classes]) or "segmentation"
-      (logits [batch, height, width, classes]); lets a run refuse a dataset
-      of the other kind before it writes anything. None: not checked
-      before the model is built.
+    task: "classification" (logits [batch, classes]), "segmentation"
+      (logits [batch, height, width, classes]) or "language_model"; lets a
+      run refuse a dataset of the other kind before it writes anything.
+      "custom": not a classifier (any outputs), trained only by a Trainer
+      with `task = "custom"` whose `compute_loss` defines the loss. None:
+      not checked before the model is built.
   """
   if ":" in name:
     raise ConfigError(f"model name {name!r} must not contain ':' (that "
@@ -327,12 +336,21 @@ def _plain(value):
 
 
 def check_outputs(name, model, num_classes, dataset):
-  """ConfigError naming model `name` unless its last output axis has one
-  logit per class of `dataset`."""
+  """ConfigError naming model `name` unless it has one output whose last
+  axis has one logit per class of `dataset`."""
   try:
+    outputs = list(model.outputs)
     width = model.output_shape[-1]
   except (AttributeError, TypeError, ValueError, IndexError):
     return  # an unbuilt subclassed model: its outputs show when it runs
+  if len(outputs) > 1:
+    names = list(getattr(model, "output_names", None) or [])
+    names += [f"output_{i}" for i in range(len(names), len(outputs))]
+    seen = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, outputs))
+    raise ConfigError(
+        f"model={name!r} has {len(outputs)} outputs ({seen}) but "
+        f"dataset={dataset!r} is classified with one output of "
+        f"{num_classes} logits per example; {CUSTOM_HINT}")
   if width is not None and width != num_classes:
     raise ConfigError(
         f"model={name!r} outputs {width} logits per example but "
@@ -467,6 +485,13 @@ def check_task(name, per_pixel, dataset, model=None, label_shape=None):
   else:
     want = "segmentation" if per_pixel else "classification"
   task = _TASKS.get(name)
+  if want == CUSTOM:
+    return  # the trainer defines the task: any model
+  if task == CUSTOM:
+    raise ConfigError(
+        f"model={name!r} is registered with task='custom' (not a "
+        f"classifier) but the run's trainer is a {want} trainer; "
+        f"{CUSTOM_HINT}")
   if task is None and model is not None:
     task = "segmentation" if len(model.output_shape) == 4 else "classification"
   if task is None or task == want:

@@ -47,7 +47,8 @@ def test_data_guide_states_the_contract():
           x_test=np.zeros((2, 2))), "has no y_test"),
     (dict(x_train=np.zeros((4, 2)), y_train=np.zeros(4),
           x_test=np.zeros((2, 2)), y_test=np.zeros(2, int)),
-     "y_train is float64; labels are integer class indices"),
+     "y_train is float64, y_test int64; give both integer class indices "
+     "or both float targets"),
     (dict(x_train=np.array([["a", "b"]] * 4), y_train=np.zeros(4, int),
           x_test=np.array([["a", "b"]] * 2), y_test=np.zeros(2, int)),
      "features are numbers"),

@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from models import registry
 from framework.core.trainer import smoothed_sparse_categorical_loss
 from framework.core import precision
 from framework.app import export
@@ -100,12 +101,16 @@ class Evaluator:
           f"was trained on {tuple(self.info['input_shape'])}")
     self.global_batch_size = (config.global_batch_size
                               or self.info.get("global_batch_size") or 128)
-    task = language_model.task_name(self.dataset)
+    custom = self.info.get("task") == registry.CUSTOM
+    # A custom task's trainer evaluates it (its `eval_loss`): the run's code.
+    task = (registry.CUSTOM if custom
+            else language_model.task_name(self.dataset))
     per_pixel = task == "segmentation"
-    trainer_cls = {
-        "segmentation": segmentation.SegmentationTrainer,
-        language_model.TASK: language_model.LanguageModelTrainer,
-    }.get(task, ConfusionTrainer)
+    trainer_cls = export.trainer_of(
+        self.info, config.trust_model_code) if custom else {
+            "segmentation": segmentation.SegmentationTrainer,
+            language_model.TASK: language_model.LanguageModelTrainer,
+        }.get(task, ConfusionTrainer)
     # The run's own compute precision, so that its numbers come out again.
     self.precision = self.info.get("mixed_precision") or "float32"
     if self.precision not in ("float32", "auto"):
@@ -127,7 +132,7 @@ class Evaluator:
     no_tta = default(TrainerConfig, "eval_tta")
     if self.info.get("eval_tta", no_tta) != no_tta:
       extra["eval_tta"] = self.info["eval_tta"]
-    if self.info.get("label_smoothing"):
+    if self.info.get("label_smoothing") and not custom:
       extra["loss_fn"] = smoothed_sparse_categorical_loss(
           self.info["label_smoothing"])
     self.trainer = trainer_cls(model, optimizer, self.strategy,

@@ -28,7 +28,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from models import input_scale
+from models import input_scale, registry
 from framework.app import export, factory, run_plan
 from framework.app.config import ExperimentConfig
 from framework.core import protocols
@@ -93,7 +93,8 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
   with RunLock(config.model_dir,
                enabled=strategies.is_chief(strategy)) as lock:
     plan = run_plan.resolve(config, strategy, train_input=train_input,
-                            eval_input=eval_input, placed=True)
+                            eval_input=eval_input, placed=True,
+                            trainer_cls=trainer_cls)
     # A resumed run's model is built as it was trained (its input scale).
     plan = run_plan.with_recorded_scale(
         plan, export.read_model_info_quietly(plan.config.model_dir))
@@ -115,7 +116,7 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     # Resume (or warm start), then record the run: model_info.json first,
     # so that a side-car evaluator can rebuild the model.
     info = _resume(plan, trainer, controller, custom_train=train_input,
-                   custom_eval=eval_input)
+                   custom_eval=eval_input, trainer_cls=trainer_cls)
     if plan.chief:
       lock.record()
       export.write_model_info(config.model_dir, info)
@@ -133,7 +134,8 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     return results
 
 
-def _resume(plan, trainer, controller, *, custom_train, custom_eval):
+def _resume(plan, trainer, controller, *, custom_train, custom_eval,
+            trainer_cls=None):
   """Restores the run's latest checkpoint (or warm starts a new run);
   returns the model_info.json to write. Nothing is written before."""
   config = plan.config
@@ -149,7 +151,8 @@ def _resume(plan, trainer, controller, *, custom_train, custom_eval):
   record = plan.record()
   if record["model_parallel"]["mode"] != "none":  # which trainer ran
     record["model_parallel"]["trainer"] = type(trainer).__name__
-  info = dict(export.model_info(config, plan.dataset),
+  info = dict(export.model_info(config, plan.dataset, task=plan.task,
+                                trainer_cls=trainer_cls),
               # How the model was built: evaluate.py, predict.py and a
               # resume build it the same.
               **{input_scale.RECORD: input_scale.wrapped(
@@ -181,7 +184,12 @@ def _export(config, trainer, info):
   with protocols.averaged_weights(trainer):
     export.save_weights(model, os.path.join(config.model_dir,
                                             export.WEIGHTS_FILE))
-    if config.export_saved_model:
+    if config.export_saved_model and info.get("task") == registry.CUSTOM:
+      # The export's signature serves class probabilities.
+      logging.info("task=custom: no SavedModel export (its signature "
+                   "serves a classifier's probabilities); %s holds the "
+                   "weights", export.WEIGHTS_FILE)
+    elif config.export_saved_model:
       _export_saved_model(config, model, info)
 
 

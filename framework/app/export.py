@@ -19,6 +19,7 @@ one call says so:
                            data_dir="data.npz", model_options={"width": 64})
 """
 
+import functools
 import hashlib
 import inspect
 import json
@@ -51,8 +52,21 @@ EXPORT_DIR = "export"
 _TRAINING_ONLY_OPTIONS = {"sync_batch_norm": False}
 
 
-def model_info(config, dataset):
-  """The JSON-able description `build_inference_model` needs (and context)."""
+def model_info(config, dataset, *, task=None, trainer_cls=None):
+  """The JSON-able description `build_inference_model` needs (and context).
+
+  `task`: the run's (a `RunPlan`'s); `custom` also records `trainer_cls`'s
+  import path, whose `eval_loss` evaluate.py needs (`trainer_of`).
+  """
+  custom = {}
+  if task == registry.CUSTOM:
+    while isinstance(trainer_cls, functools.partial):
+      trainer_cls = trainer_cls.func
+    custom = {"task": task,
+              "trainer": registry.import_path_of(trainer_cls),
+              "trainer_import_dir": None}
+    if custom["trainer"]:
+      custom["trainer_import_dir"] = registry.import_dir(custom["trainer"])
   return {"model": config.model,
           # A `module:function` model is imported from here when it is not
           # on the reading process's sys.path (another cwd, no PYTHONPATH).
@@ -87,7 +101,8 @@ def model_info(config, dataset):
           "input_preprocessing": preprocessing.CONTRACT,
           # Token sequences, not images: predict.py generates, the export
           # takes int32 tokens.
-          **({"task": LANGUAGE_MODEL} if is_text(dataset) else {})}
+          **({"task": LANGUAGE_MODEL} if is_text(dataset) else {}),
+          **custom}
 
 
 def run_config(config, model=None):
@@ -257,11 +272,15 @@ def build_inference_model(
   # from the initial weights file it started from.
   options = registry.architecture_options(
       name, options, search_dir=info.get("model_import_dir"))
+  # A custom task's num_classes need not be classes (float targets).
+  outputs = (info["num_classes"] if info.get("task") == registry.CUSTOM
+             else len(info["class_names"]))
   _, model = unrecorded_scale(info, lambda **scale: models.build_model(
-      name, info["input_shape"], len(info["class_names"]),
-      search_dir=search_dir, **scale, **options))
-  registry.check_outputs(name, model, len(info["class_names"]),
-                         info.get("dataset"))
+      name, info["input_shape"], outputs, search_dir=search_dir, **scale,
+      **options))
+  if info.get("task") != registry.CUSTOM:  # a classifier's outputs
+    registry.check_outputs(name, model, len(info["class_names"]),
+                           info.get("dataset"))
   return model
 
 
@@ -323,6 +342,32 @@ def check_model_code(
         "folder, never the run's, or pass --trust_model_code "
         "(trust_model_code=True) to import it from the run's recorded "
         "folder")
+
+
+def trainer_of(
+    info, trust_model_code=default(EvalConfig, "trust_model_code")):
+  """The trainer class a `task=custom` run recorded (its `eval_loss` is
+  the run's evaluation), imported only with `trust_model_code=True` (it is
+  the run's code, as a recorded model function is); else a ConfigError
+  saying how."""
+  path = info.get("trainer")
+  if not path or path.startswith("__main__:"):
+    raise ConfigError(
+        f"{MODEL_INFO_FILE} records task=custom with the trainer "
+        f"{path or '(no import path)'}, which another process cannot "
+        "import: define the Trainer subclass at module level in a module "
+        "of its own (not the script that trains) and train again")
+  if not trust_model_code:
+    where = info.get("trainer_import_dir")
+    raise ConfigError(
+        f"{MODEL_INFO_FILE} records task=custom with the trainer {path!r}"
+        + (f" (in {where})" if where else "") + ", whose eval_loss is the "
+        "run's evaluation; importing it runs that code, so it is not done "
+        "by default: pass --trust_model_code (trust_model_code=True)")
+  try:
+    return registry.get_builder(path, info.get("trainer_import_dir"))
+  except ConfigError as e:
+    raise ConfigError(f"trainer={path!r} (task=custom): {e}") from None
 
 
 # In-memory only (never written): the model a caller named itself.

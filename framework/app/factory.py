@@ -126,8 +126,9 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
             f"dataset={config.dataset}, of shape "
             f"{tuple(dataset.input_shape)} ("
             f"{str(e).strip().splitlines()[0][:300]})") from None
-      registry.check_outputs(config.model, model, dataset.num_classes,
-                             config.dataset)
+      if task != registry.CUSTOM:  # a custom task's outputs are its own
+        registry.check_outputs(config.model, model, dataset.num_classes,
+                               config.dataset)
       if registry.declared_task(config.model) is None:
         # A model registered without its task is known once built (a
         # declared one `run_plan.resolve` checked before any build).

@@ -20,6 +20,7 @@ dataset like the others.
 """
 
 import dataclasses
+import functools
 import os
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ from framework.tasks import language_model
 
 CLASSIFICATION = "classification"
 SEGMENTATION = "segmentation"
+CUSTOM = registry.CUSTOM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class RunPlan:
       `model_parallel` placed on this process's devices.
     strategy: the strategy the run trains under (after a data x split).
     dataset: the run's dataset (custom inputs' shape fitted in).
-    task: `classification`, `segmentation` or `language_model`.
+    task: `classification`, `segmentation`, `language_model` or `custom`
+      (the trainer's `task`: its `compute_loss` is the task).
     precision: the compute precision (`float32`, `bfloat16`, `float16`).
     replicas: `strategy.num_replicas_in_sync`.
     devices: the strategy's worker devices (() under the default one).
@@ -107,14 +110,15 @@ class RunPlan:
   scaled_pixels_why: Optional[str] = None
 
   @classmethod
-  def of(cls, config, strategy, dataset, train_data=None):
+  def of(cls, config, strategy, dataset, train_data=None, trainer_cls=None):
     """The plan of a `place`d `config` (its `mixed_precision` concrete)
     under a made `strategy` on a loaded `dataset` (`train_data`: the
-    first dataset a custom `train_input` gives)."""
+    first dataset a custom `train_input` gives; `trainer_cls`: the run's,
+    whose `task` decides over the dataset's)."""
     scaled, why = preprocessing.scaled_pixels(dataset, train_data)
     return cls(config=config, strategy=strategy, dataset=dataset,
                scaled_pixels=scaled, scaled_pixels_why=why,
-               task=language_model.task_name(dataset),
+               task=task_of(config, dataset, trainer_cls),
                precision=config.mixed_precision,
                replicas=strategy.num_replicas_in_sync,
                devices=_devices(strategy),
@@ -151,6 +155,35 @@ class RunPlan:
                 "replica_devices": [list(g) for g in split.replica_devices]},
             "eval": dict(dataclasses.asdict(self.eval),
                          splits=list(self.eval.splits))}
+
+
+def trainer_task(trainer_cls):
+  """The `task` a trainer class (or a `functools.partial` of one)
+  declares; None: the dataset's."""
+  while isinstance(trainer_cls, functools.partial):
+    trainer_cls = trainer_cls.func
+  return getattr(trainer_cls, "task", None)
+
+
+def task_of(config, dataset, trainer_cls=None):
+  """The run's task: `custom` if its trainer declares it, else the
+  dataset's; ConfigError for data without class labels (unlabeled, or
+  float targets) unless the trainer's task is `custom`."""
+  if trainer_task(trainer_cls) == CUSTOM:
+    return CUSTOM
+  where = f" at {config.data_dir}" if config.data_dir else ""
+  if not getattr(dataset, "has_labels", True):
+    raise ConfigError(
+        f"dataset={config.dataset}{where} has no labels (no y_train, "
+        f"y_test), which model={config.model!r} as a classifier needs: "
+        f"{registry.CUSTOM_HINT}")
+  if not getattr(dataset, "has_classes", True):
+    raise ConfigError(
+        f"dataset={config.dataset}{where}: y_train holds float targets "
+        f"({dataset.train_y.dtype}), not class indices, which "
+        f"model={config.model!r} as a classifier needs: "
+        f"{registry.CUSTOM_HINT}")
+  return language_model.task_name(dataset)
 
 
 def _devices(strategy):
@@ -232,7 +265,7 @@ def place(config, strategy=None):
 
 
 def resolve(config, strategy=None, *, train_input=None, eval_input=None,
-            placed=False):
+            placed=False, trainer_cls=None):
   """The plan of a run of `config`: `place`s it (unless `placed`: `config`
   and `strategy` are what `place` returned) and loads its dataset; checks
   what needs them (a batch no larger than the data, the model's task).
@@ -240,6 +273,8 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
 
   Args:
     train_input, eval_input: a run's custom inputs (`experiment.run`).
+    trainer_cls: the run's trainer class, whose `task` decides over the
+      dataset's (`task_of`).
   """
   if not placed:
     config, strategy = place(config, strategy)
@@ -258,7 +293,7 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
                            config.global_batch_size)
-  plan = RunPlan.of(config, strategy, dataset, train_data)
+  plan = RunPlan.of(config, strategy, dataset, train_data, trainer_cls)
   # Before the distribution check, which builds the model too (a model
   # registered without its task: `factory` checks it once built).
   models.check_task(config.model, plan.task, config.dataset,

@@ -17,8 +17,27 @@ from framework.data.inputs import MaskedBatch, pad_batches
 from framework.errors import DataError, check_choice, ConfigError
 
 
+# `Trainer.task`'s value for a trainer whose `compute_loss` is the whole task
+# (models.registry.CUSTOM): no labels or classes needed.
+CUSTOM = "custom"
+
+
 class Evaluating:
   """Evaluation for a Trainer (see the module docstring)."""
+
+  # None: the dataset's task (classification, segmentation, language
+  # model). "custom": a model that is not a classifier (an autoencoder, a
+  # VAE, a regression); `compute_loss` defines the loss from whatever the
+  # batch holds (features alone for unlabeled data), the run does not check
+  # the model's outputs against classes, and evaluation reports the mean
+  # of `eval_loss`'s loss and metrics (no accuracy).
+  task = None
+
+  def eval_loss(self, batch: Any) -> tuple[tf.Tensor, Mapping[str, Any]]:
+    """(per-example loss, per-example metrics) of an evaluation batch of a
+    `task = "custom"` trainer: `compute_loss`'s. Override it where the
+    model must run in inference mode (dropout, BatchNorm)."""
+    return self.compute_loss(batch)
 
   def eval_step(self, batch: Any,
                 mask: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
@@ -35,6 +54,8 @@ class Evaluating:
     Returns:
       A dict of sums; `examples` counts the real examples.
     """
+    if self.task == CUSTOM:
+      return self._custom_sums(batch, mask)
     features, labels = batch
     logits = self.eval_logits(features)
     if _takes_mask(self.eval_sums):
@@ -63,6 +84,25 @@ class Evaluating:
             "accuracy": masked_sum(_per_example(self.correct(labels, logits)),
                                    mask),
             "examples": tf.reduce_sum(tf.cast(mask, tf.float32))}
+
+  def _custom_sums(self, batch, mask):
+    """`eval_loss`'s loss and metrics summed over the real rows (a scalar
+    is taken as the batch's mean)."""
+    loss, metrics = self.eval_loss(batch)
+    rows = tf.shape(tf.nest.flatten(batch)[0])[0]
+    if mask is None:
+      mask = tf.ones([rows], tf.float32)
+    examples = tf.reduce_sum(tf.cast(mask, tf.float32))
+
+    def total(value):
+      value = tf.convert_to_tensor(value)
+      if value.shape.rank == 0:
+        return tf.cast(value, tf.float32) * examples
+      return masked_sum(_per_example(value), mask)
+
+    return {"loss": total(loss),
+            **{name: total(v) for name, v in (metrics or {}).items()},
+            "examples": examples}
 
   def run_eval_step(self, batch):
     """`eval_step` on one replica's batch (a `MaskedBatch` or a plain one).

@@ -428,6 +428,11 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
   regularisers (`model.losses`) and reports the total as `loss`. A
   subclass's options are constructor keywords, not class attributes.
 
+  A model that is not a classifier (an autoencoder, a regression) sets the
+  class attribute `task = "custom"`: `compute_loss` then defines the loss
+  from whatever the batch holds (the features alone for unlabeled data),
+  and evaluation reports the mean of `eval_loss`'s loss and metrics.
+
   Overriding `train_step` instead takes over the whole step; see the module
   docstring for what it must then do and what it may not be combined with.
 

@@ -73,6 +73,8 @@ def check_labels(dataset, where=""):
   Checked when the data loads, so that a bad label stops the run before it
   writes anything (not as a NaN or an op error in the middle of training).
   """
+  if not getattr(dataset, "has_classes", True):
+    return dataset  # unlabeled, or float targets: no class indices
   for split, labels in (("train", dataset.train_y), ("test", dataset.test_y)):
     labels = np.asarray(labels)
     bad = np.flatnonzero((labels < 0) | (labels >= dataset.num_classes))

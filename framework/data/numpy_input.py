@@ -2,6 +2,13 @@
 
 `data_dir` is an `.npz` file holding `x_train`, `y_train`, `x_test`,
 `y_test` (and optionally `class_names`), or a folder of those `.npy` files.
+Without `y_train` and `y_test` the data is unlabeled: batches are the
+features alone, no classes, for a trainer whose `compute_loss` needs no
+labels (`Trainer.task = "custom"`: an autoencoder, a VAE). Float `y_*` are
+targets (regression), passed on as float32 in their own shape, for such a
+trainer too (the model function's `num_classes` is then the targets' last
+dimension, 1 for [examples]; 0 for unlabeled data); integer `y_*` are class
+indices.
 The arrays are memory-mapped (`np.load(mmap_mode="r")`; the members of an
 uncompressed `.npz` in place), and each input pipeline gathers only the rows
 of its own replicas' batches: no process copies a whole array, and the page
@@ -44,6 +51,8 @@ from framework.errors import DataError, check_positive, first_line
 from framework.settings import default
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
+FEATURE_KEYS = ("x_train", "x_test")
+LABEL_KEYS = ("y_train", "y_test")
 CLASS_NAMES_KEY = "class_names"
 _CRC_CHECK = "npz-crc32"
 # Without class_names, a largest label + 1 above _SPREAD times the number of
@@ -54,8 +63,9 @@ CONTRACT = ("x_train, x_test: numbers of shape [examples, ...] (e.g. "
             "[N, 28, 28, 1]), uint8 divided by 255 to [0, 1], any other "
             "dtype reaching the model as float32 as given; y_train, y_test: "
             "integer class indices 0..classes-1 of shape [examples] or "
-            "[examples, 1] (or [examples, height, width] masks); "
-            "class_names: optional strings")
+            "[examples, 1] (or [examples, height, width] masks), float targets "
+            "of any shape, or both absent (unlabeled data, for a trainer "
+            "with task='custom'); class_names: optional strings")
 
 
 def _contract_error(message):
@@ -155,8 +165,9 @@ def _open_arrays(data_dir):
         f"{', '.join(KEYS)}, or a folder of those .npy files")
   arrays = {}
   if os.path.isdir(data_dir):
-    missing = [k for k in KEYS
-               if not os.path.isfile(os.path.join(data_dir, k + ".npy"))]
+    found = {k for k in KEYS
+             if os.path.isfile(os.path.join(data_dir, k + ".npy"))}
+    missing = _missing(found)
     if missing:
       raise _contract_error(
           f"data_dir={data_dir!r} has no "
@@ -175,7 +186,7 @@ def _open_arrays(data_dir):
       members = {n[:-4] for n in archive.namelist() if n.endswith(".npy")}
   except (zipfile.BadZipFile, OSError) as e:
     raise DataError(f"data_dir={data_dir!r} is not an .npz file ({e})") from None
-  missing = [k for k in KEYS if k not in members]
+  missing = _missing(members)
   if missing:
     raise _contract_error(
         f"data_dir={data_dir!r} has no {', '.join(missing)}; it has "
@@ -196,6 +207,13 @@ def _open_arrays(data_dir):
         ".npy files, is memory-mapped instead)", data_dir,
         ", ".join(compressed))
   return arrays
+
+
+def _missing(found):
+  """The keys of `KEYS` a numpy set with the keys `found` lacks: both
+  features, and both labels or none (unlabeled data)."""
+  wanted = KEYS if any(k in found for k in LABEL_KEYS) else FEATURE_KEYS
+  return [k for k in wanted if k not in found]
 
 
 def _load(load, path, key):
@@ -251,26 +269,52 @@ class NumpyDataset(ArraySplits):
     arrays = _open_arrays(data_dir)
     self.name = "numpy"
     self.data_dir = data_dir
-    self.train_x, self.train_y = arrays["x_train"], arrays["y_train"]
-    self.test_x, self.test_y = arrays["x_test"], arrays["y_test"]
+    self.train_x, self.train_y = arrays["x_train"], arrays.get("y_train")
+    self.test_x, self.test_y = arrays["x_test"], arrays.get("y_test")
     for split, x, y in (("train", self.train_x, self.train_y),
                         ("test", self.test_x, self.test_y)):
       if x.ndim < 2 or len(x) == 0:
         raise _contract_error(
             f"data_dir={data_dir!r}: x_{split} has shape {x.shape}; expected "
             "[examples, features...] with at least one example")
-      if len(y) != len(x):
-        raise _contract_error(
-            f"data_dir={data_dir!r}: x_{split} has {len(x)} examples but "
-            f"y_{split} has {len(y)} labels")
-      if not np.issubdtype(y.dtype, np.integer):
-        raise _contract_error(
-            f"data_dir={data_dir!r}: y_{split} is {y.dtype}; labels are "
-            "integer class indices")
       if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
         raise _contract_error(
             f"data_dir={data_dir!r}: x_{split} is {x.dtype}; features are "
             "numbers")
+    if self.train_x.shape[1:] != self.test_x.shape[1:]:
+      raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
+                      f"{self.train_x.shape[1:]}, x_test's "
+                      f"{self.test_x.shape[1:]}")
+    if self.train_y is None:
+      self.class_names = ()
+      return
+    for split, x, y in (("train", self.train_x, self.train_y),
+                        ("test", self.test_x, self.test_y)):
+      if len(y) != len(x):
+        raise _contract_error(
+            f"data_dir={data_dir!r}: x_{split} has {len(x)} examples but "
+            f"y_{split} has {len(y)} labels")
+      if not (np.issubdtype(y.dtype, np.integer)
+              or np.issubdtype(y.dtype, np.floating)):
+        raise _contract_error(
+            f"data_dir={data_dir!r}: y_{split} is {y.dtype}; labels are "
+            "integer class indices (or float targets)")
+    if self.train_y.shape[1:] != self.test_y.shape[1:]:
+      raise DataError(f"data_dir={data_dir!r}: y_train labels have shape "
+                      f"{self.train_y.shape[1:]}, y_test's "
+                      f"{self.test_y.shape[1:]}")
+    kinds = {np.issubdtype(y.dtype, np.floating)
+             for y in (self.train_y, self.test_y)}
+    if kinds == {True}:
+      # Targets, not classes: kept in their own shape (a [N, 1] column
+      # fits a model of one output).
+      self.class_names = ()
+      return
+    if len(kinds) > 1:
+      raise _contract_error(
+          f"data_dir={data_dir!r}: y_train is {self.train_y.dtype}, y_test "
+          f"{self.test_y.dtype}; give both integer class indices or both "
+          "float targets")
     for split in ("train", "test"):
       y = getattr(self, f"{split}_y")
       if y.ndim == 2 and y.shape[1] == 1:
@@ -278,14 +322,6 @@ class NumpyDataset(ArraySplits):
         logging.info("%s: y_%s has shape %s: read as class indices of shape "
                      "[%d]", data_dir, split, y.shape, len(y))
         setattr(self, f"{split}_y", y[:, 0])
-    if self.train_x.shape[1:] != self.test_x.shape[1:]:
-      raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
-                      f"{self.train_x.shape[1:]}, x_test's "
-                      f"{self.test_x.shape[1:]}")
-    if self.train_y.shape[1:] != self.test_y.shape[1:]:
-      raise DataError(f"data_dir={data_dir!r}: y_train labels have shape "
-                      f"{self.train_y.shape[1:]}, y_test's "
-                      f"{self.test_y.shape[1:]}")
     if class_names is None and CLASS_NAMES_KEY in arrays:
       class_names = [str(n) for n in np.asarray(arrays[CLASS_NAMES_KEY])]
     if class_names is None:
@@ -294,17 +330,54 @@ class NumpyDataset(ArraySplits):
       class_names = [f"class_{i}" for i in range(classes)]
     self.class_names = tuple(class_names)
 
+  @property
+  def has_labels(self):
+    """Whether the examples have labels (class indices or targets)."""
+    return self.train_y is not None
+
+  @property
+  def has_classes(self):
+    """Whether the labels are class indices (not float targets, not
+    absent)."""
+    return bool(self.class_names)
+
+  @property
+  def num_classes(self):
+    """The classes; for float targets their last dimension (the model's
+    outputs per example, 1 for [examples]); 0 for unlabeled data."""
+    if self.train_y is None or self.class_names:
+      return len(self.class_names)
+    return int(self.train_y.shape[-1]) if self.train_y.ndim > 1 else 1
+
+  @property
+  def label_shape(self):
+    return None if self.train_y is None else tuple(self.train_y.shape[1:])
+
   def test_samples(self, n):
+    if self.test_y is None:
+      return np.asarray(self.test_x[:n]), None
     return np.asarray(self.test_x[:n]), np.asarray(self.test_y[:n])
 
   def _rows(self, x, y):
-    """`indices -> (features, labels)` read from the mapped arrays."""
+    """`indices -> (features, labels)` read from the mapped arrays (the
+    features alone for unlabeled data)."""
     x_dtype = tf.as_dtype(x.dtype)
-    y_dtype = tf.int32
+    if y is None:
+      def read_x(idx):
+        return np.asarray(x[np.asarray(idx)])
+
+      def features_only(idx):
+        features = tf.numpy_function(read_x, [idx], x_dtype, stateful=False)
+        return tf.ensure_shape(features, [idx.shape[0]] + list(x.shape[1:]))
+
+      return features_only
+    # Class indices as int32, targets as float32.
+    y_np = np.float32 if np.issubdtype(y.dtype, np.floating) else np.int32
+    y_dtype = tf.as_dtype(y_np)
 
     def read(idx):
       idx = np.asarray(idx)
-      return np.asarray(x[idx]), np.asarray(y[idx], np.int32)
+      return np.asarray(x[idx]), np.asarray(y[idx], y_np)
 
     def rows(idx):
       features, labels = tf.numpy_function(read, [idx], (x_dtype, y_dtype),
@@ -317,16 +390,20 @@ class NumpyDataset(ArraySplits):
 
   def _gather(self, seed, augment):
     rows = self._rows(self.train_x, self.train_y)
+    unlabeled = self.train_y is None
 
     def gather(epoch, idx):
-      features, labels = rows(idx)
+      if unlabeled:
+        features, labels = rows(idx), tf.zeros(tf.shape(idx), tf.int32)
+      else:
+        features, labels = rows(idx)
       features = inputs.to_float(features)
       if augment is not None:
         # The seeds of `inputs`: the same augmentation as in memory.
         seeds = tf.stack([tf.fill(tf.shape(idx), epoch * 1000003 + seed),
                           idx], axis=1)
         features, labels = augment(features, labels, seeds)
-      return features, labels
+      return features if unlabeled else (features, labels)
 
     return gather
 
@@ -386,8 +463,11 @@ class NumpyDataset(ArraySplits):
     ds = tf.data.Dataset.range(0, size, global_batch_size).map(
         lambda start: tf.range(start, tf.minimum(start + global_batch_size,
                                                  size)))
-    ds = ds.map(lambda idx: _unknown_rows(rows(idx)))
-    ds = ds.map(lambda x, y: (inputs.to_float(x), y))
+    if self.test_y is None:
+      ds = ds.map(lambda idx: inputs.to_float(_unknown_rows((rows(idx),))[0]))
+    else:
+      ds = ds.map(lambda idx: _unknown_rows(rows(idx)))
+      ds = ds.map(lambda x, y: (inputs.to_float(x), y))
     if pad:
       ds = inputs.pad_batches(ds, global_batch_size)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
