@@ -270,8 +270,8 @@ def build_inference_model(
              for k, v in options.items()}
   # Its weights come from the run (a checkpoint, the weights file), not
   # from the initial weights file it started from.
-  options = registry.architecture_options(
-      name, options, search_dir=info.get("model_import_dir"))
+  options = registry.architecture_options(name, options,
+                                          search_dir=search_dir)
   # A custom task's num_classes need not be classes (float targets).
   outputs = (info["num_classes"] if info.get("task") == registry.CUSTOM
              else len(info["class_names"]))
