@@ -174,6 +174,11 @@ class ExperimentConfig:
   augment: str = setting("none", "Training augmentation: crop_flip = "
                          "4-pixel random crop + horizontal flip.",
                          choices=AUGMENTATIONS)
+  adapt_examples: int = setting(
+      10000, "Training examples that the model's unadapted preprocessing "
+      "layers (a keras Normalization) are adapted on, once, before a new "
+      "run's first step (the first of its training batches, unaugmented); "
+      "the checkpoints keep what they learn.", minimum=POSITIVE)
   model_options: dict = setting(
       help="More options for the model's builder as key=value,... (a list "
       "value continues after commas: hidden_units=32,16,dropout=false), "
