@@ -35,6 +35,8 @@ class _Reached(Exception):
 
 def adaptable_layers(model: keras.Model) -> List[keras.layers.Layer]:
   """The layers of `model` (nested models too) that have `adapt`."""
+  if not isinstance(model, keras.layers.Layer):
+    return []  # a trainer's own model object: nothing Keras to look into
   return [layer for layer in _tf_internal.flatten_layers(model)
           if isinstance(layer, keras.layers.Layer)
           and not isinstance(layer, keras.Model)
@@ -150,8 +152,6 @@ def refresh(model: keras.Model) -> None:
   """Recomputes what adapted layers derive from their variables, after a
   restore wrote the variables: a `Normalization` reads its mean and
   variance from tensors it made when it was last adapted or loaded."""
-  if model is None:
-    return
   for layer in adaptable_layers(model):
     if (isinstance(layer, keras.layers.Normalization)
         and layer.input_mean is None and layer.built):
