@@ -305,7 +305,9 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "init_skip_mismatch": False, "jit_compile": False,
                 "shard_optimizer_state": False,
                 "model_parallel.mesh": "", "model_parallel.data_axis": 1,
-                "model_parallel.tensor_stages": 1}
+                "model_parallel.tensor_stages": 1,
+                # Preprocessing layers adapted on the training data.
+                "adapt_examples": 10000}
 
 
 def _flat(value, prefix=""):

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from models import registry
 from framework.core.trainer import smoothed_sparse_categorical_loss
-from framework.core import precision
+from framework.core import adapt, precision
 from framework.app import export
 from framework.app.config import DEFAULT_EVAL_NAME, EvalConfig  # pylint: disable=unused-import
 from framework.core.checkpoints import manager
@@ -183,6 +183,8 @@ class Evaluator:
       raise CheckpointError(
           f"checkpoint {path} does not fit model={self.info['model']} "
           f"({str(e).strip().splitlines()[0]})") from None
+    # Adapted preprocessing layers: the restored state, not the built one.
+    adapt.refresh(self.trainer.model)
     return int(self.trainer.global_step.numpy())
 
   def evaluate(self, path=None):

@@ -21,7 +21,7 @@ from framework.app import config as app_config
 from framework.app import run_plan
 from framework import settings
 from framework.app import export
-from framework.core import actions, checkpoints, optimizers, precision
+from framework.core import actions, adapt, checkpoints, optimizers, precision
 from framework.core.checkpoints.manager import has_checkpoint
 from framework.core import evaluation
 from framework.core import protocols, ps_training
@@ -162,9 +162,35 @@ def trainer_options(config, strategy):
   return options
 
 
+def adapt_batches(config, dataset, train_input=None):
+  """`() -> iterable` of the run's first training batches (unaugmented, as
+  the model gets them), at most one epoch of them: what the model's
+  preprocessing layers are adapted on (`framework.core.adapt`).
+
+  `train_input`: a run's own (`experiment.run`); it must give a plain
+  `tf.data.Dataset`, else a layer to adapt is a ConfigError.
+  """
+
+  def batches():
+    if train_input is None:
+      per_epoch = inputs.steps_per_epoch(dataset.num_train_examples,
+                                         config.global_batch_size)
+      return inputs.train_dataset(
+          dataset, config.global_batch_size, seed=config.seed).take(per_epoch)
+    data = train_input(0)
+    if not isinstance(data, tf.data.Dataset):
+      raise ConfigError(
+          "train_input gives a distributed dataset: the model's "
+          "preprocessing layers cannot be adapted on it; give a plain "
+          "tf.data.Dataset, or adapt them in the builder")
+    return data.map(preprocessing.scale_batch)
+
+  return batches
+
+
 def build_trainer(config, strategy, dataset, trainer_cls=None, *,
                   build_model=None, make_trainer=None, split=True,
-                  compute_precision=None, plan=None):
+                  compute_precision=None, plan=None, adapt_on=None):
   """(trainer, LoopConfig) of a run of `config` under `strategy`.
 
   Args:
@@ -178,6 +204,9 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       float16 loss scale still follows `config.mixed_precision`).
     plan: the run's `RunPlan`, whose dataset task is read instead of
       deciding it again.
+    adapt_on: `adapt_batches(...)`: the model's unadapted preprocessing
+      layers are adapted on them (None: left as built; a resumed run
+      restores them).
   """
   task = plan.task if plan is not None else None
   trainer_cls = trainer_cls or default_trainer_cls(dataset, task=task)
@@ -187,6 +216,11 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
   model, optimizer, loop = build_model_and_optimizer(
       config, strategy, dataset, build_model,
       compute_precision=compute_precision, task=task, **scale)
+  if adapt_on is not None:
+    # Before a split or a trainer sees the model: one unsplit state.
+    with strategy.scope():
+      adapt.adapt(model, adapt_on, max_examples=config.adapt_examples,
+                  name=config.model)
   if make_trainer is None:
     # The model-parallel trainers load only when a split is asked for.
     split = split and config.model_parallel.mode != "none"
@@ -209,9 +243,12 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   Controller (finished here: nothing is added to it after).
   """
   config, strategy, dataset = plan.config, plan.strategy, plan.dataset
+  # A new run adapts its preprocessing layers; a resumed one restores them.
+  adapt_on = (None if has_checkpoint(config.model_dir)
+              else adapt_batches(config, dataset, train_input))
   trainer, loop = build_trainer(
       config, strategy, dataset, trainer_cls, build_model=build_model,
-      make_trainer=make_trainer, plan=plan)
+      make_trainer=make_trainer, plan=plan, adapt_on=adapt_on)
   # Before a parameter-server coordinator wraps the trainer; of a split
   # model the unsplit one, whose architecture any mesh (or none) shares.
   model = protocols.unsplit_model(trainer)
@@ -329,7 +366,9 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
           config, s, dataset, trainer_cls, build_model=build_model,
           make_trainer=make_trainer or reference_cls,
           split=split_model,
-          compute_precision="float32" if notes else None, plan=plan)
+          compute_precision="float32" if notes else None, plan=plan,
+          # Both sides start as the run does (the check's models are new).
+          adapt_on=adapt_batches(config, dataset))
       return trainer
     return make
 

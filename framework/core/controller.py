@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from framework.core import actions as actions_lib
+from framework.core import adapt
 from framework.core import evaluation, protocols, summaries
 from framework.core.checkpoints import best
 from framework.core.checkpoints import (CheckpointManager, checkpoint_objects,
@@ -263,6 +264,8 @@ class Controller:
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
     if not self._restored:
       self.restored_from = self.checkpoints.restore_latest()
+      if self.restored_from:
+        adapt.refresh(self.parts.model)
       self._restored = True
       self.writer.restart(self.step)  # the steps after it train again
 

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 from absl import logging
 import tensorflow as tf
 
-from framework.core import actions
+from framework.core import actions, adapt
 from framework.core import evaluation
 from framework.core.checkpoints import run_files
 from framework.core.config import parse_metric
@@ -307,6 +307,7 @@ def restore_weights(controller: Any, path: str) -> None:
     objects.update(ema.checkpoint_items())
   tf.train.Checkpoint(**objects).restore(path).expect_partial(
   ).assert_existing_objects_matched()
+  adapt.refresh(controller.parts.model)
 
 
 def _save_eval_weights(parts, path):

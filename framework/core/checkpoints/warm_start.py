@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import protocols
+from framework.core import adapt, protocols
 from framework.core.checkpoints import manager
 from framework.errors import CheckpointError, ConfigError, first_line
 
@@ -268,6 +268,7 @@ def restore_weights(model, path, *, skip_mismatch=False, exclude=None):
     for (variable, _, _), value in zip(restore, values):
       variable.assign(tf.cast(value, variable.dtype))
     restored = [name for _, _, name in restore]
+  adapt.refresh(model)  # adapted preprocessing layers read what came in
   for name, why in skipped:
     logging.warning("init_checkpoint: skipped %s (%s): it keeps its fresh "
                     "value", name, why)
