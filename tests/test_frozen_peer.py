@@ -61,6 +61,28 @@ def test_a_watchdog_that_is_fed_and_stopped_never_fires():
   assert cu.error_lines(proc.stderr) == []
 
 
+def test_a_frozen_leader_is_named_with_the_step():
+  # What the other workers get when worker 0 (the coordination service's
+  # leader) is stopped: a deadline, naming no task.
+  import socket  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework.distribute import cluster  # pylint: disable=g-import-not-at-top
+  with socket.socket() as frozen:
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)
+    config = {"cluster": {"worker": [
+        f"127.0.0.1:{frozen.getsockname()[1]}", "127.0.0.1:1"]},
+              "task": {"type": "worker", "index": 1}}
+    error = tf.errors.DeadlineExceededError(
+        None, None, "Graph execution error:\n\nCollective ops is aborted by: "
+        "Deadline Exceeded")
+    message = str(cluster.peer_failure(error, config, step=15))
+  assert message == (
+      "a task of the cluster failed (DeadlineExceededError; did not answer: "
+      "worker:0) after step 15; relaunch every task to resume from the "
+      "latest checkpoint"), message
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_a_bad_collective_timeout_is_one_line_before_anything_is_built(
     tmp_path, value):

@@ -220,8 +220,7 @@ def peer_failure(error, config=None, *, step=None):
   tasks = [f"{m.group(1)}:{m.group(2)}" for l in lines
            for m in [re.match(r"/job:(\w+)/replica:\d+/task:(\d+)$", l)] if m]
   if tasks:
-    detail = (f"stopped sending heartbeats for {HEARTBEAT_TIMEOUT} s: "
-              + ", ".join(tasks))
+    detail = "stopped sending heartbeats: " + ", ".join(tasks)
   else:
     lost = unreachable_tasks(config) if config else []
     # A frozen task's connections are accepted, but it answers nothing.
