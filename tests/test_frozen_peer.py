@@ -143,13 +143,16 @@ def _stop_worker_1_and_relaunch(log, job, model_dir, error_pattern):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
 def test_a_stopped_multi_worker_peer_is_one_line_and_a_restart_resumes(
-    tmp_path):
+    tmp_path, workers):
   model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")
-  args = cu.MLP + ["--strategy=multi_worker_mirrored", "--checkpoint_every=5",
-                   "--train_steps=40", f"--model_dir={model_dir}",
-                   "--collective_timeout=60"]
-  job = _launch(args, log)
+  # 48: a global batch that 2 and 3 replicas divide.
+  common = cu.MLP + ["--global_batch_size=48", "--checkpoint_every=5",
+                     "--train_steps=40"]
+  job = _launch(common + ["--strategy=multi_worker_mirrored",
+                          f"--model_dir={model_dir}",
+                          "--collective_timeout=60"], log, workers=workers)
   pid, line, code, output = _stop_worker_1_and_relaunch(
       log, job, model_dir, r"train\.py: error: .*$")
   assert code == 0, output[-4000:]
@@ -160,12 +163,12 @@ def test_a_stopped_multi_worker_peer_is_one_line_and_a_restart_resumes(
   assert cu.global_step(model_dir) == 40
   assert re.search(r"^\[worker:0\].*Restored checkpoint .*/ckpt-\d+", output,
                    re.M), output[-4000:]
-  # The same global batches on 2 replicas in one process: the same weights.
+  # The same global batches on as many replicas in one process: the same
+  # weights.
   single = str(tmp_path / "mirrored")
-  proc = cu.run_train(
-      cu.MLP + ["--strategy=mirrored", "--cpu_devices=2",
-                "--checkpoint_every=5", "--train_steps=40",
-                f"--model_dir={single}"], timeout=900)
+  proc = cu.run_train(common + ["--strategy=mirrored",
+                                f"--cpu_devices={workers}",
+                                f"--model_dir={single}"], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert cu.max_weight_difference(model_dir, single) <= 1e-5
 
