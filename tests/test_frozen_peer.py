@@ -175,21 +175,25 @@ def test_a_stopped_multi_worker_peer_is_one_line_and_a_restart_resumes(
 
 # The tiny GPT split as copy r on worker r (tests/test_model_parallel_mesh_
 # cluster.py), without a coordination service: only the watchdog ends it.
-_MESH = ["--model=gpt", "--dataset=text", "--global_batch_size=8",
-         "--sequence_length=16", "--model_width=32", "--num_heads=4",
+_MESH = ["--model=gpt", "--dataset=text", "--sequence_length=16",
+         "--model_width=32", "--num_heads=4",
          "--num_layers=2", "--optimizer=momentum", "--momentum=0.9",
          "--learning_rate=0.1", "--steps_per_loop=1", "--log_every=1",
          "--summary_every=1", "--eval_steps=1", "--export_saved_model=false",
-         "--mesh=data:2,model:2", "--model_parallel_devices=cluster",
-         "--cpu_devices=2", "--checkpoint_every=2"]
+         "--model_parallel_devices=cluster", "--cpu_devices=2",
+         "--checkpoint_every=2"]
 
 
 @pytest.mark.slow
-def test_a_stopped_mesh_worker_is_one_line_and_a_restart_finishes(tmp_path):
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_stopped_mesh_worker_is_one_line_and_a_restart_finishes(
+    tmp_path, workers):
   model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")
   steps = 12
-  job = _launch(_MESH + [f"--train_steps={steps}", f"--model_dir={model_dir}",
-                         "--collective_timeout=30"], log)
+  mesh = _MESH + [f"--mesh=data:{workers},model:2",
+                  f"--global_batch_size={4 * workers}"]
+  job = _launch(mesh + [f"--train_steps={steps}", f"--model_dir={model_dir}",
+                        "--collective_timeout=30"], log, workers=workers)
   _, line, code, output = _stop_worker_1_and_relaunch(
       log, job, model_dir, r"^\[chief:0\] train\.py: error: .*$")
   assert code == 0, output[-4000:]
@@ -202,7 +206,7 @@ def test_a_stopped_mesh_worker_is_one_line_and_a_restart_finishes(tmp_path):
   assert cu.global_step(model_dir) == steps
   # An uninterrupted split run: the same weights.
   reference = str(tmp_path / "reference")
-  proc = cu.launch(_MESH + [f"--train_steps={steps}",
-                            f"--model_dir={reference}"])
+  proc = cu.launch(mesh + [f"--train_steps={steps}",
+                           f"--model_dir={reference}"], workers=workers)
   assert proc.returncode == 0, proc.stdout[-4000:]
   assert cu.max_weight_difference(model_dir, reference) <= 1e-6
