@@ -71,13 +71,27 @@ flags.DEFINE_float("startup_timeout", _CLUSTER_OPTIONS.startup_timeout,
                    "of a multi-worker/parameter-server cluster to start "
                    "before exiting with the missing tasks named (0: wait "
                    "forever).")
+flags.DEFINE_float(
+    "collective_timeout", _CLUSTER_OPTIONS.collective_timeout,
+    "Seconds a task of a multi-worker job or a --mesh over a cluster may "
+    "wait for its peers (from one finished loop to the next: its "
+    "all-reduces, evaluation, checkpoint) before it exits with one line "
+    "naming the task that did not answer and the step; launch.py "
+    "--max_restarts then restarts the job from its last checkpoint. Must "
+    "be > 0. The default leaves room for the slowest healthy gap on a "
+    "loaded CPU host (a loop, an evaluation, a checkpoint, the first "
+    "loop's tracing and compilation: seconds to minutes). Under "
+    "multi_worker_mirrored a peer that stops sending heartbeats ends the "
+    "run after 5 s anyway.")
 
 # Which choices read this app's own flags (the settings declare theirs:
 # `setting(read_by=...)`); a set flag they do not read is a warning.
 _CLUSTER = {"strategy": ("multi_worker_mirrored", "parameter_server"),
             "model_parallel_devices": ("cluster",)}
 READ_BY = {"cluster_resolver": _CLUSTER, "slurm_ps_tasks": _CLUSTER,
-           "slurm_port_base": _CLUSTER, "startup_timeout": _CLUSTER}
+           "slurm_port_base": _CLUSTER, "startup_timeout": _CLUSTER,
+           "collective_timeout": {"strategy": ("multi_worker_mirrored",),
+                                  "model_parallel_devices": ("cluster",)}}
 
 # Recorded in TensorBoard as the run's configuration (those not at their
 # default, and the key ones: see config_flags.hparams).
@@ -110,7 +124,8 @@ def _run_config(config, trainer_cls):
   options = distribute_config.ClusterOptions(
       resolver=FLAGS.cluster_resolver, slurm_ps_tasks=FLAGS.slurm_ps_tasks,
       slurm_port_base=FLAGS.slurm_port_base,
-      startup_timeout=FLAGS.startup_timeout)
+      startup_timeout=FLAGS.startup_timeout,
+      collective_timeout=FLAGS.collective_timeout)
   return experiment.run_task(config, trainer_cls=trainer_cls, options=options,
                        program=os.path.basename(sys.argv[0]))
 

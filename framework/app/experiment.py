@@ -38,6 +38,7 @@ from framework.core.controller import Controller, show_progress_by_default
 from framework.core.checkpoints.run_files import RunLock
 from framework.distribute import cluster, strategies
 from framework.distribute.config import ClusterOptions
+from framework.distribute.watchdog import StepWatchdog
 from framework.distribute.tf_config import require_tf_config
 from framework.errors import DistloopError, first_line
 
@@ -271,6 +272,10 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
     if config.strategy == "parameter_server":
       return _coordinate(config, trainer_cls, watchdog, tf_config)
     controllers = []
+    # A frozen peer: one line and an exit, not a hang. It starts after the
+    # first loop, whose tracing and compilation can take minutes.
+    steps = StepWatchdog(tf_config, timeout=options.collective_timeout,
+                         program=program)
 
     def prepare(controller):
       # The model's variables exist: under MultiWorkerMirroredStrategy
@@ -281,11 +286,14 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
     try:
       # SIGTERM once training starts: checkpoint, exit 42.
       results = run(config, trainer_cls=trainer_cls,
-                    prepare_controller=prepare, handle_preemption=True)
+                    prepare_controller=prepare, handle_preemption=True,
+                    train_actions=[steps.progress])
     except cluster.PEER_ERRORS as e:
       if tf_config is None:
         raise
-      raise cluster.peer_failure(e, tf_config) from None
+      raise cluster.peer_failure(e, tf_config, step=steps.last_step) from None
+    finally:
+      steps.stop()
     logging.info("final weights sha256=%s",
                  weights_digest(controllers[0].trainer.model))
     return results

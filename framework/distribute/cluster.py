@@ -210,8 +210,11 @@ TRANSPORT_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
 PEER_ERRORS = TRANSPORT_ERRORS + (tf.errors.FailedPreconditionError,)
 
 
-def peer_failure(error, config=None):
-  """A one-line ConfigError-style ClusterError for a TensorFlow peer error."""
+def peer_failure(error, config=None, *, step=None):
+  """A one-line ClusterError for a TensorFlow peer error: the task that
+  stopped sending heartbeats, cannot be reached or does not answer, and
+  the last finished `step` (None: not known)."""
+  from framework.distribute import watchdog  # pylint: disable=g-import-not-at-top
   config = config or parse_tf_config()
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
   tasks = [f"{m.group(1)}:{m.group(2)}" for l in lines
@@ -220,11 +223,15 @@ def peer_failure(error, config=None):
     detail = "stopped sending heartbeats: " + ", ".join(tasks)
   else:
     lost = unreachable_tasks(config) if config else []
+    # A frozen task's connections are accepted, but it answers nothing.
+    silent = [] if lost or not config else watchdog.silent_tasks(config)
     detail = ("unreachable: " + ", ".join(lost) if lost else
+              "did not answer: " + ", ".join(silent) if silent else
               next((l for l in lines if "UNAVAILABLE" in l), lines[0]
                    if lines else type(error).__name__))
+  at = "" if step is None else f" after step {step}"
   return ClusterError(f"a task of the cluster failed ({type(error).__name__}"
-                      f"; {detail[:300]}); relaunch every task to resume "
+                      f"; {detail[:300]}){at}; relaunch every task to resume "
                       "from the latest checkpoint")
 
 

@@ -19,6 +19,23 @@ EVAL_STRATEGIES = tuple(s for s in STRATEGIES if s != "parameter_server")
 
 CLUSTER_RESOLVERS = ("tf_config", "slurm")
 
+# Seconds from one finished loop to the next before a task counts its
+# peers as frozen (framework.distribute.watchdog). A healthy gap holds a
+# loop of the slowest peer, an evaluation and a checkpoint write, the
+# first one also tracing and compilation: seconds to minutes on a loaded
+# CPU host, never ten.
+COLLECTIVE_TIMEOUT = 600.0
+
+
+def check_collective_timeout(seconds):
+  """Raises ConfigError unless `seconds` is a number > 0; returns it."""
+  if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+      or not seconds > 0 or seconds == float("inf")):
+    raise ConfigError(f"collective_timeout={seconds!r} must be a number of "
+                      "seconds > 0 (a frozen peer is then one line, not a "
+                      f"hang; default {COLLECTIVE_TIMEOUT:g})")
+  return float(seconds)
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusterOptions:
@@ -32,11 +49,16 @@ class ClusterOptions:
     startup_timeout: seconds for every task of a multi-worker or
       parameter-server cluster to start before the run exits naming the
       missing ones (0: wait forever).
+    collective_timeout: seconds a task of a multi-process job may wait for
+      its peers (from one finished loop to the next: its all-reduces and
+      all-gathers, a mesh's and ZeRO-1's collectives, evaluation's sums)
+      before it exits naming the task that did not answer (> 0).
   """
   resolver: str = "tf_config"
   slurm_ps_tasks: int = 0
   slurm_port_base: int = 8888
   startup_timeout: float = 120
+  collective_timeout: float = COLLECTIVE_TIMEOUT
 
   def __post_init__(self):
     check_choice("cluster_resolver", self.resolver, CLUSTER_RESOLVERS)
@@ -45,6 +67,7 @@ class ClusterOptions:
     if self.startup_timeout is None or self.startup_timeout < 0:
       raise ConfigError(f"startup_timeout={self.startup_timeout} must be "
                         ">= 0")
+    check_collective_timeout(self.collective_timeout)
 
 
 # Every link's MTU lies in this range (IPv4's minimum, the largest a veth
