@@ -402,6 +402,44 @@ def _option_kind(parameter):
   return None, hint if hint in (bool, int, float, str) else None
 
 
+def check_flag_options(name, options, flags):
+  """ConfigError unless each of `options` (built-in model flags given on
+  the command line, by name: `flags` maps an option to its flag) has the
+  kind model `name`'s builder takes: `--dropout` is cifar_cnn's bool, not
+  a function of one's own's float rate."""
+  try:
+    signature = inspect.signature(get_builder(name))
+  except (ConfigError, TypeError, ValueError):
+    return
+  accepted = builder_forms.option_parameters(signature)
+  for key, value in options.items():
+    if key not in accepted:
+      continue
+    sequence, element = _option_kind(accepted[key])
+    if sequence is None and element is None:
+      continue  # untyped: anything goes
+    is_list = isinstance(value, (list, tuple))
+    got = type(value[0]) if is_list and value else type(value)
+    if (sequence is not None) == is_list and (
+        element is None or (element is bool) == (got is bool)
+        and (element is not int or got is int)
+        and (element is not str or got is str)):
+      continue
+    kind = (f"a list of {element.__name__}" if sequence and element
+            else getattr(element, "__name__", "a list"))
+    raise ConfigError(
+        f"--{flags.get(key, key)}={_show_value(value)} is the built-in "
+        f"models' flag, but model={name!r} takes {key} as {kind} "
+        f"(its default: {accepted[key].default!r}); set it with "
+        f"--model_options={key}=VALUE")
+
+
+def _show_value(value):
+  if isinstance(value, (list, tuple)):
+    return ",".join(str(v) for v in value)
+  return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def parse_options(name, text):
   """{option: value} from `key=value,...` for model `name`'s builder.
 

@@ -192,9 +192,15 @@ def config_from_flags(flag_values=flags.FLAGS, hparam_flags=()):
     else:
       # A model of one's own keeps its own defaults: only the options the
       # command line (or a flag file) set reach it.
-      values[(field.name,)] = {
-          f.path[-1]: getattr(built, f.path[-1]) for f in all_flags
-          if f.path[:-1] == (field.name,) and flag_values[f.name].present}
+      given = [f for f in all_flags if f.path[:-1] == (field.name,)
+               and flag_values[f.name].present]
+      values[(field.name,)] = {f.path[-1]: getattr(built, f.path[-1])
+                               for f in given}
+      if given:
+        import models  # pylint: disable=g-import-not-at-top
+        models.registry.check_flag_options(
+            values[("model",)], values[(field.name,)],
+            {f.path[-1]: f.name for f in given})
   for flag in all_flags:
     text = flag_values[flag.name].value
     if flag.kind is dict and text:

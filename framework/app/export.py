@@ -265,7 +265,11 @@ def build_inference_model(
   # never for a model the user named (their own copy, from their folders).
   search_dir = (info.get("model_import_dir")
                 if trust_model_code and _NAMED_BY_USER not in info else None)
-  options = dict(info.get("model_options") or {}, **_TRAINING_ONLY_OPTIONS)
+  recorded = info.get("model_options") or {}
+  # Only where the builder took them: a `**options` builder that passes
+  # its options on would get keywords it never had.
+  options = dict(recorded, **{k: v for k, v in _TRAINING_ONLY_OPTIONS.items()
+                              if k in recorded})
   options = {k: tuple(v) if isinstance(v, list) else v
              for k, v in options.items()}
   # Its weights come from the run (a checkpoint, the weights file), not
