@@ -52,6 +52,9 @@ def test_data_guide_states_the_contract():
     (dict(x_train=np.array([["a", "b"]] * 4), y_train=np.zeros(4, int),
           x_test=np.array([["a", "b"]] * 2), y_test=np.zeros(2, int)),
      "features are numbers"),
+    (dict(x_train=np.zeros((4, 2), np.uint8), y_train=np.zeros(4, int),
+          x_test=np.zeros((2, 2), np.float32), y_test=np.zeros(2, int)),
+     "x_train is uint8 but x_test is float32; save both with one dtype"),
 ])
 def test_a_file_that_breaks_the_contract_is_one_line_naming_it(
     tmp_path, arrays, problem):

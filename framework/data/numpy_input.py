@@ -285,6 +285,12 @@ class NumpyDataset(ArraySplits):
       raise DataError(f"data_dir={data_dir!r}: x_train examples have shape "
                       f"{self.train_x.shape[1:]}, x_test's "
                       f"{self.test_x.shape[1:]}")
+    if self.train_x.dtype != self.test_x.dtype:
+      # uint8 is divided by 255 and other dtypes are not: the model would
+      # be scored on inputs of another scale than it learned.
+      raise _contract_error(
+          f"data_dir={data_dir!r}: x_train is {self.train_x.dtype} but "
+          f"x_test is {self.test_x.dtype}; save both with one dtype")
     if self.train_y is None:
       self.class_names = ()
       return
