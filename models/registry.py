@@ -17,6 +17,7 @@ import importlib
 import inspect
 import os
 import sys
+import sysconfig
 import types
 import typing
 
@@ -246,7 +247,15 @@ def call_builder(builder, input_shape, num_classes, options, name=None, *,
       signature.bind(tuple(input_shape), num_classes, **options)
     except TypeError as e:
       raise builder_forms.refuse(name, builder, signature, e) from None
-    model = builder(tuple(input_shape), num_classes, **options)
+    try:
+      model = builder(tuple(input_shape), num_classes, **options)
+    except TypeError as e:
+      if e.__traceback__.tb_next is not None and not _standard_library(
+          builder):
+        raise  # raised inside the function: the user's own error
+      # The call itself failed, or a function of Python's own did: not a
+      # model function at all (builtins:eval, os.path:join), one line.
+      raise builder_forms.refuse(name, builder, signature, e) from None
   import keras  # pylint: disable=g-import-not-at-top
   if not isinstance(model, keras.Model):
     got = "None" if model is None else f"a {type(model).__name__}"
@@ -275,6 +284,18 @@ def _call_with_weights(builder, kwargs, name):
         f"model={name!r}: model_options weights={kwargs['weights']!r} does "
         f"not fit the model ({lines[0] if lines else type(e).__name__}); "
         f"expected {builder_forms.WEIGHTS_FILES} with the same options") from None
+
+
+def _standard_library(function):
+  """Whether `function` is Python's own (its module in the standard
+  library), not a model function anyone wrote."""
+  module = inspect.getmodule(function)
+  path = getattr(module, "__file__", None)
+  if module is None or path is None:
+    return True  # builtins and C modules
+  stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+  path = os.path.realpath(path)
+  return path.startswith(stdlib + os.sep) and "site-packages" not in path
 
 
 def check_model(name, options=None, search_dir=None, *, resuming=False):
@@ -531,7 +552,12 @@ def check_task(name, per_pixel, dataset, model=None, label_shape=None):
         f"classifier) but the run's trainer is a {want} trainer; "
         f"{CUSTOM_HINT}")
   if task is None and model is not None:
-    task = "segmentation" if len(model.output_shape) == 4 else "classification"
+    try:
+      rank = len(model.output_shape)
+    except (AttributeError, TypeError, ValueError):
+      rank = None  # a subclassed model has no static output shape
+    if rank is not None:
+      task = "segmentation" if rank == 4 else "classification"
   if task is None or task == want:
     return
   fitting = [n for n in model_names() if _TASKS.get(n) == want]

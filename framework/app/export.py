@@ -215,6 +215,24 @@ def save_weights(model, path):
   return run_files.write_atomically(path, model.save_weights)
 
 
+# model_info.json's fields a rebuild reads: (JSON types, what they are).
+_INFO_FIELDS = {
+    "model": (str, "a model name or module:function"),
+    "model_options": (dict, "an object of options"),
+    "input_shape": (list, "a list of positive integers"),
+    "class_names": (list, "a list of strings"),
+    "num_classes": (int, "an integer"),
+    "model_import_dir": ((str, type(None)), "a folder or null"),
+    "dataset": ((str, type(None)), "a dataset name or null"),
+    "data_dir": ((str, type(None)), "a folder or null"),
+    "global_batch_size": ((int, type(None)), "an integer or null"),
+    "label_smoothing": ((int, float, type(None)), "a number or null"),
+    "ema_decay": ((int, float, type(None)), "a number or null"),
+    "mixed_precision": ((str, type(None)), "a precision name or null"),
+    input_scale.RECORD: (bool, "true or false"),
+}
+
+
 def read_model_info(model_dir):
   """The dict written by `write_model_info`, or None if there is none."""
   path = os.path.join(model_dir, MODEL_INFO_FILE)
@@ -225,6 +243,22 @@ def read_model_info(model_dir):
              if k not in info]
   if missing:
     raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+  for key, (kinds, what) in _INFO_FIELDS.items():
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if key in info and not (isinstance(info[key], kinds) and not (
+        isinstance(info[key], bool) and bool not in kinds)):
+      raise CheckpointError(
+          f"{path}: {key} is {json.dumps(info[key])[:80]}, not {what} "
+          "(edited or damaged); restore the run's own file")
+  if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+             for d in info["input_shape"]):
+    raise CheckpointError(f"{path}: input_shape is {info['input_shape']}, "
+                          "not a list of positive integers (edited or "
+                          "damaged); restore the run's own file")
+  if not all(isinstance(n, str) for n in info["class_names"]):
+    raise CheckpointError(f"{path}: class_names holds other values than "
+                          "strings (edited or damaged); restore the run's "
+                          "own file")
   if input_scale.RECORD not in info:
     # A run from before the record: its checkpoints' fingerprint tells
     # whether it was built with its input times 255 (`unrecorded_scale`).

@@ -1,0 +1,35 @@
+"""A doctored model_info.json is one line naming the field, never a
+traceback deep in a rebuild (`export.read_model_info`)."""
+
+import json
+
+import pytest
+
+from framework.app import export
+from framework.errors import CheckpointError
+
+GOOD = {"model": "mlp", "model_options": {}, "input_shape": [4],
+        "class_names": ["a", "b"], "num_classes": 2,
+        "input_times_255": False}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", 5), ("model", None), ("model_options", [1, 2]),
+    ("input_shape", "abc"), ("input_shape", [0]), ("input_shape", [True]),
+    ("class_names", [1, 2]), ("num_classes", "2"),
+    ("label_smoothing", "x"), ("input_times_255", "yes"),
+    ("model_import_dir", 3),
+])
+def test_a_field_of_another_type_is_one_line_naming_it(tmp_path, field,
+                                                       value):
+  (tmp_path / export.MODEL_INFO_FILE).write_text(
+      json.dumps(dict(GOOD, **{field: value})))
+  with pytest.raises(CheckpointError) as error:
+    export.read_model_info(str(tmp_path))
+  message = str(error.value)
+  assert "\n" not in message and field in message
+
+
+def test_the_runs_own_file_reads(tmp_path):
+  (tmp_path / export.MODEL_INFO_FILE).write_text(json.dumps(GOOD))
+  assert export.read_model_info(str(tmp_path))["model"] == "mlp"
