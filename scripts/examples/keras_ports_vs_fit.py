@@ -215,7 +215,11 @@ def _distloop(port, strategy_name, strategy):
       train_steps=port.steps, seed=FLAGS.run_seed, export_saved_model=False,
       optimizer=framework.OptimizerConfig(name="adam",
                                           learning_rate=LEARNING_RATE),
-      loop=framework.LoopConfig(train_steps=port.steps, steps_per_loop=half))
+      # The last loop is the second half: no log or summary interval
+      # (100 steps by default) may end a loop before it.
+      loop=framework.LoopConfig(train_steps=port.steps, steps_per_loop=half,
+                                log_every=half, summary_every=half,
+                                checkpoint_every=0))
   if port.name == "distillation":
     import distillation  # pylint: disable=g-import-not-at-top
     results = experiment.run(

@@ -151,13 +151,16 @@ def _run():
   `VAETrainer`)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from distloop_cli import train  # pylint: disable=g-import-not-at-top
+  import mnist_convnet  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string("write_data", None, "Write unlabeled MNIST-shaped "
                       "digits (mnist_convnet's generated ones, or with "
                       "--mnist MNIST's) to this .npz and exit.")
   flags.DEFINE_bool("mnist", False, "--write_data: keras.datasets.mnist's "
                     "images (downloaded by Keras) instead of generated ones.")
-  flags.DEFINE_integer("synthetic_examples", 2048, "--write_data: generated "
-                       "training images (a quarter as many test ones).")
+  flags.DEFINE_integer("synthetic_examples",
+                       mnist_convnet.SYNTHETIC_EXAMPLES, "--write_data: "
+                       "generated training images (a quarter as many test "
+                       "ones).")
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   FLAGS.set_default("model", "vae:build")
   FLAGS.set_default("dataset", "numpy")

@@ -9,8 +9,8 @@ small size: patches of 4x4 of the 32x32 CIFAR-10 images, width 64, 4 heads,
 This file runs as train.py does, with `--model=vit_cifar10:build
 --dataset=cifar10 --optimizer=adamw --learning_rate=1e-3
 --weight_decay=1e-4` (keras-io's) as defaults; every train.py flag works
-(`--dataset=synthetic` needs no data; `--model_options=num_layers=8`, ...
-sizes the model). keras-io adapts the augmentation's `Normalization` on
+(`--dataset=synthetic` needs no data; `--num_heads`, and
+`--model_options=transformer_layers=8,...` size the model). keras-io adapts the augmentation's `Normalization` on
 `x_train` before it builds the model; here the builder leaves it unadapted
 and the run adapts it on its first training batches (`--adapt_examples`),
 once: the checkpoints keep its mean and variance. The random augmentation
@@ -31,6 +31,9 @@ if __name__ == "__main__":
 import keras  # pylint: disable=g-import-not-at-top
 from keras import layers  # pylint: disable=g-import-not-at-top
 from keras import ops  # pylint: disable=g-import-not-at-top
+
+from framework import settings  # pylint: disable=g-import-not-at-top
+from models import options  # pylint: disable=g-import-not-at-top
 
 
 class Patches(layers.Layer):
@@ -89,31 +92,33 @@ def mlp(x, hidden_units, dropout_rate):
   return x
 
 
-def augmentation(image_size):
-  """keras-io's `data_augmentation`, its `Normalization` unadapted (the
-  run adapts it)."""
+def augmentation(resize_to):
+  """keras-io's `data_augmentation` (keras-io's `image_size` is
+  `resize_to`), its `Normalization` unadapted (the run adapts it)."""
   return keras.Sequential([
       layers.Normalization(),
-      layers.Resizing(image_size, image_size),
+      layers.Resizing(resize_to, resize_to),
       layers.RandomFlip("horizontal"),
       layers.RandomRotation(factor=0.02),
       layers.RandomZoom(height_factor=0.2, width_factor=0.2),
   ], name="data_augmentation")
 
 
-def build(input_shape, num_classes, image_size=32, patch_size=4,
-          projection_dim=64, num_heads=4, num_layers=4,
-          mlp_head_units=(256, 128)):
-  """keras-io's `create_vit_classifier` (logits), small by default; keras-io
-  uses image_size=72, patch_size=6, num_layers=8,
-  mlp_head_units=(2048, 1024)."""
-  num_patches = (image_size // patch_size) ** 2
+def build(input_shape, num_classes, resize_to=32, patch_size=4,
+          projection_dim=64,
+          num_heads=settings.default(options.ModelOptions, "num_heads"),
+          transformer_layers=4, mlp_head_units=(256, 128)):
+  """keras-io's `create_vit_classifier` (logits), small by default (4
+  heads); keras-io uses resize_to (its image_size)=72, patch_size=6,
+  transformer_layers=8, mlp_head_units=(2048, 1024). `--num_heads` sets
+  the heads, `--model_options` the rest."""
+  num_patches = (resize_to // patch_size) ** 2
   transformer_units = [projection_dim * 2, projection_dim]
   inputs = keras.Input(shape=input_shape)
-  augmented = augmentation(image_size)(inputs)
+  augmented = augmentation(resize_to)(inputs)
   patches = Patches(patch_size)(augmented)
   encoded_patches = PatchEncoder(num_patches, projection_dim)(patches)
-  for _ in range(num_layers):
+  for _ in range(transformer_layers):
     x1 = layers.LayerNormalization(epsilon=1e-6)(encoded_patches)
     attention_output = layers.MultiHeadAttention(
         num_heads=num_heads, key_dim=projection_dim, dropout=0.1)(x1, x1)
