@@ -147,3 +147,17 @@ def test_port_names_are_checked(tmp_path):
   assert proc.returncode != 0
   assert ("--port=['mnist', 'gan']: unknown port mnist; valid: "
           "mnist_convnet, distillation, resnet50, gan") in proc.stderr
+
+
+def test_train_columns_are_the_second_half_on_both_sides(tmp_path):
+  # Past 200 steps a 100-step log interval would end distloop's loops
+  # sooner: its last loop, which its train columns are, would be shorter
+  # than fit's second half.
+  proc = run_python(f"{ROOT}/scripts/examples/keras_ports_vs_fit.py",
+                    "--port=mnist_convnet", "--steps=202", "--batch=16",
+                    "--examples=256", cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+          if line.startswith("| mnist_convnet | digits | default |")]
+  fit, ours = ([float(v) for v in r[5].split("/")] for r in rows)
+  assert fit == pytest.approx(ours, abs=2e-3)
