@@ -149,6 +149,7 @@ def test_port_names_are_checked(tmp_path):
           "mnist_convnet, distillation, resnet50, gan") in proc.stderr
 
 
+@pytest.mark.slow
 def test_train_columns_are_the_second_half_on_both_sides(tmp_path):
   # Past 200 steps a 100-step log interval would end distloop's loops
   # sooner: its last loop, which its train columns are, would be shorter
