@@ -6,7 +6,7 @@ back to back in one process.
         --cifar10_dir=/path/to/cifar-10-batches-py
     python scripts/examples/keras_ports_vs_fit.py --port=distillation,gan
 
-Ports (`--port`, all four by default; each with its own steps and batch,
+Ports (`--port`, all six by default; each with its own steps and batch,
 PORT_RUNS, unless `--steps` / `--batch` set them for all):
 
 - mnist_convnet: keras-io's MNIST convnet (`mnist_convnet.build`) on
@@ -25,12 +25,22 @@ PORT_RUNS, unless `--steps` / `--batch` set them for all):
   as discriminator and classifier, `gan.build_generator`) against the same
   two models and losses as a keras.Model with its own `train_step` under
   `fit` (keras-io's "GAN overriding Model.train_step" form); the same digits.
+- vit: keras-io's Vision Transformer at a small size (`vit_cifar10.build`:
+  an unadapted `Normalization` that distloop adapts on its first
+  `--adapt_examples` training images and fit's side adapts on the same
+  images, random flip / rotation / zoom, `Patches`, `PatchEncoder`) with
+  AdamW on CIFAR-10 (`--cifar10_dir`).
+- vae: keras-io's Variational AutoEncoder (`vae.build` the encoder with its
+  `Sampling` layer, `vae.build_decoder`): vae.py's `VAETrainer` (a
+  `compute_loss`, the decoder tracked) against keras-io's `VAE(keras.Model)`
+  with its own `train_step` under `fit`; the same digits without labels.
 
 `fit` reads the batches distloop reads, in its order
 (`framework.data.inputs.train_dataset`: a (seed, epoch) shuffle, uint8
 divided by 255). Op determinism is on for both (distloop's default).
 Prints the host, the command, then one table row per (port, strategy,
-trainer): the train loss and accuracy (and the GAN's d_loss / g_loss) as
+trainer): the train loss and accuracy (the VAE's loss / reconstruction /
+kl; and the GAN's d_loss / g_loss) as
 means over the second half of the steps, test loss and accuracy after the
 steps (the whole test split), the examples/s of the second half of the
 steps (the first half includes tracing) with distloop's as a ratio of
@@ -53,11 +63,14 @@ cli.quiet_startup()
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
-PORTS = ("mnist_convnet", "distillation", "resnet50", "gan")
-# Each port's (steps, global batch): ResNet50 from scratch needs a few
-# hundred CIFAR-10 steps to leave chance; the rest learn the digits in 200.
+PORTS = ("mnist_convnet", "distillation", "resnet50", "gan", "vit", "vae")
+# Each port's (steps, global batch): ResNet50 and the ViT from scratch need
+# a few hundred CIFAR-10 steps to leave chance; the rest learn the digits in
+# 200.
 PORT_RUNS = {"mnist_convnet": (200, 64), "distillation": (200, 64),
-             "resnet50": (500, 64), "gan": (200, 64)}
+             "resnet50": (500, 64), "gan": (200, 64), "vit": (400, 64),
+             "vae": (200, 64)}
+CIFAR10_PORTS = ("resnet50", "vit")
 flags.DEFINE_list("port", list(PORTS), f"Ports to run, of {', '.join(PORTS)}.")
 flags.DEFINE_integer("steps", None, "Training steps of every run (default: "
                      "each port's, PORT_RUNS).", lower_bound=2)
@@ -65,7 +78,7 @@ flags.DEFINE_integer("batch", None, "Global batch size of every run "
                      "(default: each port's, PORT_RUNS).", lower_bound=2)
 flags.DEFINE_integer("examples", 4096, "Generated training digits (a "
                      "quarter as many test ones).")
-flags.DEFINE_string("cifar10_dir", None, "resnet50: the CIFAR-10 python "
+flags.DEFINE_string("cifar10_dir", None, "resnet50, vit: the CIFAR-10 python "
                     "directory (cifar-10-batches-py; default: Keras's "
                     "cache, downloaded when online). Not --data_dir: "
                     "train.py's flag, which the distillation and GAN ports "
@@ -86,7 +99,8 @@ def _check_ports(ports):
 
 
 ALPHA, TEMPERATURE = 0.1, 10.0  # keras-io's distillation
-LEARNING_RATE = 1e-3  # Adam's, of every model
+LEARNING_RATE = 1e-3  # Adam's (the ViT's AdamW's), of every model
+WEIGHT_DECAY = 1e-4  # keras-io's ViT's AdamW
 FLAGS = flags.FLAGS
 
 
@@ -113,12 +127,16 @@ def host_line():
           f"{os.getloadavg()[0]:.2f}")
 
 
-def _digits(path):
-  """Writes the generated digits to `path` (.npz of the numpy contract)."""
+def _digits(path, labels=True):
+  """Writes the generated digits to `path` (.npz of the numpy contract;
+  without `labels`, the images alone: unlabeled data)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import mnist_convnet  # pylint: disable=g-import-not-at-top
   (x, y), (x_test, y_test) = mnist_convnet.synthetic_digits(FLAGS.examples)
-  np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
+  if labels:
+    np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
+  else:
+    np.savez(path, x_train=x, x_test=x_test)
 
 
 class Port:
@@ -127,17 +145,21 @@ class Port:
   Args:
     name: one of PORTS.
     digits: the generated digits' .npz.
+    unlabeled: the same digits without labels (the VAE's).
   """
 
-  def __init__(self, name, digits):
+  def __init__(self, name, digits, unlabeled):
     from framework.data import datasets  # pylint: disable=g-import-not-at-top
     self.name = name
     steps, batch = PORT_RUNS[name]
     self.steps = FLAGS.steps or steps
     self.batch = FLAGS.batch or batch
-    if name == "resnet50":
+    if name in CIFAR10_PORTS:
       self.dataset_name, self.data_dir = "cifar10", FLAGS.cifar10_dir
       self.data_label = "CIFAR-10"
+    elif name == "vae":
+      self.dataset_name, self.data_dir = "numpy", unlabeled
+      self.data_label = "digits, no labels"
     else:
       self.dataset_name, self.data_dir = "numpy", digits
       self.data_label = "digits"
@@ -151,10 +173,27 @@ class Port:
     from framework.data import inputs  # pylint: disable=g-import-not-at-top
     return inputs.train_dataset(self.data, self.batch, seed=FLAGS.run_seed)
 
-  def test_split(self):
-    """The whole test split: images as float32 in [0, 1], labels."""
+  def adapt_images(self):
+    """The images distloop adapts a `Normalization` on: the first
+    `adapt_examples` (its default) of the first epoch's batches."""
     import numpy as np  # pylint: disable=g-import-not-at-top
-    x, y = (np.asarray(a) for a in (self.data.test_x, self.data.test_y))
+    import framework  # pylint: disable=g-import-not-at-top
+    from framework import settings  # pylint: disable=g-import-not-at-top
+    from framework.data import inputs  # pylint: disable=g-import-not-at-top
+    wanted = settings.default(framework.ExperimentConfig, "adapt_examples")
+    per_epoch = inputs.steps_per_epoch(self.data.num_train_examples,
+                                       self.batch)
+    images = np.concatenate([
+        np.asarray(x) for x, _ in self.fit_input().take(per_epoch)
+        .take(-(-wanted // self.batch))])
+    return images[:wanted]
+
+  def test_split(self):
+    """The whole test split: images as float32 in [0, 1], labels (None for
+    unlabeled data)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    x = np.asarray(self.data.test_x)
+    y = None if self.data.test_y is None else np.asarray(self.data.test_y)
     if x.dtype == np.uint8:
       x = x.astype(np.float32) / 255
     return x, y
@@ -176,7 +215,11 @@ def _distloop(port, strategy_name, strategy):
       train_steps=port.steps, seed=FLAGS.run_seed, export_saved_model=False,
       optimizer=framework.OptimizerConfig(name="adam",
                                           learning_rate=LEARNING_RATE),
-      loop=framework.LoopConfig(train_steps=port.steps, steps_per_loop=half))
+      # The last loop is the second half: no log or summary interval
+      # (100 steps by default) may end a loop before it.
+      loop=framework.LoopConfig(train_steps=port.steps, steps_per_loop=half,
+                                log_every=half, summary_every=half,
+                                checkpoint_every=0))
   if port.name == "distillation":
     import distillation  # pylint: disable=g-import-not-at-top
     results = experiment.run(
@@ -195,6 +238,17 @@ def _distloop(port, strategy_name, strategy):
   elif port.name == "resnet50":
     results = experiment.run(dataclasses.replace(
         config, model="keras.applications:ResNet50"), strategy=strategy)
+  elif port.name == "vit":
+    import vit_cifar10  # pylint: disable=g-import-not-at-top
+    results = experiment.run(dataclasses.replace(
+        config, optimizer=framework.OptimizerConfig(
+            name="adamw", learning_rate=LEARNING_RATE,
+            weight_decay=WEIGHT_DECAY)),
+                             strategy=strategy, build_model=vit_cifar10.build)
+  elif port.name == "vae":
+    import vae  # pylint: disable=g-import-not-at-top
+    results = experiment.run(config, vae.VAETrainer, strategy=strategy,
+                             build_model=vae.build)
   else:
     results = experiment.run(config, strategy=strategy,
                              build_model=mnist_convnet.build)
@@ -204,7 +258,8 @@ def _distloop(port, strategy_name, strategy):
       row = json.loads(line)
       if row["split"] == "train":
         last[row["name"]] = row["value"]
-  return dict(test_loss=results["loss"], test_accuracy=results["accuracy"],
+  return dict(test_loss=results["loss"],
+              test_accuracy=results.get("accuracy"),
               speed=last["examples_per_second"],
               **{name: last.get(name) for name in TRAIN_METRICS})
 
@@ -234,6 +289,24 @@ def _fit(port, strategy):
           gan.FLAGS.latent_dim)
       model.compile(d_optimizer=keras.optimizers.Adam(LEARNING_RATE),
                     g_optimizer=keras.optimizers.Adam(LEARNING_RATE))
+    elif port.name == "vit":
+      import vit_cifar10  # pylint: disable=g-import-not-at-top
+      model = vit_cifar10.build(shape, classes)
+      # keras-io: data_augmentation.layers[0].adapt(x_train); here on the
+      # images distloop adapts it on.
+      model.get_layer("data_augmentation").layers[0].adapt(
+          port.adapt_images())
+      model.compile(
+          optimizer=keras.optimizers.AdamW(learning_rate=LEARNING_RATE,
+                                           weight_decay=WEIGHT_DECAY),
+          loss=cross_entropy, metrics=["accuracy"])
+    elif port.name == "vae":
+      import vae  # pylint: disable=g-import-not-at-top
+      # The encoder first, as distloop builds them.
+      encoder = vae.build(shape, classes)
+      model = _KERAS_IO["vae"](encoder, vae.build_decoder(
+          encoder.outputs[0].shape[-1], shape))
+      model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE))
     else:
       if port.name == "resnet50":
         model = keras.applications.ResNet50(
@@ -259,23 +332,46 @@ def _fit(port, strategy):
 
   history = model.fit(port.fit_input(), epochs=1, steps_per_epoch=steps,
                       verbose=0, callbacks=[Clock()])
-  train = {name: history.history.get(name, [None])[-1]
-           for name in TRAIN_METRICS}
+  logs = dict(history.history)
+  if port.name == "vae":  # keras-io's names
+    logs["reconstruction"] = logs.pop("reconstruction_loss")
+    logs["kl"] = logs.pop("kl_loss")
+  train = {name: logs.get(name, [None])[-1] for name in TRAIN_METRICS}
   if port.name in ("distillation", "gan"):  # the classifier, on its loss
     model = model.student if port.name == "distillation" else (
         model.discriminator)
     with strategy.scope():
       model.compile(loss=cross_entropy, metrics=["accuracy"])
   x_test, y_test = port.test_split()
-  loss, accuracy = model.evaluate(x_test, y_test, batch_size=port.batch,
-                                  verbose=0)
+  if port.name == "vae":  # keras-io's VAE has no test_step
+    loss, accuracy = _vae_test_loss(model, x_test, port.batch), None
+  else:
+    loss, accuracy = model.evaluate(x_test, y_test, batch_size=port.batch,
+                                    verbose=0)
   speed = (steps - half) * port.batch / (times[steps] - times[half])
   return dict(test_loss=loss, test_accuracy=accuracy, speed=speed, **train)
 
 
+def _vae_test_loss(model, x_test, batch):
+  """The mean reconstruction + KL loss over the test images, the
+  encoder's z sampled as in training (distloop's evaluation: the mean of
+  `VAETrainer.compute_loss`)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import vae  # pylint: disable=g-import-not-at-top
+  total = 0.0
+  for start in range(0, len(x_test), batch):
+    images = x_test[start:start + batch]
+    z_mean, z_log_var, z = model.encoder(images, training=True)
+    error, kl = vae.vae_losses(images, model.decoder(z, training=True),
+                               z_mean, z_log_var)
+    total += float(np.sum(error + kl))
+  return total / len(x_test)
+
+
 # The train scalars both sides report, as means over steps steps/2+1..steps
 # (distloop: its last loop; fit: its logs, the metrics reset at steps/2).
-TRAIN_METRICS = ("loss", "accuracy", "d_loss", "g_loss")
+TRAIN_METRICS = ("loss", "accuracy", "d_loss", "g_loss", "reconstruction",
+                 "kl")
 TEACHER = None  # the teacher's weights file (distillation)
 # keras-io's model classes, made once TensorFlow is set up.
 _KERAS_IO = {}
@@ -389,6 +485,62 @@ def _keras_io_gan():
   return GAN
 
 
+def _keras_io_vae():
+  """keras-io's `VAE(keras.Model)`, as keras-io writes it: Mean trackers
+  and its own `train_step` (the batch mean of each loss; under `mirrored`
+  Keras's optimizer sums the replicas' gradients, see
+  docs/results/keras_ports.md), plus the `call` that `fit` under a
+  strategy needs."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from keras import ops  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  class VAE(keras.Model):
+
+    def __init__(self, encoder, decoder, **kwargs):
+      super().__init__(**kwargs)
+      self.encoder = encoder
+      self.decoder = decoder
+      self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+      self.reconstruction_loss_tracker = keras.metrics.Mean(
+          name="reconstruction_loss")
+      self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+      return [self.total_loss_tracker, self.reconstruction_loss_tracker,
+              self.kl_loss_tracker]
+
+    def call(self, data):
+      # Not in keras-io's class: under a tf.distribute strategy, `fit`
+      # builds the model symbolically first and fails on a model without
+      # `call` ("Unable to automatically build the model").
+      return self.decoder(self.encoder(data)[2])
+
+    def train_step(self, data):
+      with tf.GradientTape() as tape:
+        z_mean, z_log_var, z = self.encoder(data)
+        reconstruction = self.decoder(z)
+        reconstruction_loss = ops.mean(ops.sum(
+            keras.losses.binary_crossentropy(data, reconstruction),
+            axis=(1, 2)))
+        kl_loss = -0.5 * (1 + z_log_var - ops.square(z_mean)
+                          - ops.exp(z_log_var))
+        kl_loss = ops.mean(ops.sum(kl_loss, axis=1))
+        total_loss = reconstruction_loss + kl_loss
+      grads = tape.gradient(total_loss, self.trainable_weights)
+      self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+      self.total_loss_tracker.update_state(total_loss)
+      self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+      self.kl_loss_tracker.update_state(kl_loss)
+      return {"loss": self.total_loss_tracker.result(),
+              "reconstruction_loss":
+                  self.reconstruction_loss_tracker.result(),
+              "kl_loss": self.kl_loss_tracker.result()}
+
+  return VAE
+
+
 def _train_teacher(port):
   """The teacher's weights file: mnist_convnet.build after `fit`."""
   import keras  # pylint: disable=g-import-not-at-top
@@ -406,11 +558,12 @@ def _train_teacher(port):
   return path
 
 
-def _pair(run, first, second):
-  """`first / second` of a run's train scalars, or "" without them."""
-  if run[first] is None:
+def _pair(run, *names):
+  """`first / second [/ ...]` of a run's train scalars, or "" without
+  them."""
+  if run[names[0]] is None:
     return ""
-  return f"{run[first]:.4f} / {run[second]:.4f}"
+  return " / ".join(f"{run[name]:.4f}" for name in names)
 
 
 def main(argv):
@@ -426,20 +579,25 @@ def main(argv):
   print(host_line())
   print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
   print("\n| port | data | strategy | trainer | steps x batch | train loss "
-        "/ accuracy, 2nd half | test loss | test accuracy | GAN d_loss / "
+        "/ accuracy (VAE: loss / reconstruction / kl), 2nd half | test loss "
+        "| test accuracy | GAN d_loss / "
         "g_loss, 2nd half | examples/s, 2nd half | distloop / fit | wall s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   digits = os.path.join(tempfile.mkdtemp(), "digits.npz")
   _digits(digits)
+  unlabeled = os.path.join(tempfile.mkdtemp(), "digits_unlabeled.npz")
+  _digits(unlabeled, labels=False)
   global TEACHER  # pylint: disable=global-statement
   start = time.perf_counter()
   for name in FLAGS.port:
-    port = Port(name, digits)
+    port = Port(name, digits, unlabeled)
     if name == "distillation" and TEACHER is None:
       TEACHER = _train_teacher(port)
       _KERAS_IO["distiller"] = _keras_io_distiller()
     if name == "gan" and "gan" not in _KERAS_IO:
       _KERAS_IO["gan"] = _keras_io_gan()
+    if name == "vae" and "vae" not in _KERAS_IO:
+      _KERAS_IO["vae"] = _keras_io_vae()
     for strategy_name in ("default", "mirrored"):
       strategy = framework.make_strategy(strategy_name)
       rows = []
@@ -451,9 +609,13 @@ def main(argv):
       for trainer, run, wall in rows:
         ratio = (f"{run['speed'] / rows[0][1]['speed']:.2f}"
                  if trainer == "distloop" else "")
+        train = (_pair(run, "loss", "reconstruction", "kl")
+                 if name == "vae" else _pair(run, "loss", "accuracy"))
+        accuracy = ("" if run["test_accuracy"] is None
+                    else f"{run['test_accuracy']:.4f}")
         print(f"| {name} | {port.data_label} | {strategy_name} | {trainer} | "
-              f"{port.steps} x {port.batch} | {_pair(run, 'loss', 'accuracy')}"
-              f" | {run['test_loss']:.4f} | {run['test_accuracy']:.4f} | "
+              f"{port.steps} x {port.batch} | {train}"
+              f" | {run['test_loss']:.4f} | {accuracy} | "
               f"{_pair(run, 'd_loss', 'g_loss')} | {run['speed']:.0f} | "
               f"{ratio} | {wall:.0f} |", flush=True)
   print(f"\ntotal {time.perf_counter() - start:.0f} s; {host_line()}")

@@ -39,6 +39,8 @@ def build(input_shape, num_classes):
 
 # The generated digits are one data set: the same arrays in every program.
 DIGITS_SEED = 0
+# --synthetic_examples' default (here and in vae.py).
+SYNTHETIC_EXAMPLES = 2048
 
 
 def build_student(input_shape, num_classes):
@@ -101,7 +103,8 @@ def _run():
                       "and exit.")
   flags.DEFINE_bool("synthetic_digits", False, "--write_data: generated "
                     "arrays of MNIST's shape and dtype (no download).")
-  flags.DEFINE_integer("synthetic_examples", 2048, "--synthetic_digits: "
+  flags.DEFINE_integer("synthetic_examples", SYNTHETIC_EXAMPLES,
+                       "--synthetic_digits: "
                        "training examples (a quarter as many test ones).")
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   FLAGS.set_default("model", "mnist_convnet:build")
