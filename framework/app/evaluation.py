@@ -143,8 +143,13 @@ class Evaluator:
     if self.info.get("ema_decay"):
       self.averages = tf.train.Checkpoint(ema={"averages": [
           getattr(v, "value", v) for v in model.trainable_variables]})
+    # What the trainer tracked beside its model (a VAE's decoder): its
+    # evaluation may use them, so they come from the checkpoint too.
+    tracked = manager.tracked_objects(self.trainer)
     self.checkpoint = tf.train.Checkpoint(
-        model=model, global_step=self.trainer.global_step)
+        model=model, global_step=self.trainer.global_step, **tracked)
+    self.checkpoint_tracked = [
+        v for v in tracked.values() if isinstance(v, keras.Layer)]
     self.samples = self.dataset.test_samples(3) if per_pixel else None
     self._writer = None
 
@@ -185,6 +190,8 @@ class Evaluator:
           f"({str(e).strip().splitlines()[0]})") from None
     # Adapted preprocessing layers: the restored state, not the built one.
     adapt.refresh(self.trainer.model)
+    for value in self.checkpoint_tracked:
+      adapt.refresh(value)
     return int(self.trainer.global_step.numpy())
 
   def evaluate(self, path=None):

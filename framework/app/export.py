@@ -33,7 +33,7 @@ import tensorflow as tf
 import models
 from models import input_scale, registry
 from framework.app.config import EvalConfig, ExperimentConfig
-from framework.core import optimizers
+from framework.core import adapt, optimizers
 from framework.core.checkpoints import manager, run_files
 from framework.core.config import TrainerConfig
 from framework.data import config as data_config, datasets, preprocessing
@@ -477,6 +477,8 @@ def export_saved_model(
   """
   plain = build_inference_model(info, trust_model_code=trust_model_code)
   plain.set_weights([np.asarray(w) for w in model.get_weights()])
+  # Adapted preprocessing layers read their state once built: the run's.
+  adapt.refresh(plain)
   module = ServingModule(plain, info["input_shape"], info["class_names"],
                          task=info.get("task"))
   return run_files.write_atomically(export_dir, lambda tmp: tf.saved_model.save(
