@@ -123,3 +123,27 @@ def test_a_failing_export_is_one_warning_after_training(
   assert (model_dir / export.WEIGHTS_FILE).is_file()
   assert not (model_dir / export.EXPORT_DIR).exists()
   assert not [p for p in os.listdir(model_dir) if "export" in p]
+
+
+def adapted_net(input_shape, num_classes):
+  """An unadapted Normalization first: the run adapts it on its data."""
+  inputs = keras.Input(input_shape)
+  x = keras.layers.Normalization(axis=None)(inputs)
+  x = keras.layers.Flatten()(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def test_the_export_uses_the_adapted_state(tmp_path):
+  # The export once rebuilt the model and set its weights without the
+  # Normalization reading them: it served the unadapted layer.
+  model_dir = str(tmp_path / "run")
+  info = _run(model_dir, adapted_net)
+  images = np.random.default_rng(0).integers(
+      0, 256, (8, 32, 32, 3)).astype(np.uint8)
+  served = _served(model_dir, images)["probabilities"].numpy()
+  model = prediction.load_model(
+      info, os.path.join(model_dir, export.WEIGHTS_FILE),
+      trust_model_code=True)
+  expected = tf.nn.softmax(model(to_float(tf.constant(images)),
+                                 training=False)).numpy()
+  np.testing.assert_allclose(served, expected, atol=1e-5)
