@@ -619,7 +619,18 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       if not isinstance(obj, keras.layers.Layer):
         continue
       weights = [v for v in obj.trainable_variables if id(v) not in seen]
-      if not weights or any(_knows(o, weights) for o in optimizers):
+      if not weights:
+        continue
+      if any(_knows(o, weights) for o in optimizers):
+        # The default step never applies that optimizer: said once, so a
+        # model meant to train is not silently left as it was built.
+        logging.warning(
+            "%s.track(%s=...): its trainable weights have an optimizer of "
+            "their own tracked beside it, which the default train_step "
+            "does not apply (it trains with the run's optimizer): it stays "
+            "as it is unless your code applies that optimizer; drop the "
+            "optimizer to train it with the run's, or freeze it "
+            "(trainable = False)", type(self).__name__, label)
         continue
       seen.update(id(v) for v in weights)
       trained.append((label, obj, weights))
