@@ -58,6 +58,7 @@ def run():
   # Before any data is read or code imported.
   export.check_model_code(info, config.trust_model_code)
   true_label = None
+  prediction.check_predictable(info)
   if config.image is not None:
     image = prediction.load_image(config.image, info["input_shape"])
     source = config.image

@@ -219,3 +219,7 @@ def test_evaluate_restores_a_tracked_decoder(tmp_path):
                           proc.stderr + proc.stdout).group(1))
   for _ in range(2):
     assert abs(_evaluate(tmp_path)["loss"] - final) <= 1e-5 * final
+  # predict.py reads classes: a custom run is one line, not a traceback.
+  proc = run_script("predict.py", "--model_dir=run", "--trust_model_code",
+                    "--index=0", cwd=tmp_path, env=env, check=False)
+  assert_one_line_error(proc, "predict.py", "task=custom")

@@ -25,6 +25,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from models import registry
 from framework.app import export
 from framework.app.config import EvalConfig, PredictConfig
 from framework.app.export import (MODEL_INFO_FILE, WEIGHTS_FILE,
@@ -99,11 +100,24 @@ def resolve_model(model_dir=None, weights=None, model=None):
   return with_model(info, model), weights
 
 
+def check_predictable(info):
+  """ConfigError unless `info`'s run has outputs predict can read (class
+  logits or next-token logits), before any data or code is loaded."""
+  if info.get("task") == registry.CUSTOM:
+    raise ConfigError(
+        f"model={info['model']} was trained with task=custom (not a "
+        "classifier: its outputs are the trainer's own), which predict "
+        "cannot read as classes; evaluate the run with evaluate.py "
+        "(--trust_model_code), or load model.weights.h5 into your model "
+        "in your own code")
+
+
 def load_model(
     info, weights, *,
     trust_model_code=default(EvalConfig, "trust_model_code")):
   """Builds `info`'s model without a strategy and loads `weights` into it
   (`trust_model_code`: see `export.build_inference_model`)."""
+  check_predictable(info)
   model = build_inference_model(info, trust_model_code=trust_model_code)
   if len(model.output_shape) != 2 and info.get("task") != "language_model":
     raise ConfigError(f"model={info['model']} predicts per-pixel classes "
