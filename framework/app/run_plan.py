@@ -293,6 +293,13 @@ def resolve(config, strategy=None, *, train_input=None, eval_input=None,
     # Before anything is written: a batch larger than the data is no run.
     inputs.steps_per_epoch(dataset.num_train_examples,
                            config.global_batch_size)
+  shape = tuple(dataset.input_shape or ())
+  if config.augment != "none" and train_input is None and len(shape) != 3:
+    # The flips and crops act on [height, width, channels] images.
+    raise ConfigError(
+        f"augment={config.augment} flips and crops images [height, width, "
+        f"channels], but dataset={config.dataset} has features of shape "
+        f"{list(shape)}; use augment=none")
   plan = RunPlan.of(config, strategy, dataset, train_data, trainer_cls)
   # Before the distribution check, which builds the model too (a model
   # registered without its task: `factory` checks it once built).
