@@ -237,3 +237,17 @@ def test_kill_9_of_a_worker_then_max_restarts_ends_with_the_same_weights(
   assert sorted(want) == sorted(got) and want
   for name in want:
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_relaunch_with_sharded_optimizer_state_resumes(tmp_path,
+                                                         unsplit_run):
+  # A sharded slot's shard assigns through a function returning nothing:
+  # its restore once grouped a None and failed every relaunch.
+  model_dir = str(tmp_path / "run")
+  for steps in (2, STEPS):
+    proc = _launch(*GPT, *CLUSTER, "--shard_optimizer_state",
+                   f"--train_steps={steps}", f"--model_dir={model_dir}")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+  assert "Restored checkpoint" in proc.stdout
+  _assert_equals_unsplit(model_dir, unsplit_run)

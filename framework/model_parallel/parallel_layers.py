@@ -209,7 +209,10 @@ class ShardedWeight(_tf_internal.Trackable):
                       [int(s.shape[self.axis]) for s in self.shards],
                       axis=self.axis)
     ops = [shard.assign(value) for shard, value in zip(self.shards, values)]
-    return tf.group(ops) if not tf.executing_eagerly() else None
+    # A sharded slot's shard (ZeRO-1) assigns through a function that
+    # returns nothing.
+    ops = [op for op in ops if op is not None]
+    return tf.group(ops) if ops and not tf.executing_eagerly() else None
 
   def numpy(self):
     """The full value (shards concatenated)."""
