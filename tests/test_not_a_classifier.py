@@ -223,3 +223,21 @@ def test_evaluate_restores_a_tracked_decoder(tmp_path):
   proc = run_script("predict.py", "--model_dir=run", "--trust_model_code",
                     "--index=0", cwd=tmp_path, env=env, check=False)
   assert_one_line_error(proc, "predict.py", "task=custom")
+
+
+def test_an_unreached_tracked_model_leaves_no_run_folder(tmp_path):
+  # Found at the first trace, once the run had begun writing: the folder
+  # the run created goes again (bad input leaves model_dir as it was).
+  parts = TRACKED_PARTS.replace(
+      "decoded = self.decoder(self.model(batch, training=True))",
+      "decoded = tf.tile(self.model(batch, training=True), [1, 4])")
+  assert "tf.tile" in parts
+  (tmp_path / "ae_parts.py").write_text(parts)
+  (tmp_path / "train_ae.py").write_text(
+      SCRIPT.replace("AutoencoderTrainer", "DecoderTrainer"))
+  _unlabeled(tmp_path / "data.npz")
+  proc = run_python("train_ae.py", *_train_flags(3), cwd=tmp_path,
+                    env={"PYTHONPATH": str(tmp_path)})
+  assert_one_line_error(proc, "train_ae.py", "track(decoder=...)",
+                        "the loss reaches none")
+  assert not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@
 import datetime
 import errno
 import fcntl
+import glob
 import json
 import os
 import re
@@ -358,8 +359,17 @@ class RunLock:
   def __enter__(self):
     return self.acquire()
 
-  def __exit__(self, *exc):
+  def __exit__(self, exc_type, exc, traceback):
+    created = self._created_dir
     self.release()
+    if (created and exc_type is not None and issubclass(exc_type, ConfigError)
+        and os.path.isdir(self.model_dir)
+        and not glob.glob(os.path.join(glob.escape(self.model_dir),
+                                       "ckpt-*"))):
+      # Bad input found once the run had begun writing (e.g. at the first
+      # trace of its step), before any checkpoint: the folder this run
+      # created goes again, as it was.
+      shutil.rmtree(self.model_dir, ignore_errors=True)
 
 
 def release_all():
