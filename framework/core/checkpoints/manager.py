@@ -650,6 +650,10 @@ def has_checkpoint(directory):
   `latest_intact` decides. Reads only the listing, no tensor."""
   if not directory:
     return False
+  if problem(absolute(directory)) is not None:
+    # A garbled state file: the files themselves, quietly (the restore
+    # names the state file, once).
+    return bool(on_disk(absolute(directory)))
   try:
     paths = _listed_checkpoints(directory) or []
   except CheckpointError:
