@@ -80,9 +80,8 @@ def _served(model_dir, images):
   return served.signatures["serving_default"](images=tf.constant(images))
 
 
-def test_random_layers_export_and_predict_like_the_weights(tmp_path):
-  model_dir = str(tmp_path / "run")
-  info = _run(model_dir, random_layers_net)
+def _assert_served_like_the_weights(model_dir, info):
+  """The export's probabilities on 8 images are the weights file's."""
   images = np.random.default_rng(0).integers(
       0, 256, (8, 32, 32, 3)).astype(np.uint8)
   served = _served(model_dir, images)["probabilities"].numpy()
@@ -92,6 +91,12 @@ def test_random_layers_export_and_predict_like_the_weights(tmp_path):
   expected = tf.nn.softmax(model(to_float(tf.constant(images)),
                                  training=False)).numpy()
   np.testing.assert_allclose(served, expected, atol=1e-5)
+
+
+def test_random_layers_export_and_predict_like_the_weights(tmp_path):
+  model_dir = str(tmp_path / "run")
+  info = _run(model_dir, random_layers_net)
+  _assert_served_like_the_weights(model_dir, info)
 
 
 def test_an_always_random_layer_exports(tmp_path):
@@ -138,12 +143,4 @@ def test_the_export_uses_the_adapted_state(tmp_path):
   # Normalization reading them: it served the unadapted layer.
   model_dir = str(tmp_path / "run")
   info = _run(model_dir, adapted_net)
-  images = np.random.default_rng(0).integers(
-      0, 256, (8, 32, 32, 3)).astype(np.uint8)
-  served = _served(model_dir, images)["probabilities"].numpy()
-  model = prediction.load_model(
-      info, os.path.join(model_dir, export.WEIGHTS_FILE),
-      trust_model_code=True)
-  expected = tf.nn.softmax(model(to_float(tf.constant(images)),
-                                 training=False)).numpy()
-  np.testing.assert_allclose(served, expected, atol=1e-5)
+  _assert_served_like_the_weights(model_dir, info)
