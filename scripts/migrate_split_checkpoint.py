@@ -78,7 +78,7 @@ def migrate(config):
   migrate."""
   # pylint: disable=g-import-not-at-top
   import tensorflow as tf
-  from framework.app import export, factory, run_plan
+  from framework.app import export, factory, resume, run_plan
   from framework.core import checkpoints, protocols
   from framework.core.checkpoints import manager
   from framework.core.checkpoints.run_files import RunLock
@@ -97,20 +97,20 @@ def migrate(config):
     path = kept or path
     previous = export.read_model_info_quietly(config.model_dir)
     saved = manager.read_run_config(config.model_dir)
-    if not path or not run_plan.saved_before_cross_mesh(
+    if not path or not resume.saved_before_cross_mesh(
         previous, saved,
-        export.model_fingerprint(protocols.unsplit_model(trainer))):
+        resume.model_fingerprint(protocols.unsplit_model(trainer))):
       logging.warning("model_dir=%s: %s", config.model_dir,
                       f"its checkpoint {path} needs no migration" if path
                       else "it has no checkpoint")
       return None
-    was = run_plan.describe(previous["run_plan"]["model_parallel"])
-    now = run_plan.describe(plan.record()["model_parallel"])
+    was = resume.describe(previous["run_plan"]["model_parallel"])
+    now = resume.describe(plan.record()["model_parallel"])
     if was != now:
       raise ConfigError(
           f"checkpoint {path} was saved by split {was}; migrate it with the "
           f"flags of the run that wrote it ({was}), not {now}")
-    split_fingerprint = export.model_fingerprint(trainer.model)
+    split_fingerprint = resume.model_fingerprint(trainer.model)
     if saved["model_fingerprint"] != split_fingerprint:
       raise ConfigError(
           f"checkpoint {path} does not match this run's model on split {was} "

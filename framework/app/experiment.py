@@ -6,7 +6,7 @@
               model split, the dataset and its task; the run lock taken
     build     the model, optimizer, trainer and Controller (`factory`)
     resume    the checkpoint checked against this run and restored, or a
-              warm start; model_info.json written
+              warm start (`resume`); model_info.json written
     run       `Controller.run()`: train, evaluate, checkpoint
     export    the final weights (model.weights.h5) and the SavedModel
 
@@ -28,12 +28,11 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from models import input_scale, registry
-from framework.app import export, factory, run_plan
+from models import registry
+from framework.app import export, factory, resume, run_plan
 from framework.app.config import ExperimentConfig
 from framework.core import protocols
 from framework.core import actions
-from framework.core.checkpoints import warm_start
 from framework.core.controller import Controller, show_progress_by_default
 from framework.core.checkpoints.run_files import RunLock
 from framework.distribute import cluster, strategies
@@ -116,8 +115,13 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
 
     # Resume (or warm start), then record the run: model_info.json first,
     # so that a side-car evaluator can rebuild the model.
-    info = _resume(plan, trainer, controller, custom_train=train_input,
-                   custom_eval=eval_input, trainer_cls=trainer_cls)
+    info = resume.resume(
+        plan, trainer, controller,
+        previous=export.read_model_info_quietly(config.model_dir),
+        describe=lambda: dict(
+            export.model_info(config, plan.dataset, task=plan.task,
+                              trainer_cls=trainer_cls),
+            **export.data_sources(train_input, eval_input)))
     if plan.chief:
       lock.record()
       export.write_model_info(config.model_dir, info)
@@ -133,43 +137,6 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     if plan.chief:
       _export(config, trainer, info)
     return results
-
-
-def _resume(plan, trainer, controller, *, custom_train, custom_eval,
-            trainer_cls=None):
-  """Restores the run's latest checkpoint (or warm starts a new run);
-  returns the model_info.json to write. Nothing is written before."""
-  config = plan.config
-  previous = export.read_model_info_quietly(config.model_dir)
-  # A checkpoint this split cannot read: one line, before the restore.
-  run_plan.check_resume(plan, previous, trainer, controller.checkpoints)
-  # Restore (or fail on a mismatched checkpoint) before writing anything.
-  controller.restore()
-  # Only when the run has no checkpoint of its own.
-  init = warm_start.warm_start(
-      controller, config.init_checkpoint,
-      skip_mismatch=config.init_skip_mismatch, exclude=config.init_exclude)
-  record = plan.record()
-  if record["model_parallel"]["mode"] != "none":  # which trainer ran
-    record["model_parallel"]["trainer"] = type(trainer).__name__
-  info = dict(export.model_info(config, plan.dataset, task=plan.task,
-                                trainer_cls=trainer_cls),
-              # How the model was built: evaluate.py, predict.py and a
-              # resume build it the same.
-              **{input_scale.RECORD: input_scale.wrapped(
-                  protocols.unsplit_model(trainer))},
-              train_steps=controller.config.train_steps,
-              **export.data_sources(custom_train, custom_eval),
-              run_plan=record)
-  # A relaunch keeps the record of the warm start its first launch did.
-  init = init or (previous or {}).get("init_checkpoint")
-  if init:
-    info["init_checkpoint"] = init
-  info.update(export.config_changes(
-      previous, controller, config,
-      run_plan.change_entry(previous, record["model_parallel"],
-                            controller.step)))
-  return info
 
 
 def _export(config, trainer, info):

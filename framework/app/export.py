@@ -20,8 +20,6 @@ one call says so:
 """
 
 import functools
-import hashlib
-import inspect
 import json
 import os
 from typing import Callable, Optional, Sequence
@@ -32,8 +30,9 @@ import tensorflow as tf
 
 import models
 from models import input_scale, registry
+from framework.app import resume
 from framework.app.config import EvalConfig, ExperimentConfig
-from framework.core import adapt, optimizers
+from framework.core import adapt
 from framework.core.checkpoints import manager, run_files
 from framework.core.config import TrainerConfig
 from framework.data import config as data_config, datasets, preprocessing
@@ -43,13 +42,19 @@ from framework.data.text import TASK as LANGUAGE_MODEL, is_text
 from framework.errors import CheckpointError, ConfigError
 from framework.settings import default
 
-MODEL_INFO_FILE = "model_info.json"
+# What decides a resume lives in `resume`; its names here keep working.
+MODEL_INFO_FILE = resume.MODEL_INFO_FILE
+run_config = resume.run_config
+model_fingerprint = resume.model_fingerprint
+config_changes = resume.config_changes
+_NOT_ARCHITECTURE = resume._NOT_ARCHITECTURE  # pylint: disable=protected-access
+_jsonable = resume.jsonable
 WEIGHTS_FILE = "model.weights.h5"
 # With an EMA, WEIGHTS_FILE holds the averaged weights and this the raw ones.
 RAW_WEIGHTS_FILE = "model.raw.weights.h5"
 EXPORT_DIR = "export"
 # Options that change how a model trains but not its weights.
-_TRAINING_ONLY_OPTIONS = {"sync_batch_norm": False}
+_TRAINING_ONLY_OPTIONS = resume.TRAINING_ONLY_OPTIONS
 
 
 def model_info(config, dataset, *, task=None, trainer_cls=None):
@@ -103,104 +108,6 @@ def model_info(config, dataset, *, task=None, trainer_cls=None):
           # takes int32 tokens.
           **({"task": LANGUAGE_MODEL} if is_text(dataset) else {}),
           **custom}
-
-
-def run_config(config, model=None):
-  """What a checkpoint must agree on with the run resuming from it.
-
-  Only the options the model takes count (train.py passes every model's).
-  With the built `model`, also its `model_fingerprint`, so that a model
-  function edited to build other layers of the same shapes is noticed.
-  """
-  accepted = inspect.signature(models.get_builder(config.model)).parameters
-  options = {k: v for k, v in _jsonable(config.model_options).items()
-             if k in accepted and k not in _TRAINING_ONLY_OPTIONS}
-  return {"model": config.model, "model_options": options,
-          "optimizer": config.optimizer.name,
-          "global_batch_size": config.global_batch_size,
-          "dataset": config.dataset,
-          **({"model_fingerprint": model_fingerprint(model)}
-             if model is not None else {})}
-
-
-# Layer config keys that do not make another model: the auto-numbered
-# name, the compute dtype (--mixed_precision) and synchronized
-# (--sync_batch_norm: training only).
-_NOT_ARCHITECTURE = ("name", "dtype", "synchronized")
-
-
-def model_fingerprint(model):
-  """16 hex digits of sha256 over the model's layers, in order: each one's
-  class, its config (plain JSON values only, without `_NOT_ARCHITECTURE`)
-  and its weights' shapes. Equal code gives equal fingerprints in any
-  process; other activations, sizes or layers give another."""
-
-  def plain(value):
-    if isinstance(value, dict):
-      return {str(k): plain(v) for k, v in value.items()
-              if k not in _NOT_ARCHITECTURE}
-    if isinstance(value, (list, tuple)):
-      return [plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-      return value
-    return type(value).__name__  # no reprs with addresses
-
-  def layers(layer):
-    for sub in getattr(layer, "layers", ()):
-      yield sub
-      yield from layers(sub)
-
-  parts = []
-  for layer in layers(model):
-    try:
-      config = layer.get_config()
-    except (NotImplementedError, TypeError, ValueError):
-      config = None
-    parts.append([type(layer).__name__, plain(config),
-                  [list(w.shape) for w in layer.weights]])
-  text = json.dumps(parts, sort_keys=True)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _jsonable(options):
-  return {k: list(v) if isinstance(v, tuple) else v
-          for k, v in (options or {}).items()}
-
-
-def config_changes(previous, controller, config, split_entry=None):
-  """{"config_changes": [...]} for model_info.json: the earlier entries
-  (of `previous`, the model_dir's model_info.json), plus this resume's if
-  `allow_config_change` let the configuration change, a longer (shorter)
-  run re-stretched a decaying learning-rate schedule or the model split
-  changed (`split_entry`, already logged); each is logged; {} if there
-  never was one."""
-  previous = previous or {}
-  history = list(previous.get("config_changes") or [])
-  step = controller.step
-  entry = {key: {"was": old, "now": new}
-           for key, old, new in controller.checkpoints.config_changes}
-  if entry:
-    logging.warning(
-        "%s now describes the changed configuration (%s) and records the "
-        "change at step %d under config_changes", MODEL_INFO_FILE,
-        ", ".join(entry), step)
-  was, now = previous.get("train_steps"), controller.config.train_steps
-  schedule = config.optimizer.schedule
-  if (step and was and was != now and step < now
-      and schedule in optimizers.DECAYING_SCHEDULES
-      and not config.optimizer.total_steps):
-    entry["train_steps"] = {"was": was, "now": now}
-    entry["lr_schedule"] = {"was": f"{schedule} over {was} steps",
-                            "now": f"{schedule} over {now} steps"}
-    logging.warning(
-        "train_steps was %d, now %d: the %s learning-rate schedule now spans "
-        "%d steps, so from step %d on the rate differs from the first "
-        "launch's (recorded in %s under config_changes)", was, now,
-        schedule, now, step, MODEL_INFO_FILE)
-  entry.update(split_entry or {})
-  if entry:
-    history.append({"step": step, **entry})
-  return {"config_changes": history} if history else {}
 
 
 def write_model_info(model_dir, info):

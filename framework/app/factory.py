@@ -20,7 +20,7 @@ from models import registry
 from framework.app import config as app_config
 from framework.app import run_plan
 from framework import settings
-from framework.app import export
+from framework.app import resume
 from framework.core import actions, adapt, checkpoints, optimizers, precision
 from framework.core.checkpoints.manager import has_checkpoint
 from framework.core import evaluation
@@ -255,7 +255,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   # The loss scale's and the EMA's state, where the trainer declares them.
   checkpoint_items = checkpoints.checkpoint_items(trainer)
   # What a checkpoint must agree on with a run resuming from it.
-  run_config = export.run_config(config, model)
+  run_config = resume.run_config(config, model)
   if getattr(dataset, "generation", None):
     # Resuming on re-converted data (another content) is a config change.
     run_config["data_generation"] = dataset.generation

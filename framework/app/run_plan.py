@@ -31,15 +31,20 @@ import models
 from models import registry
 from framework.app import config as app_config
 from framework.app import export
+# A resume on another model split is decided in `resume`; its names here
+# keep working.
+from framework.app.resume import (  # pylint: disable=unused-import
+    MIGRATE_SCRIPT, _own_keys, _show, change_entry, changed_flags,
+    check_resume, check_split_change, describe, saved_before_cross_mesh,
+    split_flags)
 from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
-from framework.core import protocols, ps_training
+from framework.core import ps_training
 from framework.core.config import LoopConfig
 from framework.data import datasets, inputs, preprocessing
 from framework.data.inputs import MaskedBatch
 from framework.distribute import strategies
 from framework.errors import ConfigError
-from framework.model_parallel.config import ModelParallelConfig
 from framework.settings import default
 from framework.tasks import language_model
 
@@ -370,155 +375,3 @@ def fit_dataset(dataset, dataset_name, train_data, eval_input):
                "for it (dataset=%s has %s)", shape, dataset_name,
                tuple(dataset.input_shape))
   return _WithInputShape(dataset, shape)
-
-
-# A run resumed on another model split: said in one line, or refused.
-#
-# A checkpoint holds the unsplit model's weights and optimizer state under
-# the unsplit model's keys wherever the split keeps them so (a layer-cut
-# pipeline, a model's whole-model split such as the gpt's: every mesh), so a
-# run trained on one mesh resumes on another, or on none. The relaunch logs
-# the change in one line and model_info.json records it under
-# `config_changes`. The one split whose checkpoint is its own is the tensor
-# split of one Dense pair (a model without a whole-model split): its shards
-# sit under their own keys, so it resumes only as itself; any other change
-# to or from it is one line naming the flag, before anything is restored or
-# written. A gpt split's checkpoint from before cross-mesh resume (its
-# optimizer under the split's own keys) is refused in one line naming
-# scripts/migrate_split_checkpoint.py, which migrates it once.
-
-MIGRATE_SCRIPT = "scripts/migrate_split_checkpoint.py"
-
-# The flags that choose a split, as model_info.json's run_plan records them.
-_FLAGS = (("mesh", "mesh"), ("model_parallel", "mode"),
-          ("num_shards", "num_shards"), ("num_stages", "num_stages"))
-
-
-def split_flags(record):
-  """{flag: value} of the split a run_plan `model_parallel` record
-  describes (only the flags its mode reads)."""
-  record = record or {}
-  mode = record.get("mode", default(ModelParallelConfig, "mode"))
-  flags = {"mesh": record.get("mesh") or "", "model_parallel": mode}
-  if mode == "tensor":
-    flags["num_shards"] = record.get("num_shards")
-  if mode == "pipeline":
-    flags["num_stages"] = record.get("num_stages")
-  return flags
-
-
-def describe(record):
-  """`mesh=data:2,model:2`, `model_parallel=pipeline num_stages=2` or
-  `none`: the split of a run_plan `model_parallel` record."""
-  flags = split_flags(record)
-  if flags["mesh"]:
-    return f"mesh={flags['mesh']}"
-  if flags["model_parallel"] == "none":
-    return "none"
-  return " ".join(f"{k}={v}" for k, v in flags.items() if k != "mesh")
-
-
-def changed_flags(was, now):
-  """[(flag, old value, new value)] between two `model_parallel` records."""
-  old, new = split_flags(was), split_flags(now)
-  return [(flag, old.get(flag), new.get(flag))
-          for flag, _ in _FLAGS if old.get(flag) != new.get(flag)]
-
-
-def _own_keys(record, whole_split):
-  """Whether the split's checkpoint keys are its own (a Dense-pair tensor
-  split), not the unsplit model's."""
-  return (record or {}).get("mode") == "tensor" and not whole_split
-
-
-def check_split_change(previous_info, record, *, model, whole_split):
-  """Raises ConfigError when the run resumes a checkpoint written under
-  another split that cannot restore into this one.
-
-  Args:
-    previous_info: the model_dir's model_info.json (None: a new run).
-    record: this run's run_plan `model_parallel` record.
-    model: the model's name (for the message).
-    whole_split: whether the model has a whole-model split (`gpt`).
-  """
-  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
-  if was is None:
-    return
-  changes = changed_flags(was, record)
-  if not changes or not (_own_keys(was, whole_split)
-                         or _own_keys(record, whole_split)):
-    return
-  what = "; ".join(f"{flag} was {_show(old)}, now {_show(new)}"
-                   for flag, old, new in changes)
-  raise ConfigError(
-      f"resuming on another model split is not supported for model={model} "
-      f"({what}): its tensor split of one Dense pair checkpoints the shards "
-      f"under their own keys; resume with {describe(was)} or use another "
-      "model_dir")
-
-
-def check_resume(plan, previous_info, trainer, checkpoints):
-  """Before a run's first restore: ConfigError when its latest checkpoint
-  cannot resume on this split (`check_split_change`) or was saved before
-  cross-mesh resume (`saved_before_cross_mesh`: migrate it first).
-
-  Args:
-    plan: this run's `RunPlan`.
-    previous_info: the model_dir's model_info.json (None: a new run).
-    trainer: the run's trainer.
-    checkpoints: its `CheckpointManager`.
-  """
-  path = checkpoints.latest
-  record = plan.record()["model_parallel"]
-  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
-  if not path or "tensor" not in ((was or {}).get("mode"), record["mode"]):
-    return  # only a tensor split's checkpoint keys can be its own (or older)
-  # pylint: disable=g-import-not-at-top
-  from framework.model_parallel.parallel_layers import split_for
-  # pylint: enable=g-import-not-at-top
-  unsplit = protocols.unsplit_model(trainer)
-  whole_split = split_for(unsplit) is not None
-  check_split_change(previous_info, record, model=plan.config.model,
-                     whole_split=whole_split)
-  if whole_split and saved_before_cross_mesh(
-      previous_info, manager.read_run_config(checkpoints.model_dir),
-      export.model_fingerprint(unsplit)):
-    raise ConfigError(
-        f"checkpoint {path} was saved before cross-mesh resume (its "
-        "optimizer under the keys of its own split, "
-        f"{describe(previous_info['run_plan']['model_parallel'])}): migrate "
-        f"it once with python {MIGRATE_SCRIPT} and that run's flags, then "
-        "relaunch; or use another model_dir")
-
-
-def saved_before_cross_mesh(previous_info, saved_run_config,
-                            unsplit_fingerprint):
-  """Whether a gpt tensor split wrote the checkpoints before cross-mesh
-  resume (before commit 54c2082): model_info.json's run_plan says a tensor
-  split and the checkpoints' run_config.json records not the unsplit
-  model's fingerprint (that distloop recorded the split model's)."""
-  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
-  fingerprint = (saved_run_config or {}).get("model_fingerprint")
-  return ((was or {}).get("mode") == "tensor" and fingerprint is not None
-          and fingerprint != unsplit_fingerprint)
-
-
-def change_entry(previous_info, record, step):
-  """{"model_parallel": {"was", "now"}} for config_changes when this run
-  resumed at `step` on another split than the checkpoint's ({} if not);
-  logs it in one line."""
-  was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
-  if not step or was is None or not changed_flags(was, record):
-    return {}
-  old, new = describe(was), describe(record)
-  logging.warning(
-      "model split changed: was %s, now %s (%s); resuming at step %d from "
-      "the checkpoint's whole weights and optimizer state (recorded in "
-      "model_info.json under config_changes)", old, new,
-      ", ".join(f"--{flag}" for flag, _, _ in changed_flags(was, record)),
-      step)
-  return {"model_parallel": {"was": old, "now": new}}
-
-
-def _show(value):
-  return "unset" if value in ("", None) else value

@@ -10,7 +10,10 @@ Before restoring, the newest checkpoint is read in full
 intact one is restored instead (`restore_policy="latest_intact"`), or it is
 an error (`"error"`). The chief also keeps `run_config.json` beside the
 checkpoints (model, options, optimizer, global batch, dataset), so that
-resuming with another configuration is an error unless allowed.
+resuming with another configuration is an error unless allowed
+(`run_config.compare`). Whether a run may continue from a folder, and what
+its run_config holds, is decided in `framework.app.resume`; this module
+writes, finds and restores.
 """
 
 import json
@@ -26,6 +29,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core import protocols
+from framework.core.checkpoints import run_config as run_config_lib
 from framework.core.checkpoints import run_files
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
@@ -68,10 +72,6 @@ def _free_bytes(directory):
     return shutil.disk_usage(directory).free
   except OSError:
     return None
-
-
-def _describe(value):
-  return json.dumps(value, sort_keys=True)
 
 
 class CheckpointManager:
@@ -215,34 +215,15 @@ class CheckpointManager:
 
   def _check_run_config(self, path):
     """CheckpointError (or a warning, if allowed) when the run's config
-    differs from the one the checkpoints were written with."""
+    differs from the one the checkpoints were written with
+    (`run_config.compare`)."""
     if self.run_config is None:
       return
-    saved = read_run_config(self.model_dir)
-    if saved is None:
-      return
-    current = json.loads(json.dumps(self.run_config))
-    # A key the checkpoints' run_config.json lacks (written by an older
-    # version) is not a change.
-    changes = [(k, saved.get(k), current.get(k))
-               for k in sorted(set(saved) | set(current))
-               if k in saved and saved.get(k) != current.get(k)]
-    if not changes:
-      return
-    what = "; ".join(f"{k} was {_describe(old)}, now {_describe(new)}"
-                     for k, old, new in changes)
-    if any(k == "model_fingerprint" for k, _, _ in changes):
-      what += (" (the model's layers differ from the checkpoint's, e.g. "
-               "other activations: the model's code changed)")
-    if self.allow_config_change:
-      logging.warning("Resuming %s with a changed configuration (allowed): "
-                      "%s", path, what)
+    changes = run_config_lib.compare(
+        path, read_run_config(self.model_dir), self.run_config,
+        allow_config_change=self.allow_config_change)
+    if changes:
       self.config_changes = changes
-      return
-    raise CheckpointError(
-        f"checkpoint {path} was written with another configuration: {what}; "
-        "use the same flags, another model_dir, or allow_config_change to "
-        "resume anyway (e.g. fine-tuning)")
 
   def _failed_save(self, step, error):
     """Removes what the failed save of `step` wrote; returns the line that
