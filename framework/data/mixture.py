@@ -33,7 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from framework.data import datasets, inputs
-from framework.data.config import MIX, InputConfig, mix_dirs, mix_sources
+from framework.data.config import (MIX, DatasetOptions, InputConfig,
+                                   mix_dirs, mix_sources)
 from framework.errors import ConfigError, DistloopError, check_positive
 from framework.settings import default
 
@@ -278,8 +279,9 @@ class MixtureDataset:
         self.eval_dataset(global_batch_size))
 
 
-def load_mix(mix=(), mix_data_dirs=(), seed=default(InputConfig, "seed"),
-             **options):
+def load_mix(mix=default(DatasetOptions, "mix"),
+             mix_data_dirs=default(DatasetOptions, "mix_data_dirs"),
+             seed=default(InputConfig, "seed"), **options):
   """The `MixtureDataset` of `mix` ([LABEL=]DATASET:WEIGHT entries) with
   `mix_data_dirs` (NAME:DIR entries); `options` go to every source's
   loader."""
