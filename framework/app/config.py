@@ -133,11 +133,12 @@ class ExperimentConfig:
       '".[tfds]") or numpy (--data_dir: an .npz, or a folder of .npy, of '
       "x_train, y_train, x_test, y_test [, class_names]: x numbers "
       "[examples, ...], uint8 divided by 255, other dtypes as given; y "
-      "integer class indices [examples]), streamed.", key=True)
+      "integer class indices [examples]), streamed; mix (a weighted mixture "
+      "of these: --mix, --mix_data_dirs).", key=True)
   data_dir: str | None = setting(
       None, "CIFAR-10 python directory (default: Keras's cache, "
       "~/.keras/datasets/cifar-10-batches-py) or the Oxford-IIIT Pet "
-      "directory.", read_by={"dataset": all_but("synthetic", "shapes")})
+      "directory.", read_by={"dataset": all_but("synthetic", "shapes", "mix")})
   model_dir: str = setting("/tmp/distloop", "Checkpoints, TensorBoard "
                            "(train/, eval/) and the final weights.")
   strategy: str = setting("default", "tf.distribute strategy.",
@@ -273,6 +274,11 @@ class ExperimentConfig:
     if self.shard_optimizer_state:
       self._check_sharding()
     self._check_eval_splits()
+    if self.dataset == "mix" and self.strategy == "parameter_server":
+      # Asynchronous workers have no global step to position the mixture.
+      raise ConfigError("dataset=mix is not supported with "
+                        "strategy=parameter_server (a mixture resumes by "
+                        "global step); use multi_worker_mirrored")
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(

@@ -132,6 +132,9 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     # Raises NonFiniteLossError, before the weights file is (over)written,
     # when the last loop's loss was not finite.
     results = controller.run()
+    if train_input is None and hasattr(plan.dataset, "log_counts"):
+      # A mixture: the examples each source gave over the whole run.
+      plan.dataset.log_counts(controller.step, config.global_batch_size)
 
     # Export.
     if plan.chief:

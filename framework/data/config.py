@@ -5,8 +5,11 @@ makes flags from it before TensorFlow loads.
 """
 
 import dataclasses
+import math
+import os
 
 from framework import settings
+from framework.errors import ConfigError
 from framework.settings import POSITIVE, check_settings, setting
 
 # global: experimental_distribute_dataset; per_replica:
@@ -20,7 +23,10 @@ TFDS_PREFIX = "tfds:"
 # The datasets `datasets.load_dataset` registers (fnmatch patterns; the
 # `read_by` tables of the settings speak of these).
 DATASET_NAMES = ("cifar10", "synthetic", "shapes", "oxford_pet", "text",
-                 "tfrecord", "image_folder", "numpy", TFDS_PREFIX + "*")
+                 "tfrecord", "image_folder", "numpy", "mix", TFDS_PREFIX + "*")
+# `--dataset=mix`: a weighted mixture of the datasets its `--mix` names.
+MIX = "mix"
+MIX_FORM = "[LABEL=]DATASET:WEIGHT"
 _TFDS = TFDS_PREFIX + "*"
 
 
@@ -66,10 +72,26 @@ class DatasetOptions:
       read_by={"dataset": ("tfrecord", "image_folder", _TFDS)})
   sequence_length: int = setting(
       128, "text: tokens (bytes) per example; targets are the next bytes.",
-      minimum=POSITIVE, read_by={"dataset": ("text",)})
+      minimum=POSITIVE, read_by={"dataset": ("text", MIX)})
+  mix: tuple[str, ...] = setting(
+      (), "dataset=mix: its sources and weights, " + MIX_FORM + ",... (e.g. "
+      "code=text:0.7,prose=text:0.3): any registered dataset, named by "
+      "LABEL (default: the dataset's name); weights are relative, each "
+      "example is drawn from a source in these proportions.",
+      read_by={"dataset": (MIX,)})
+  mix_data_dirs: tuple[str, ...] = setting(
+      (), "dataset=mix: each source's data_dir, NAME:DIR,... (NAME as in "
+      "--mix; a source not listed gets its dataset's default).",
+      read_by={"dataset": (MIX,)})
 
   def __post_init__(self):
     check_settings(self)
+    sources = mix_sources(self.mix)
+    dirs = mix_dirs(self.mix_data_dirs, [s.name for s in sources])
+    # Absolute once, as --data_dir: a run's record means the same folders
+    # from any other folder.
+    object.__setattr__(self, "mix_data_dirs", tuple(
+        f"{name}:{path}" for name, path in dirs.items()))
 
   def for_dataset(self, name):
     """{option: value} for dataset `name` (tfds keys only for tfds:...,
@@ -77,8 +99,10 @@ class DatasetOptions:
     options = {"image_size": self.image_size}
     if name.startswith(TFDS_PREFIX):
       options.update(image_key=self.image_key, label_key=self.label_key)
-    if name == "text":
+    if name in ("text", MIX):
       options["sequence_length"] = self.sequence_length
+    if name == MIX:
+      options.update(mix=self.mix, mix_data_dirs=self.mix_data_dirs)
     if self.file_shuffle != "shards":
       options["file_shuffle"] = self.file_shuffle
     return options
@@ -94,3 +118,63 @@ def read_options(name, options):
           if k not in fields or settings.is_read(
               settings.info(fields[k])["read_by"], {"dataset": name},
               {"dataset": DATASET_NAMES})}
+
+
+@dataclasses.dataclass(frozen=True)
+class MixSource:
+  """One `--mix` entry: a registered dataset under a name, its weight."""
+  name: str
+  dataset: str
+  weight: float
+
+
+def mix_sources(entries):
+  """The `MixSource`s of `--mix` entries ([LABEL=]DATASET:WEIGHT); one
+  ConfigError naming the entry for a weight that is not a positive number,
+  a malformed or repeated name."""
+  if isinstance(entries, str):
+    entries = [e for e in entries.split(",") if e]
+  sources = []
+  for entry in entries:
+    head, sep, weight_text = str(entry).rpartition(":")
+    label, eq, dataset = head.partition("=")
+    if not eq:
+      label, dataset = head, head
+    if not sep or not label or not dataset:
+      raise ConfigError(f"mix={entry!r} must be {MIX_FORM} (e.g. "
+                        "code=text:0.7 or text:1)")
+    try:
+      weight = float(weight_text)
+    except ValueError:
+      weight = math.nan
+    if not (math.isfinite(weight) and weight > 0):
+      raise ConfigError(f"mix={entry!r}: the weight {weight_text!r} must be "
+                        "a positive number (e.g. 0.3; weights are relative)")
+    if dataset == MIX:
+      raise ConfigError(f"mix={entry!r}: a mixture cannot hold dataset=mix")
+    if label in [s.name for s in sources]:
+      raise ConfigError(f"mix={entry!r}: the name {label!r} is given twice; "
+                        "name sources of one dataset apart with LABEL= "
+                        "(e.g. code=text:0.7,prose=text:0.3)")
+    sources.append(MixSource(label, dataset, weight))
+  return tuple(sources)
+
+
+def mix_dirs(entries, names):
+  """{source name: absolute data_dir} of `--mix_data_dirs` entries
+  (NAME:DIR); ConfigError for a malformed entry or a NAME not in `names`."""
+  if isinstance(entries, str):
+    entries = [e for e in entries.split(",") if e]
+  dirs = {}
+  for entry in entries:
+    name, sep, path = str(entry).partition(":")
+    if not sep or not path:
+      raise ConfigError(f"mix_data_dirs={entry!r} must be NAME:DIR")
+    if name not in names:
+      raise ConfigError(
+          f"mix_data_dirs={entry!r}: {name!r} is no source of --mix (its "
+          f"sources: {', '.join(names) or 'none'})")
+    if "://" not in path:
+      path = os.path.abspath(os.path.expanduser(path))
+    dirs[name] = path
+  return dirs

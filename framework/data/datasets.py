@@ -243,7 +243,8 @@ _REGISTERING_MODULES = ("framework.data.segmentation_data", "framework.data.file
                         "framework.data.text",
                         "framework.data.image_folder",
                         "framework.data.tfds_input",
-                        "framework.data.numpy_input")
+                        "framework.data.numpy_input",
+                        "framework.data.mixture")
 # Loaders named by a prefix: `load_dataset("tfds:mnist")` calls
 # DATASETS["tfds"](spec="mnist", ...).
 _SPEC_LOADERS = ("tfds",)
