@@ -1,0 +1,102 @@
+"""spike_policy=skip: a step whose loss or gradient norm spikes above the
+running median changes nothing (weights, slots, iterations), is counted,
+and the run ends bit for bit as one that never saw that batch; bad
+settings are one ConfigError; the window survives a checkpoint."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import framework
+from framework.errors import ConfigError
+from test_trainer import GLOBAL_BATCH, make_trainer
+
+STEPS = 10
+SPIKE = 6  # the 0-based batch made to spike (after the window is full)
+
+
+def _batches(spike=SPIKE):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(STEPS, GLOBAL_BATCH, 4, 4, 3)).astype(np.float32)
+  y = rng.integers(0, 10, size=(STEPS, GLOBAL_BATCH)).astype(np.int32)
+  if spike is not None:
+    x[spike] *= 1e4
+  return x, y
+
+
+def _iterator(trainer, x, y, drop=None):
+  keep = [i for i in range(len(x)) if i != drop]
+  data = tf.data.Dataset.from_tensor_slices((x[keep], y[keep])).unbatch()
+  data = data.batch(GLOBAL_BATCH, drop_remainder=True)
+  return iter(trainer.strategy.experimental_distribute_dataset(data))
+
+
+def _state(trainer):
+  return [v.numpy() for v in trainer.model.variables] + [
+      v.numpy() for v in trainer.optimizer.variables]
+
+
+@pytest.mark.parametrize("strategy,options", [
+    ("one_device", {}),
+    ("mirrored", {}),
+    ("mirrored", {"shard_optimizer_state": True}),
+    ("mirrored", {"grad_accum_steps": 2}),
+])
+def test_skip_equals_a_run_that_never_saw_the_batch(strategy, options):
+  x, y = _batches()
+  spiked = make_trainer(strategy, optimizer="adam", learning_rate=1e-3,
+                        spike_policy="skip", spike_factor=5, spike_window=3,
+                        **options)
+  spiked.train(_iterator(spiked, x, y), STEPS)
+  clean = make_trainer(strategy, optimizer="adam", learning_rate=1e-3,
+                       **options)
+  clean.train(_iterator(clean, x, y, drop=SPIKE), STEPS - 1)
+  assert int(spiked.spikes.skipped.numpy()) == 1
+  assert int(spiked.global_step.numpy()) == STEPS
+  assert int(spiked.optimizer.iterations.numpy()) == STEPS - 1
+  for a, b in zip(_state(spiked), _state(clean)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_no_spike_is_decided_before_the_window_is_full():
+  x, y = _batches(spike=2)  # step 3, the window holds 2 steps
+  trainer = make_trainer("one_device", spike_policy="skip", spike_factor=5,
+                         spike_window=3)
+  trainer.train(_iterator(trainer, x, y), 3)
+  assert int(trainer.spikes.skipped.numpy()) == 0
+  assert int(trainer.optimizer.iterations.numpy()) == 3
+  assert int(trainer.spikes.seen.numpy()) == 3
+
+
+def test_the_window_is_checkpointed_and_decides_after_a_restore(tmp_path):
+  x, y = _batches()
+  first = make_trainer("one_device", spike_policy="skip", spike_factor=5,
+                       spike_window=3)
+  first.train(_iterator(first, x, y), 4)
+  checkpoint = tf.train.Checkpoint(window=first.spikes)
+  path = checkpoint.save(str(tmp_path / "ckpt"))
+  resumed = make_trainer("one_device", spike_policy="skip", spike_factor=5,
+                         spike_window=3)
+  tf.train.Checkpoint(window=resumed.spikes).restore(path)
+  assert int(resumed.spikes.seen.numpy()) == 4
+  # The window is full at once: the spiking batch is the first one it sees.
+  resumed.train(_iterator(resumed, x[SPIKE:SPIKE + 1], y[SPIKE:SPIKE + 1]), 1)
+  assert int(resumed.spikes.skipped.numpy()) == 1
+  assert int(resumed.optimizer.iterations.numpy()) == 0
+
+
+def test_spike_policy_none_adds_no_state():
+  trainer = make_trainer("one_device")
+  assert trainer.spikes is None
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"spike_policy": "sometimes"}, "spike_policy"),
+    ({"spike_policy": "skip", "spike_factor": 1.0}, "spike_factor=1.0"),
+    ({"spike_policy": "skip", "spike_factor": 0.5}, "spike_factor=0.5"),
+    ({"spike_policy": "skip", "spike_window": 0}, "spike_window=0"),
+    ({"spike_policy": "skip", "spike_window": 2}, "spike_window=2"),
+])
+def test_bad_spike_settings_are_one_config_error(options, named):
+  with pytest.raises(ConfigError, match=named):
+    make_trainer("one_device", **options)
