@@ -3,6 +3,8 @@ running median changes nothing (weights, slots, iterations), is counted,
 and the run ends bit for bit as one that never saw that batch; bad
 settings are one ConfigError; the window survives a checkpoint."""
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,10 +17,10 @@ STEPS = 10
 SPIKE = 6  # the 0-based batch made to spike (after the window is full)
 
 
-def _batches(spike=SPIKE):
+def _batches(spike=SPIKE, steps=STEPS):
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(STEPS, GLOBAL_BATCH, 4, 4, 3)).astype(np.float32)
-  y = rng.integers(0, 10, size=(STEPS, GLOBAL_BATCH)).astype(np.int32)
+  x = rng.normal(size=(steps, GLOBAL_BATCH, 4, 4, 3)).astype(np.float32)
+  y = rng.integers(0, 10, size=(steps, GLOBAL_BATCH)).astype(np.int32)
   if spike is not None:
     x[spike] *= 1e4
   return x, y
@@ -100,3 +102,56 @@ def test_spike_policy_none_adds_no_state():
 def test_bad_spike_settings_are_one_config_error(options, named):
   with pytest.raises(ConfigError, match=named):
     make_trainer("one_device", **options)
+
+
+# rollback, through the Controller: batches of a custom train_input.
+ROLL_STEPS, ROLL_SPIKE, EVERY = 12, 6, 4  # spike at step 7: back to step 4
+
+
+def _controller(model_dir, train_steps, **options):
+  trainer = make_trainer("one_device", optimizer="adam", learning_rate=1e-3,
+                         **options)
+  x, y = _batches(steps=ROLL_STEPS + 8)
+
+  def train_input(start):
+    return tf.data.Dataset.from_tensor_slices((x[start:], y[start:]))
+
+  config = framework.LoopConfig(train_steps=train_steps, steps_per_loop=4,
+                                checkpoint_every=EVERY)
+  controller = framework.Controller(
+      trainer, config, str(model_dir), train_input=train_input,
+      checkpoint_items=framework.core.checkpoints.checkpoint_items(trainer))
+  controller.run()
+  return trainer
+
+
+def _written(model_dir, batches):
+  model_dir.mkdir()
+  (model_dir / "spike_batches.json").write_text(json.dumps({"rollbacks": [
+      {"spike_step": 0, "checkpoint_step": 0, "batches": batches}]}))
+
+
+def test_rollback_equals_a_run_that_never_saw_the_window(tmp_path):
+  rolled = _controller(tmp_path / "rolled", ROLL_STEPS,
+                       spike_policy="rollback", spike_factor=5,
+                       spike_window=3)
+  record = json.loads((tmp_path / "rolled" / "spike_batches.json").read_text())
+  assert record["rollbacks"] == [{"spike_step": ROLL_SPIKE + 1,
+                                  "checkpoint_step": EVERY,
+                                  "batches": [4, 5, 6]}]
+  _written(tmp_path / "clean", [4, 5, 6])
+  clean = _controller(tmp_path / "clean", ROLL_STEPS)
+  assert int(rolled.global_step.numpy()) == ROLL_STEPS
+  for a, b in zip(_state(rolled), _state(clean)):
+    np.testing.assert_array_equal(a, b)
+  metrics = [json.loads(line) for line in
+             (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+  rolled_back = [m["value"] for m in metrics
+                 if m.get("name") == "spikes/rolled_back"]
+  assert rolled_back and rolled_back[-1] == 3.0
+  # A relaunch with more steps skips the recorded batches too.
+  more = _controller(tmp_path / "rolled", ROLL_STEPS + 4,
+                     spike_policy="rollback", spike_factor=5, spike_window=3)
+  clean_more = _controller(tmp_path / "clean", ROLL_STEPS + 4)
+  for a, b in zip(_state(more), _state(clean_more)):
+    np.testing.assert_array_equal(a, b)
