@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import framework
 from framework.errors import ConfigError
+import helpers
 from test_trainer import GLOBAL_BATCH, make_trainer
 
 STEPS = 10
@@ -155,3 +156,20 @@ def test_rollback_equals_a_run_that_never_saw_the_window(tmp_path):
   clean_more = _controller(tmp_path / "clean", ROLL_STEPS + 4)
   for a, b in zip(_state(more), _state(clean_more)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--spike_policy=skip", "--spike_factor=1"], "spike_factor=1.0"),
+    (["--spike_policy=skip", "--spike_window=2"], "spike_window=2"),
+    (["--spike_policy=rollback", "--checkpoint_every=0"],
+     "spike_policy=rollback needs checkpoints"),
+])
+def test_train_py_bad_spike_flags_are_one_line(tmp_path, flags, named):
+  model_dir = tmp_path / "run"
+  proc = helpers.run_script(
+      "train.py", "--model=mlp", "--dataset=synthetic", "--train_steps=2",
+      f"--model_dir={model_dir}", *flags, check=False)
+  assert proc.returncode != 0
+  errors = [l for l in proc.stderr.splitlines() if "error:" in l]
+  assert len(errors) == 1 and named in errors[0], proc.stderr[-2000:]
+  assert not model_dir.exists()
