@@ -160,6 +160,9 @@ class ExperimentConfig:
   clip_norm: float | None = same_as(TrainerConfig, "clip_norm")
   nan_policy: str = same_as(TrainerConfig, "nan_policy")
   max_skipped_steps: int = same_as(TrainerConfig, "max_skipped_steps")
+  spike_policy: str = same_as(TrainerConfig, "spike_policy")
+  spike_factor: float = same_as(TrainerConfig, "spike_factor")
+  spike_window: int = same_as(TrainerConfig, "spike_window")
   # train_steps filled in by `factory.build_model_and_optimizer`.
   loop: LoopConfig | None = None
   seed: int = same_as(InputConfig, "seed")
@@ -266,6 +269,12 @@ class ExperimentConfig:
       from framework.core import trainer  # pylint: disable=g-import-not-at-top
       trainer.smoothed_sparse_categorical_loss(self.label_smoothing)  # checks
     TrainerConfig.of(self)  # checks the trainer's settings
+    if (self.spike_policy == "rollback" and self.loop is not None
+        and not self.loop.checkpoint_every):
+      raise ConfigError(
+          "spike_policy=rollback needs checkpoints to roll back to, but "
+          "checkpoint_every=0 saves only at the end; set checkpoint_every "
+          "(e.g. 100) or use spike_policy=skip")
     builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", builtin.num_heads),

@@ -22,6 +22,10 @@ DECAYING_SCHEDULES = ("cosine", "linear", "onecycle")
 LR_SCALINGS = ("none", "linear", "sqrt")
 # What `nan_policy` may be: see `Trainer`.
 NAN_POLICIES = ("stop", "skip")
+# What `spike_policy` may be: see `Trainer` and `framework.core.spikes`.
+SPIKE_POLICIES = ("none", "skip", "rollback")
+# The fewest losses whose median a spike is judged against.
+MIN_SPIKE_WINDOW = 3
 # A damaged newest checkpoint: see `CheckpointManager`.
 RESTORE_POLICIES = ("latest_intact", "error")
 # Compute dtypes; `auto` resolves to one of PRECISIONS on this machine
@@ -336,6 +340,10 @@ class TrainerConfig:
     nan_policy: one of NAN_POLICIES.
     max_skipped_steps: under `nan_policy=skip`, stop after this many
       skipped steps in a row.
+    spike_policy: one of SPIKE_POLICIES (`framework.core.spikes`).
+    spike_factor: a step is a spike when its loss or gradient norm is above
+      the median of the last `spike_window` steps' times this (> 1).
+    spike_window: the steps that median is taken over (>= 3).
     grad_accum_steps: micro-batches per replica batch.
     ema_decay: an EMA of the trainable weights with this decay (None: off).
     ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
@@ -353,6 +361,21 @@ class TrainerConfig:
       10, "--nan_policy=skip: stop with an error (saving nothing) after this "
       "many skipped steps in a row.", minimum=POSITIVE,
       read_by={"nan_policy": ("skip",)})
+  spike_policy: str = setting(
+      "none", "On a loss spike (--spike_factor): none (train on), skip (drop "
+      "that step's update, counted and logged) or rollback (restore the last "
+      "checkpoint and skip the batches since it, up to the spike; recorded "
+      "in model_dir/spike_batches.json so a relaunch skips them too).",
+      choices=SPIKE_POLICIES)
+  spike_factor: float = setting(
+      4.0, "--spike_policy: a step whose global loss, or gradient norm "
+      "before clipping, is above the median of the last --spike_window "
+      "steps' times this is a spike (> 1).",
+      read_by={"spike_policy": ("skip", "rollback")})
+  spike_window: int = setting(
+      50, "--spike_policy: the steps the running median is taken over; no "
+      "spike is decided before that many steps ran (>= 3).",
+      minimum=POSITIVE, read_by={"spike_policy": ("skip", "rollback")})
   grad_accum_steps: int = setting(
       1, "Split each replica's batch into this many micro-batches; one "
       "all-reduce and update per step (same update, less activation "
@@ -389,6 +412,13 @@ class TrainerConfig:
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
       raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
                         "unset)")
+    if not self.spike_factor > 1:
+      raise ConfigError(f"spike_factor={self.spike_factor} must be > 1 (a "
+                        "spike is a loss above the running median times it)")
+    if self.spike_window < MIN_SPIKE_WINDOW:
+      raise ConfigError(
+          f"spike_window={self.spike_window} must be >= {MIN_SPIKE_WINDOW} "
+          "(the steps whose median a spike is judged against)")
 
   @classmethod
   def of(cls, config):

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from framework.core import actions as actions_lib
 from framework.core import adapt
-from framework.core import evaluation, protocols, summaries
+from framework.core import evaluation, protocols, spikes, summaries
 from framework.core.checkpoints import best
 from framework.core.checkpoints import (CheckpointManager, checkpoint_objects,
                                         for_loop)
@@ -184,8 +184,11 @@ class Controller:
                           *train_actions]
     self.eval_actions = list(eval_actions)
     self.batching = evaluation.Batching(parts)
+    # The batches loss-spike rollbacks skipped (a relaunch skips them too).
+    self.rollbacks = spikes.RollbackRecord(model_dir)
     self.report = LoopReport(parts, config.train_steps,
                              config.stop_condition())
+    self.report.rolled_back_steps = self.rollbacks.rolled_back_steps
     self.targets = actions_lib.TargetTracker(
         config, model_dir, chief=chief, writer=self.writer,
         aliases=parts.metric_aliases)
@@ -293,7 +296,7 @@ class Controller:
       return self._train_end(step, None) or self.evaluate()
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
     self.writer("").hparams(self.hparams)  # model_dir: train/, eval/ below.
-    iterator = iter(self.batching.train(self.train_input(step)))
+    iterator = self._train_iterator(step)
     try:
       step, last_saved = self._train_loops(iterator, step)
     finally:
@@ -357,6 +360,38 @@ class Controller:
         raise
       raise error from None
 
+  def _train_iterator(self, step):
+    """Batches from `step` on, past the batches rollbacks skipped."""
+    skipped = self.rollbacks.skipped
+    if not skipped:
+      return iter(self.batching.train(self.train_input(step)))
+    start = spikes.data_position(step, skipped)
+    return iter(self.batching.train(spikes.skip_batches(
+        self.train_input(start), start, skipped)))
+
+  def _roll_back(self, spike_step):
+    """Restores the last checkpoint after a spike at `spike_step` and
+    records the batches since it; (step, iterator), or None before the
+    first checkpoint (the spike's update was dropped: a skip)."""
+    path = self.checkpoints.latest
+    if path is None:
+      logging.warning(
+          "loss spike at step %d: no checkpoint yet to roll back to; its "
+          "update was skipped (spikes/skipped)", spike_step)
+      return None
+    self.checkpoints.restore_latest()
+    adapt.refresh(self.parts.model)
+    step = self.step
+    batches = self.rollbacks.add(spike_step, step, write=strategies.is_chief(
+        self.parts.strategy))
+    logging.warning(
+        "loss spike at step %d: rolled back to %s (step %d); batches %s "
+        "skipped from now on (%s)", spike_step, path, step,
+        spikes.batches_text(batches), self.rollbacks.path)
+    self.report.rolled_back_steps = self.rollbacks.rolled_back_steps
+    self.writer.restart(step)  # the steps after it train again
+    return step, self._train_iterator(step)
+
   def _train_loops(self, iterator, step):
     """Loops from `step` to `train_steps`; (last step, last saved step)."""
     c = self.config
@@ -369,6 +404,12 @@ class Controller:
       loop_start = time.time()
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
+      spike_step = (self.parts.spikes.take_pending()
+                    if self.parts.spikes is not None else 0)
+      rolled = spike_step and self._roll_back(spike_step)
+      if rolled:
+        step, iterator = rolled
+        continue
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
       self.report.watch(step - num_steps + 1, step, metrics, elapsed)
@@ -422,7 +463,8 @@ class LoopParts:
   batches padded to it, `MaskedBatch`; none: as given); `metric_aliases`;
   `model` (best/ restores it; default `checkpoint["model"]`),
   `export_model()` (best/'s weights; default `model`), `ema` and
-  `averaged_weights()` (a context holding the EMA weights).
+  `averaged_weights()` (a context holding the EMA weights); `spikes` (the
+  loss-spike window, `framework.core.spikes`; none: spike_policy=none).
   """
 
   global_step: Any
@@ -443,6 +485,7 @@ class LoopParts:
   export_model: Optional[Callable[[], Any]] = None
   ema: Any = None
   averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
+  spikes: Any = None
 
   def __post_init__(self):
     self.checkpoint = dict(self.checkpoint)
@@ -498,7 +541,8 @@ def loop_parts(trainer: Any, evaluator: Any = None,
       model=trainer.model,
       export_model=functools.partial(protocols.export_model, trainer),
       ema=optional(trainer, "ema"),
-      averaged_weights=functools.partial(protocols.averaged_weights, trainer))
+      averaged_weights=functools.partial(protocols.averaged_weights, trainer),
+      spikes=optional(trainer, "spikes"))
 
 
 def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
@@ -620,6 +664,8 @@ class LoopReport:
     # state counts as finite), and that loop (first, last, watched).
     self.finite = True
     self.last_loop = None
+    # Steps undone by loss-spike rollbacks, over the run's launches.
+    self.rolled_back_steps = 0
 
   def before_loop(self, step: int, num_steps: int) -> None:
     """Before the first loop, a line (nothing else prints while tracing)."""
@@ -660,6 +706,9 @@ class LoopReport:
           num_steps * self.global_batch_size / elapsed)
     if self.parts.skipped_steps is not None:
       outputs["skipped_steps"] = float(self.parts.skipped_steps())
+    if self.parts.spikes is not None:
+      outputs["spikes/skipped"] = float(self.parts.spikes.skipped.numpy())
+      outputs["spikes/rolled_back"] = float(self.rolled_back_steps)
     return outputs
 
   def log(self, step: int, metrics: Mapping[str, float],
@@ -676,8 +725,11 @@ class LoopReport:
          if "examples_per_second" in outputs else
          f" steps/s={outputs['steps_per_second']:.2f}"),
         format_seconds(eta), f"to step {self.train_steps}",
-        f" skipped_steps={int(outputs['skipped_steps'])}"
-        if "skipped_steps" in outputs else "")
+        (f" skipped_steps={int(outputs['skipped_steps'])}"
+         if "skipped_steps" in outputs else "") + (
+             f" spikes skipped={int(outputs['spikes/skipped'])} rolled_back="
+             f"{int(outputs['spikes/rolled_back'])}"
+             if "spikes/skipped" in outputs else ""))
 
 
 def report_profile(table: Any, profile_steps: Any, writer: Any,

@@ -78,17 +78,43 @@ class GradientPipeline:
     clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
     return clipped, norm
 
+  def spike_signals(self, loss_share: tf.Tensor,
+                    grad_norm: tf.Tensor) -> Any:
+    """What `apply_gradients` judges a spike on (`framework.core.spikes`):
+    (the global loss, summed from this replica's `loss_share`; the reduced
+    gradient's norm before clipping), or None under `spike_policy=none`
+    (then no op is added)."""
+    if getattr(self, "spikes", None) is None:
+      return None
+    loss = tf.cast(loss_share, tf.float32)
+    context = tf.distribute.get_replica_context()
+    if context is not None and self.num_replicas > 1:
+      loss = context.all_reduce(tf.distribute.ReduceOp.SUM, loss)
+    return loss, tf.cast(grad_norm, tf.float32)
+
   def apply_gradients(self, grads: Sequence[tf.Tensor],
-                      variables: Sequence[tf.Variable] | None = None) -> Any:
+                      variables: Sequence[tf.Variable] | None = None, *,
+                      spike_signals: Any = None) -> Any:
     """Applies already all-reduced `grads` once (call from `train_step`) to
     `variables` (default: the trainer's `trainable_variables`).
 
     Unlike Keras's `optimizer.apply_gradients`, this never all-reduces: it
     updates each variable's copies with the gradient already on their device
-    and advances `optimizer.iterations` once.
+    and advances `optimizer.iterations` once. `spike_signals`: the step's
+    `spike_signals(...)`; under `spike_policy` skip or rollback a spike
+    drops the update (a `train_step` override passes them).
     """
     variables = list(variables or self.trainable_variables)
-    self._applied_in_trace = True
+    if spike_signals is not None or getattr(self, "spikes", None) is None:
+      self._applied_in_trace = True
+    elif not self._trace_error:
+      self._trace_error = (
+          f"spike_policy={self.spike_policy}: {type(self).__name__}."
+          "train_step calls self.apply_gradients without spike_signals=self."
+          "spike_signals(loss, grad_norm); pass them, or override "
+          "compute_loss instead")
+    if spike_signals is None:
+      spike_signals = ()
     if len(grads) != len(variables):
       raise ValueError(f"apply_gradients got {len(grads)} gradients for "
                        f"{len(variables)} variables")
@@ -97,14 +123,18 @@ class GradientPipeline:
     if isinstance(self.strategy,
                   tf.distribute.experimental.ParameterServerStrategy):
       # One replica per worker, and merge_call is not available there.
-      return self._update(self.strategy, grads, variables, finite)
+      return self._update(self.strategy, grads, variables, finite,
+                          signals=spike_signals)
     sharding = getattr(self, "optimizer_sharding", None)
     # Not while the self-check has swapped in its own optimizer.
     if sharding is not None and sharding.optimizer is self.optimizer:
-      return self._apply_sharded(context, sharding, grads, variables, finite)
-    return context.merge_call(self._update, args=(grads, variables, finite))
+      return self._apply_sharded(context, sharding, grads, variables, finite,
+                                 spike_signals)
+    return context.merge_call(self._update, args=(grads, variables, finite),
+                              kwargs={"signals": spike_signals})
 
-  def _apply_sharded(self, context, sharding, grads, variables, finite):
+  def _apply_sharded(self, context, sharding, grads, variables, finite,
+                     signals=()):
     """`apply_gradients` with the optimizer state sharded over replicas
     (`framework.core.optimizer_sharding`): each replica updates its shard
     of every variable, then the shards are all-gathered into the weights."""
@@ -115,28 +145,40 @@ class GradientPipeline:
     grad_shards = sharding.local_shards(grads, replica)
     weight_shards = sharding.local_shards(variables, replica)
     context.merge_call(self._update_shards, args=(
-        sharding, grad_shards, weight_shards, finite))
+        sharding, grad_shards, weight_shards, finite),
+                       kwargs={"signals": signals})
     weights = sharding.gather_weights(context)
-    return self.assign_weights(weights, variables, finite)
+    return self.assign_weights(weights, variables, finite, signals)
 
-  def assign_weights(self, weights, variables, finite):
+  def assign_weights(self, weights, variables, finite, spike_signals=()):
     """Sets `variables` to `weights`, updated elsewhere (gathered from the
     optimizer's shards), as one step: the step count, the EMA and the skip
     counters as in `apply_gradients`, with `assign` as the update."""
     self._applied_in_trace = True
     return tf.distribute.get_replica_context().merge_call(
         self._update, args=(weights, variables, finite),
-        kwargs={"assign": True})
+        kwargs={"assign": True, "signals": spike_signals})
 
-  def if_finite(self, finite, update):
+  def if_finite(self, finite, update, spike=None):
     """`update()` (it returns a bool tensor), under `nan_policy=skip` or a
-    float16 loss scale only where `finite` (else False)."""
-    if self.nan_policy != "skip" and self.loss_scale is None:
+    float16 loss scale only where `finite` (else False), and never on a
+    `spike`."""
+    if spike is not None:
+      finite = tf.logical_and(finite, tf.logical_not(spike))
+    elif self.nan_policy != "skip" and self.loss_scale is None:
       return update()
     return tf.cond(finite, update, lambda: tf.constant(False))
 
+  def _spike(self, strategy, signals):
+    """(spike bool, loss, norm) in cross-replica context from the replicas'
+    equal `signals`; None without them."""
+    if not signals:
+      return None
+    loss, norm = (strategy.experimental_local_results(v)[0] for v in signals)
+    return self.spikes.is_spike(loss, norm), loss, norm
+
   def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
-                     finite):
+                     finite, signals=()):
     """Cross-replica: each copy of each shard variable is set to its
     replica's slice of the weights and updated with its gradient slice."""
     optimizer = self.optimizer
@@ -154,8 +196,9 @@ class GradientPipeline:
                                  args=(grad, weight), group=False)
       return tf.constant(True)
 
+    spike = self._spike(strategy, signals)
     return self.if_finite(strategy.experimental_local_results(finite)[0],
-                          update_all)
+                          update_all, spike and spike[0])
 
   def update_variable(self, grad, var, learning_rate):
     """One variable's optimizer step with its reduced gradient.
@@ -177,7 +220,8 @@ class GradientPipeline:
                    or optimizer.update_step)
     return update_step(grad, var, learning_rate)
 
-  def _update(self, strategy, grads, variables, finite, assign=False):
+  def _update(self, strategy, grads, variables, finite, assign=False,
+              signals=()):
     """Cross-replica: one optimizer update with the reduced gradients
     (`assign`: `grads` are the new weights, gathered from the shards)."""
     optimizer = self.optimizer
@@ -206,7 +250,9 @@ class GradientPipeline:
         self.ema.update()
       return tf.constant(True)
 
-    if self.nan_policy != "skip" and self.loss_scale is None:
+    spike = self._spike(strategy, signals)
+    if (self.nan_policy != "skip" and self.loss_scale is None
+        and spike is None):
       return update_all()
 
     def apply():
@@ -221,11 +267,41 @@ class GradientPipeline:
 
     # A float16 overflow is expected now and then: skip it, shrink the scale.
     finite = strategy.experimental_local_results(finite)[0]
-    applied = tf.cond(finite, apply, skip)
+    if spike is None:
+      applied = tf.cond(finite, apply, skip)
+    else:
+      applied = self._apply_unless_spike(finite, spike, apply, skip)
     if self.loss_scale is not None:
       with tf.control_dependencies([self.loss_scale.update(finite)]):
         applied = tf.identity(applied)
     return applied
+
+  def _apply_unless_spike(self, finite, spike, apply, skip):
+    """`apply()` unless `spike` (then counted, and under rollback the step
+    recorded for the Controller) or not finite (`skip()` under
+    nan_policy=skip or a loss scale; else applied, as without spikes);
+    a finite step's loss and norm then enter the window."""
+    spike, loss, norm = spike
+    window = self.spikes
+
+    def drop():
+      counted = [window.skipped.assign_add(1)]
+      if window.policy == "rollback":
+        counted.append(window.pending.assign(self.global_step + 1))
+      with tf.control_dependencies(counted):
+        return tf.constant(False)
+
+    if self.nan_policy == "skip" or self.loss_scale is not None:
+      not_finite = skip
+    else:
+      not_finite = apply
+    applied = tf.cond(
+        finite, lambda: tf.cond(spike, drop, apply), not_finite)
+    with tf.control_dependencies([applied]):
+      pushed = tf.cond(finite, lambda: window.push(loss, norm),
+                       lambda: tf.constant(False))
+    with tf.control_dependencies([pushed]):
+      return tf.identity(applied)
 
 
 # How the step's one gradient all-reduce goes over the wire.

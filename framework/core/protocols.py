@@ -95,6 +95,9 @@ OPTIONAL = {
     # `averaged_weights()`, a context holding them.
     "ema": None,
     "averaged_weights": None,
+    # The loss-spike window and counts (`framework.core.spikes`;
+    # checkpointed), or None: spike_policy=none.
+    "spikes": None,
     # evaluate.py's confusion matrix of the last `evaluate` (numpy).
     "last_confusion": None,
     # What checkpoints hold as `optimizer` (sharded slots saved whole).

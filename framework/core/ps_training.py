@@ -66,6 +66,11 @@ def check_config(config):
         "nan_policy=skip is not supported under strategy=parameter_server: "
         "the workers cannot skip an update (use nan_policy=stop, clip_norm "
         "or a lower learning_rate)")
+  if config.spike_policy != "none":
+    raise ConfigError(
+        f"spike_policy={config.spike_policy} is not supported under "
+        "strategy=parameter_server: the workers cannot skip an update (use "
+        "spike_policy=none, clip_norm or a lower learning_rate)")
   if config.model_parallel.mode != "none":
     raise ConfigError(
         f"model_parallel={config.model_parallel.mode} is not supported "

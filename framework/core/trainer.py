@@ -46,7 +46,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import evaluation, optimizer_sharding, summaries
+from framework.core import evaluation, optimizer_sharding, spikes, summaries
 from framework.core.checkpoints import manager as checkpoint_manager
 from framework.core.config import TrainerConfig
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
@@ -208,10 +208,12 @@ class StepLoop:
     with summaries.default_step(self.global_step + 1):
       per_replica = self.distributed_train_step(dist_batch)
     if not self._applied_in_trace and (self.ema is not None
-                                       or self.nan_policy == "skip"):
+                                       or self.nan_policy == "skip"
+                                       or self.spike_policy != "none"):
       # Raised by `train` once traced (autograph would re-wrap it here).
       feature = ("ema_decay (the EMA of the weights)" if self.ema is not None
-                 else "nan_policy=skip")
+                 else "nan_policy=skip" if self.nan_policy == "skip"
+                 else f"spike_policy={self.spike_policy}")
       self._trace_error = (
           f"{feature}: {type(self).__name__}.train_step never calls "
           "self.apply_gradients, which does it; call it for the update or "
@@ -232,6 +234,8 @@ class StepLoop:
       state += list(self.ema.averages) + [self.ema.num_updates]
     if self.loss_scale is not None:
       state += [self.loss_scale.scale, self.loss_scale.good_steps]
+    if self.spikes is not None:
+      state += list(self.spikes.variables)
     return state + [self.skipped_steps, self.consecutive_skips,
                     self.global_step]
 
@@ -251,6 +255,8 @@ class StepLoop:
     if self.nan_policy == "skip":
       keep_going = tf.logical_and(
           keep_going, self.consecutive_skips < self.max_skipped_steps)
+    if self.spike_policy == "rollback":  # the Controller rolls back first
+      keep_going = tf.logical_and(keep_going, self.spikes.pending == 0)
     return keep_going
 
   def _train_loop_fn(self, iterator, num_steps):
@@ -450,6 +456,12 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     max_skipped_steps: under `nan_policy=skip`, the training loop stops after
       this many skipped steps in a row (the controller then raises
       `NonFiniteLossError`): a diverged model skips forever.
+    spike_policy: `none`, `skip` (a step whose global loss or gradient norm
+      is above `spike_factor` times the median of the last `spike_window`
+      steps' changes nothing, counted) or `rollback` (that too, and the
+      controller restores the last checkpoint and skips the batches since
+      it): `framework.core.spikes`.
+    spike_factor, spike_window: what a spike is (see `spike_policy`).
     grad_accum_steps: split each replica's batch into this many micro-batches
       and sum their gradients before the one all-reduce and update: the same
       update as the whole batch at 1/grad_accum_steps of the activations.
@@ -482,6 +494,9 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                grad_accum_steps: int = _default("grad_accum_steps"),
                loss_scale: Any = None, fused_updates: bool = True,
                max_skipped_steps: int = _default("max_skipped_steps"),
+               spike_policy: str = _default("spike_policy"),
+               spike_factor: float = _default("spike_factor"),
+               spike_window: int = _default("spike_window"),
                ema_decay: float | None = _default("ema_decay"),
                ema_warmup: bool = _default("ema_warmup"),
                eval_tta: str = _default("eval_tta"),
@@ -493,7 +508,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     TrainerConfig(  # checks the step settings, one ConfigError naming one
         clip_norm=clip_norm, nan_policy=nan_policy,
         max_skipped_steps=max_skipped_steps, grad_accum_steps=grad_accum_steps,
-        ema_decay=ema_decay, eval_tta=eval_tta)
+        ema_decay=ema_decay, eval_tta=eval_tta, spike_policy=spike_policy,
+        spike_factor=spike_factor, spike_window=spike_window)
     replicas = strategy.num_replicas_in_sync
     check_batch_split(global_batch_size, strategy)
     if (global_batch_size // replicas) % grad_accum_steps:
@@ -512,6 +528,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self.loss_scale = loss_scale
     self.fused_updates = fused_updates
     self.max_skipped_steps = max_skipped_steps
+    self.spike_policy = spike_policy
     self.eval_tta = evaluation.check_tta(eval_tta)
     self.communication = all_reduce  # an AllReduceConfig, or None
     self.ema = None if ema_decay is None else WeightAverage(
@@ -537,6 +554,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
           tf.Variable(0, dtype=tf.int64, trainable=False, name=name,
                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
           for name in ("skipped_steps", "consecutive_skips"))
+      # The spike window and counts (checkpointed); None: no spike check,
+      # and not one op more in the step.
+      self.spikes = None if spike_policy == "none" else spikes.SpikeWindow(
+          spike_factor, spike_window, spike_policy)
     # Read by the training loop before every step and set from another
     # thread (a signal watcher) while the loop runs: one host variable,
     # outside the strategy, so that no replica copies can disagree.
@@ -753,7 +774,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     grads = self.unscale(self.all_reduce(grads))
     # Clip the global gradient; clipping shares would clip something else.
     grads, grad_norm = self.clip_by_global_norm(grads)
-    self.apply_gradients(grads)
+    self.apply_gradients(grads, spike_signals=self.spike_signals(
+        metrics["loss"], grad_norm))
     return {**metrics, "grad_norm": self.replica_share(grad_norm)}
 
   def compute_gradients(self, batch):

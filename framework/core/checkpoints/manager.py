@@ -299,7 +299,7 @@ class CheckpointManager:
 # `checkpoint_objects`' and `checkpoint_items`' (the loss scale's, the
 # EMA's). tests/test_trainer_tracking.py checks that they cover them all.
 OWN_NAMES = ("model", "optimizer", "global_step", "rng_states", "loss_scale",
-             "loss_scale_good_steps", "ema")
+             "loss_scale_good_steps", "ema", "spike_window")
 
 
 def reserved_names() -> frozenset:
@@ -398,7 +398,8 @@ def tracked_objects(trainer: Any) -> dict:
 
 def checkpoint_items(trainer: Any) -> dict:
   """What a run checkpoints besides model, optimizer and step: the loss
-  scale's and the EMA's state, where the trainer has them."""
+  scale's, the EMA's and the spike window's state, where the trainer has
+  them."""
   items = {}
   loss_scale = protocols.optional(trainer, "loss_scale")
   if loss_scale is not None:
@@ -406,6 +407,9 @@ def checkpoint_items(trainer: Any) -> dict:
   ema = protocols.optional(trainer, "ema")
   if ema is not None:
     items.update(ema.checkpoint_items())
+  spikes = protocols.optional(trainer, "spikes")
+  if spikes is not None:
+    items["spike_window"] = spikes
   return items
 
 
