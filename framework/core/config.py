@@ -365,6 +365,9 @@ class TrainerConfig:
     all_reduce: the gradient all-reduce's `AllReduceConfig`.
     jit_compile: compile the replica step with XLA where it can.
     shard_optimizer_state: ZeRO-1 over the replicas.
+    weight_decay_exclude: a regular expression: the optimizer's weight
+      decay leaves out the variables whose path it matches; None: the
+      default groups (`framework.core.weight_decay`).
   """
   clip_norm: float | None = setting(None, "Clip the all-reduced gradient to "
                                     "this global norm.")
@@ -403,9 +406,28 @@ class TrainerConfig:
       "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
       "the whole slots, so a run resumes with it on or off and on another "
       "replica count.")
+  weight_decay_exclude: str | None = setting(
+      None, "Weight decay (adamw) leaves out the variables whose path "
+      "(block_0/mlp/fc/bias) matches this regular expression. Unset: it "
+      "decays matmul and convolution kernels only, leaving out every "
+      "variable of fewer than 2 dimensions (biases, norm scales and "
+      "offsets) and the embedding tables (variables named embeddings or "
+      "positions), as language-model recipes do; '^$' decays every "
+      "variable, as before. This changes --optimizer=adamw runs of every "
+      "model with biases, norms or embeddings (gpt, mlp, cifar_cnn, unet); "
+      "sgd, momentum and adam have no weight decay, so the seed recipe "
+      "(momentum) is unchanged.", read_by={"optimizer": ("adamw",)})
 
   def __post_init__(self):
     check_settings(self)
+    if self.weight_decay_exclude is not None:
+      try:
+        re.compile(self.weight_decay_exclude)
+      except (re.error, TypeError) as e:
+        raise ConfigError(
+            f"weight_decay_exclude={self.weight_decay_exclude!r} is not a "
+            f"regular expression ({e}); e.g. 'bias|norm', or '^$' to decay "
+            "every variable") from None
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or unset)")
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
