@@ -165,7 +165,9 @@ def test_the_split_and_sharded_runs_equal_the_plain_run():
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   out = json.loads(line[-1][len("RESULT "):])
   print(out)
-  assert out["groups"] > 1e-3, out  # the groups change the run
+  # The groups move the weights by ~1e-2; the split's float noise (zero-
+  # gradient key biases, which Adam scales up) by ~5e-5.
+  assert out["groups"] > 1e-2, out
   for shard in (False, True):
-    assert out[f"mesh {shard}"] < 1e-5, out
-    assert out[f"copy {shard}"] < 1e-5, out
+    assert out[f"mesh {shard}"] < 1e-3, out
+    assert out[f"copy {shard}"] < 1e-3, out
