@@ -230,6 +230,8 @@ class ExperimentConfig:
       "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
       "values.")
   shard_optimizer_state: bool = same_as(TrainerConfig, "shard_optimizer_state")
+  weight_decay_exclude: str | None = same_as(TrainerConfig,
+                                             "weight_decay_exclude")
   eval_sets: tuple[str, ...] = setting(
       (), "More eval sets, evaluated at every evaluation into "
       "model_dir/eval_<NAME>: NAME:DATASET[:DATA_DIR[:SPLIT]] (SPLIT test or "

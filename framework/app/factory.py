@@ -70,6 +70,8 @@ def optimizer_config(config, steps):
                  result.base_batch_size, scaled.learning_rate,
                  config.global_batch_size)
     result = scaled
+  # Its lengths checked now, before the model is built.
+  optimizers.make_schedule(result)
   return result
 
 

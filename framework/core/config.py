@@ -16,9 +16,11 @@ from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-SCHEDULES = ("constant", "cosine", "step", "linear", "onecycle")
+SCHEDULES = ("constant", "cosine", "step", "linear", "onecycle", "wsd")
 # Schedules whose length is the run's (total_steps filled in when 0).
-DECAYING_SCHEDULES = ("cosine", "linear", "onecycle")
+DECAYING_SCHEDULES = ("cosine", "linear", "onecycle", "wsd")
+# The tail of lr_schedule=wsd.
+DECAY_SHAPES = ("linear", "cosine")
 LR_SCALINGS = ("none", "linear", "sqrt")
 # What `nan_policy` may be: see `Trainer`.
 NAN_POLICIES = ("stop", "skip")
@@ -212,7 +214,13 @@ class OptimizerConfig:
       `step` (× `step_decay` at each of `step_boundaries`), `linear` (after
       the warm-up, a straight line from the peak to `min_lr_ratio` × peak at
       `total_steps`) or `onecycle` (a triangle: `linear` whose warm-up, when
-      `warmup_steps` is 0, is the first ONECYCLE_RISE (30 %) of the run).
+      `warmup_steps` is 0, is the first ONECYCLE_RISE (30 %) of the run) or
+      `wsd` (warmup-stable-decay: the warm-up, the peak, then over the last
+      `decay_fraction` of `total_steps` down to `min_lr_ratio` × peak,
+      `decay_shape` linear or cosine).
+    decay_fraction: for `wsd`, the fraction of `total_steps`, in (0, 1],
+      that is the decay tail.
+    decay_shape: for `wsd`, `linear` or `cosine`.
     warmup_steps: linear warm-up length (from ~0 to the peak), 0 for none.
     total_steps: length of the cosine / linear / onecycle schedule.
     weight_decay: decoupled weight decay for `adamw`.
@@ -232,9 +240,19 @@ class OptimizerConfig:
   schedule: str = setting(
       "constant", "Learning-rate schedule after warm-up. linear: straight "
       "down to --lr_min_ratio x peak at the last step; onecycle: linear "
-      "whose warm-up defaults to the first 30 % of the run.",
+      "whose warm-up defaults to the first 30 % of the run; wsd: warm-up, "
+      "the peak, then the last --decay_fraction of the run down to "
+      "--lr_min_ratio x peak (--decay_shape).",
       flag="lr_schedule", choices=SCHEDULES, key=True)
   warmup_steps: int = setting(0, "Linear warm-up steps.")
+  decay_fraction: float = setting(
+      0.2, "lr_schedule=wsd: the fraction of the run, in (0, 1], that is the "
+      "decay tail (after the warm-up and the stable peak).",
+      read_by={"lr_schedule": ("wsd",)})
+  decay_shape: str = setting(
+      "linear", "lr_schedule=wsd: the decay tail's shape, from the peak to "
+      "--lr_min_ratio x peak at the last step.", choices=DECAY_SHAPES,
+      read_by={"lr_schedule": ("wsd",)})
   # 0: filled in from the run's length (cosine, linear, onecycle).
   total_steps: int = setting(0, flag=False)
   step_boundaries: tuple[int, ...] = setting(
@@ -270,6 +288,10 @@ class OptimizerConfig:
       raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
     if self.warmup_steps < 0:
       raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
+    if not 0 < self.decay_fraction <= 1:
+      raise ConfigError(f"decay_fraction={self.decay_fraction} must be in "
+                        "(0, 1] (the fraction of the run that decays, e.g. "
+                        "0.2)")
     if self.total_steps < 0:  # 0: filled in from the run's length (cosine)
       raise ConfigError(f"total_steps={self.total_steps} must be >= 0")
     if self.schedule == "step" and not self.step_boundaries:
@@ -351,6 +373,9 @@ class TrainerConfig:
     all_reduce: the gradient all-reduce's `AllReduceConfig`.
     jit_compile: compile the replica step with XLA where it can.
     shard_optimizer_state: ZeRO-1 over the replicas.
+    weight_decay_exclude: a regular expression: the optimizer's weight
+      decay leaves out the variables whose path it matches; None: the
+      default groups (`framework.core.weight_decay`).
   """
   clip_norm: float | None = setting(None, "Clip the all-reduced gradient to "
                                     "this global norm.")
@@ -404,9 +429,28 @@ class TrainerConfig:
       "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
       "the whole slots, so a run resumes with it on or off and on another "
       "replica count.")
+  weight_decay_exclude: str | None = setting(
+      None, "Weight decay (adamw) leaves out the variables whose path "
+      "(block_0/mlp/fc/bias) matches this regular expression. Unset: it "
+      "decays matmul and convolution kernels only, leaving out every "
+      "variable of fewer than 2 dimensions (biases, norm scales and "
+      "offsets) and the embedding tables (variables named embeddings or "
+      "positions), as language-model recipes do; '^$' decays every "
+      "variable, as before. This changes --optimizer=adamw runs of every "
+      "model with biases, norms or embeddings (gpt, mlp, cifar_cnn, unet); "
+      "sgd, momentum and adam have no weight decay, so the seed recipe "
+      "(momentum) is unchanged.", read_by={"optimizer": ("adamw",)})
 
   def __post_init__(self):
     check_settings(self)
+    if self.weight_decay_exclude is not None:
+      try:
+        re.compile(self.weight_decay_exclude)
+      except (re.error, TypeError) as e:
+        raise ConfigError(
+            f"weight_decay_exclude={self.weight_decay_exclude!r} is not a "
+            f"regular expression ({e}); e.g. 'bias|norm', or '^$' to decay "
+            "every variable") from None
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ConfigError(f"clip_norm={self.clip_norm} must be > 0 (or unset)")
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:

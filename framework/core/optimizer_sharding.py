@@ -227,8 +227,12 @@ class ShardedOptimizerState:
 
   def local_shards(self, values, replica_id):
     """This replica's [L] slice of each full tensor in `values`."""
-    return [shard_of(value, shard.shape[0], self.num_shards, replica_id)
-            for value, shard in zip(values, self.shards)]
+    # In the variable's static shape: an embedding's gradient, reduced as
+    # IndexedSlices, converts to a tensor of unknown shape.
+    return [shard_of(tf.reshape(tf.convert_to_tensor(value), variable.shape),
+                     shard.shape[0], self.num_shards, replica_id)
+            for value, shard, variable in zip(values, self.shards,
+                                              self.variables)]
 
   def gather_weights(self, context):
     """The full weights from every replica's updated shard (replica

@@ -6,6 +6,7 @@ time), see `Trainer.apply_gradients`.
 """
 
 import contextlib
+import math
 
 import keras
 import tensorflow as tf
@@ -60,6 +61,51 @@ class _LinearDecay(keras.optimizers.schedules.LearningRateSchedule):
             "end_value": self.end_value}
 
 
+class WsdSchedule(keras.optimizers.schedules.LearningRateSchedule):
+  """Warmup-stable-decay's tail: `peak` until `decay_start`, then over
+  `decay_steps` (linearly, or along half a cosine) to `end_value`, then
+  constant. A pure function of the step, so a resumed run continues it
+  exactly."""
+
+  def __init__(self, peak, decay_start, decay_steps, end_value, shape):
+    self.peak = peak
+    self.decay_start = decay_start
+    self.decay_steps = decay_steps
+    self.end_value = end_value
+    self.shape = shape
+
+  def __call__(self, step):
+    step = tf.cast(step, tf.float32)
+    done = tf.clip_by_value((step - self.decay_start) / self.decay_steps,
+                            0.0, 1.0)
+    if self.shape == "cosine":
+      done = 0.5 * (1.0 - tf.cos(math.pi * done))
+    return self.peak + (self.end_value - self.peak) * done
+
+  def get_config(self):
+    return {"peak": self.peak, "decay_start": self.decay_start,
+            "decay_steps": self.decay_steps, "end_value": self.end_value,
+            "shape": self.shape}
+
+
+def _wsd(config):
+  """`lr_schedule=wsd`: checked against the run's length."""
+  total = config.total_steps
+  check_positive("total_steps (for lr_schedule=wsd)", total)
+  decay = max(int(round(config.decay_fraction * total)), 1)
+  if config.warmup_steps + decay > total:
+    raise ConfigError(
+        f"warmup_steps={config.warmup_steps} + the decay tail "
+        f"(decay_fraction={config.decay_fraction} of {total} steps = "
+        f"{decay}) must be <= total_steps={total} (the run's train_steps) "
+        f"for lr_schedule=wsd; "
+        f"lower them or train longer")
+  after = WsdSchedule(config.learning_rate, total - decay, decay,
+                      config.learning_rate * config.min_lr_ratio,
+                      config.decay_shape)
+  return WarmupSchedule(after, config.warmup_steps)
+
+
 class _Constant(keras.optimizers.schedules.LearningRateSchedule):
 
   def __init__(self, value):
@@ -89,6 +135,8 @@ def make_schedule(config):
     after = _LinearDecay(peak, warmup, config.total_steps,
                          peak * config.min_lr_ratio)
     return WarmupSchedule(after, warmup)
+  if config.schedule == "wsd":
+    return _wsd(config)
   if config.schedule == "cosine":
     check_positive("total_steps (for lr_schedule=cosine)", config.total_steps)
     after = keras.optimizers.schedules.CosineDecay(

@@ -46,7 +46,8 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import evaluation, optimizer_sharding, spikes, summaries
+from framework.core import (evaluation, optimizer_sharding, spikes,
+                            summaries, weight_decay)
 from framework.core.checkpoints import manager as checkpoint_manager
 from framework.core.config import TrainerConfig
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
@@ -482,6 +483,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     shard_optimizer_state: each replica keeps and updates 1/N of the
       optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1) under
       (multi-worker) mirrored strategies; one replica: no change.
+    weight_decay_exclude: the optimizer's weight decay (AdamW's, or any
+      Keras optimizer's `weight_decay`) leaves out the variables whose path
+      matches this pattern; None: those of fewer than 2 dimensions (biases,
+      norms) and embedding tables (`framework.core.weight_decay`).
   """
 
   def __init__(self, model: keras.Model,
@@ -503,13 +508,16 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                all_reduce: Any = _default("all_reduce"),
                jit_compile: bool = _default("jit_compile"),
                shard_optimizer_state: bool = _default(
-                   "shard_optimizer_state")) -> None:
+                   "shard_optimizer_state"),
+               weight_decay_exclude: str | None = _default(
+                   "weight_decay_exclude")) -> None:
     check_positive("global_batch_size", global_batch_size)
     TrainerConfig(  # checks the step settings, one ConfigError naming one
         clip_norm=clip_norm, nan_policy=nan_policy,
         max_skipped_steps=max_skipped_steps, grad_accum_steps=grad_accum_steps,
         ema_decay=ema_decay, eval_tta=eval_tta, spike_policy=spike_policy,
-        spike_factor=spike_factor, spike_window=spike_window)
+        spike_factor=spike_factor, spike_window=spike_window,
+        weight_decay_exclude=weight_decay_exclude)
     replicas = strategy.num_replicas_in_sync
     check_batch_split(global_batch_size, strategy)
     if (global_batch_size // replicas) % grad_accum_steps:
@@ -544,6 +552,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             optimizer, strategy, model.trainable_variables)
       else:
         optimizer.build(model.trainable_variables)
+      self.weight_decay_exclude = weight_decay_exclude
+      self._group_weight_decay(list(model.trainable_variables))
       self.global_step = tf.Variable(
           0, dtype=tf.int64, trainable=False, name="global_step",
           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -674,7 +684,17 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             self.optimizer, self.strategy, variables)
       else:
         self.optimizer.build(variables)
+    self._group_weight_decay(variables)
     self._trained_tracked = tuple(trained)
+
+  def _group_weight_decay(self, variables):
+    """The optimizer's weight-decay groups over `variables` (and their
+    ZeRO-1 shards), logged once."""
+    sharding = self.optimizer_sharding
+    decisions = weight_decay.group(
+        self.optimizer, variables, self.weight_decay_exclude,
+        followers=[sharding.shards] if sharding is not None else [])
+    weight_decay.log_groups(self.optimizer, variables, decisions)
 
   def _check_trackable(self, where, label, value, whole):
     """Raises ConfigError unless `value` (the tracked value if `whole`,

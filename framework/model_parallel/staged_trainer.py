@@ -55,11 +55,13 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.core.config import TrainerConfig
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig
 from framework.model_parallel.copies import PipelineCopies, tf_variable
+from framework.core import weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
                                               format_memory, memory_by_device,
@@ -387,11 +389,32 @@ class StagedTrainer(PipelineCopies, Trainer):
                    "axis), nothing to shard")
     super().__init__(model, optimizer, strategy, **kwargs)
     self._set_up_copies(copies)
+    self._group_copies_weight_decay()
     self.memory = memory_by_device(model, optimizer)
     add_activations(self.memory, self.stages, self.global_batch_size,
                     self.recompute)
     logging.info("model-parallel memory per device: %s",
                  format_memory(self.memory))
+
+  def _group_copies_weight_decay(self):
+    """Every copy's optimizer (and the shards of each) decays the
+    variables copy 0's decays (grouped by `Trainer`)."""
+    main = self.optimizer
+    decided = lambda variables: [_tf_internal.uses_weight_decay(main, v)
+                                 for v in variables]
+    if self.copy_sharding is not None:
+      state = self.copy_sharding
+      decisions = decided(state.variables[0])
+      for optimizer, shards, variables in zip(
+          state.optimizers, state.shards, state.variables):
+        weight_decay.group(optimizer, variables, decisions=decisions,
+                           followers=[shards])
+      return
+    decisions = decided(self.variables)
+    for stages, _, optimizer in self.copies:
+      weight_decay.group(
+          optimizer, [v for s in stages for v in s.trainable_variables],
+          decisions=decisions)
 
   @property
   def checkpointed_optimizer(self):

@@ -243,7 +243,9 @@ def _distloop(port, strategy_name, strategy):
     results = experiment.run(dataclasses.replace(
         config, optimizer=framework.OptimizerConfig(
             name="adamw", learning_rate=LEARNING_RATE,
-            weight_decay=WEIGHT_DECAY)),
+            weight_decay=WEIGHT_DECAY),
+        # Keras's AdamW under fit decays every variable.
+        weight_decay_exclude="^$"),
                              strategy=strategy, build_model=vit_cifar10.build)
   elif port.name == "vae":
     import vae  # pylint: disable=g-import-not-at-top
