@@ -19,6 +19,7 @@ from scripts import train
 # declares `read_by` (so none skips the warning's table by accident).
 READ_BY_EVERY_CHOICE = {
     "adapt_examples", "all_reduce_bytes_per_pack", "all_reduce_dtype",
+    "async_checkpoint",
     "all_reduce_implementation", "all_reduce_overlap", "allow_config_change",
     "augment", "check_distribution", "checkpoint_every", "clip_norm",
     "cpu_devices", "dataset", "deterministic", "ema_decay", "ema_warmup",

@@ -214,6 +214,8 @@ def run_task(config, *, trainer_cls: Optional[type] = None,
     options: the `ClusterOptions`.
     program: the name that starts the watchdog's and SIGTERM's lines.
   """
+  # A bad combination is one line before the cluster is looked for.
+  resume.check_async_checkpoint(config)
   tf_config = None
   if options.resolver == "slurm":
     os.environ["TF_CONFIG"] = json.dumps(cluster.tf_config_from_slurm(

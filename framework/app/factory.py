@@ -288,7 +288,8 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   manager = checkpoints.for_loop(
       parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
       restore_policy=config.restore, run_config=run_config,
-      allow_config_change=config.allow_config_change)
+      allow_config_change=config.allow_config_change,
+      async_checkpoint=loop.async_checkpoint)
   kwargs = dict(train_input=train_input, eval_input=eval_input,
                 eval_inputs=eval_inputs,
                 hparams=config.hparams or settings.hparams(config),

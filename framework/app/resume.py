@@ -89,6 +89,20 @@ def resume(plan, trainer, controller, *, previous, describe):
   return info
 
 
+def check_async_checkpoint(config):
+  """ConfigError, before anything is written, for `async_checkpoint` in a
+  run of several processes (`manager.check_async` says why)."""
+  loop = config.loop
+  if not (loop is not None and loop.async_checkpoint):
+    return
+  if (config.strategy in ("multi_worker_mirrored", "parameter_server")
+      or config.model_parallel.devices == "cluster"):
+    raise ConfigError(manager.ASYNC_ONE_PROCESS.replace(
+        "this run has several processes", "this run has several processes "
+        f"(strategy={config.strategy}, model_parallel_devices="
+        f"{config.model_parallel.devices})"))
+
+
 # What a checkpoint must agree on with the run resuming from it.
 
 

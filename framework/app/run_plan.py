@@ -35,8 +35,8 @@ from framework.app import export
 # keep working.
 from framework.app.resume import (  # pylint: disable=unused-import
     MIGRATE_SCRIPT, _own_keys, _show, change_entry, changed_flags,
-    check_resume, check_split_change, describe, saved_before_cross_mesh,
-    split_flags)
+    check_async_checkpoint, check_resume, check_split_change, describe,
+    saved_before_cross_mesh, split_flags)
 from framework.core.checkpoints import manager
 from framework.core import precision as precision_lib
 from framework.core import ps_training
@@ -253,6 +253,7 @@ def place(config, strategy=None):
   if config.strategy == "parameter_server" or (
       strategy is not None and ps_training.is_parameter_server(strategy)):
     ps_training.check_config(config)
+  check_async_checkpoint(config)
   if strategy is None:
     strategy = strategies.make_strategy(config.strategy, tpu=config.tpu)
   # A pipeline under mirrored: R copies of it, on one replica.

@@ -463,7 +463,9 @@ class _LocalPreemption:
   def __call__(self, step, outputs=None):
     if self.received:
       # Controller.save skips the save after a non-finite loss.
-      _exit(step, saved=self.controller.save(step) is not None, at_once=True)
+      saved = self.controller.save(step) is not None
+      self.controller.wait_for_checkpoint()  # os._exit skips TF's own wait
+      _exit(step, saved=saved, at_once=True)
 
 
 class _MultiWorkerPreemption:

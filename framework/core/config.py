@@ -55,6 +55,9 @@ class LoopConfig:
     checkpoint_every, eval_every, summary_every, log_every: intervals in
       steps; a checkpoint and an evaluation also happen at the end.
     keep_checkpoints: how many checkpoints to keep.
+    async_checkpoint: write checkpoints in the background (one process
+      only); a checkpoint is listed once complete, the final one is waited
+      for, a failed write is an error at the next save or at the end.
     profile_steps: `(first, last)` global steps (inclusive) to trace with
       TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
       tab); the time per op type goes to the log and a text summary.
@@ -98,6 +101,9 @@ class LoopConfig:
       1000, "Steps between checkpoints (0: only at the end).",
       minimum=NON_NEGATIVE)
   keep_checkpoints: int = setting(3, "Checkpoints to keep.", minimum=POSITIVE)
+  async_checkpoint: bool = setting(
+      False, "Write checkpoints in the background: the loop waits only for "
+      "the variables' copy, not the disk (one process only).")
   eval_every: int = setting(
       0, "Steps between evaluations (0: only at the end).",
       minimum=NON_NEGATIVE)

@@ -158,7 +158,8 @@ class Controller:
     self.hparams = hparams or {}
     chief = strategies.is_chief(parts.strategy)
     self.checkpoints = checkpoints or for_loop(
-        parts, model_dir, max_to_keep=config.keep_checkpoints)
+        parts, model_dir, max_to_keep=config.keep_checkpoints,
+        async_checkpoint=config.async_checkpoint)
     self.checkpoint = self.checkpoints.checkpoint
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
     self.metric_sinks = [summaries.JsonlSink(os.path.join(
@@ -263,6 +264,13 @@ class Controller:
     report_profile(table, self.config.profile_steps,
                                self.writer, step)
 
+  def wait_for_checkpoint(self) -> None:
+    """Waits for a checkpoint written in the background (ModelDirError if
+    its write failed)."""
+    wait = getattr(self.checkpoints, "wait", None)  # a manager of one's own
+    if wait is not None:
+      wait()
+
   def restore(self) -> None:
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
     if not self._restored:
@@ -310,6 +318,7 @@ class Controller:
           "train on from the last good checkpoint")
     if last_saved != step:
       self.save(step)
+    self.wait_for_checkpoint()  # a background write: listed before the end
     self.targets.record(step, self.last_eval)
     self._train_end(step, None)
     if self._last_eval_step == step and self.last_eval is not None:

@@ -20,6 +20,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import uuid
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -90,12 +92,24 @@ class CheckpointManager:
     allow_config_change: a changed `run_config` is a warning, not an error
       (None: not given, an error as without --allow_config_change; the
       setting's default lives in ExperimentConfig, above this layer).
+    async_checkpoint: write in the background (`save` returns once the
+      variables are copied; `wait` waits for the write). One process only:
+      ConfigError, before anything is written, for a strategy with
+      several workers or parameter servers.
   """
 
   def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
                restore_policy="latest_intact", run_config=None,
-               allow_config_change=None):
+               allow_config_change=None, async_checkpoint=False):
     check_positive("keep_checkpoints", max_to_keep)
+    self.async_checkpoint = bool(async_checkpoint)
+    if self.async_checkpoint:
+      check_async(strategy)
+    # (step, thread) of the write in flight (async_checkpoint), its error,
+    # and the in-memory manager that serializes a save.
+    self._pending = None
+    self._write_error = None
+    self._staging = None
     self.checkpoint = checkpoint
     # Resolved once: TensorFlow's state file and this class join paths onto
     # the directory, and a relative one would be joined twice.
@@ -276,7 +290,15 @@ class CheckpointManager:
     return total
 
   def save(self, step):
-    """Saves at `step`; every worker must call this (it is a collective)."""
+    """Saves at `step`; every worker must call this (it is a collective).
+
+    With `async_checkpoint`, returns once the checkpoint is serialized in
+    memory: its files are written in the background, under temporary
+    names, and listed (the oldest dropped) only once complete; a failed
+    write is raised at the next save or by `wait`.
+    """
+    if self.async_checkpoint:
+      return self._save_in_background(step)
     try:
       path = self.manager.save(checkpoint_number=step)
     except cluster.TRANSPORT_ERRORS:
@@ -288,11 +310,109 @@ class CheckpointManager:
     if not self.is_chief:
       shutil.rmtree(self.directory, ignore_errors=True)
       return None
+    self._write_run_config()
+    logging.info("Saved checkpoint %s", path)
+    return path
+
+  def _write_run_config(self):
     if self.run_config is not None:
       run_files.write_text(os.path.join(self.model_dir, RUN_CONFIG_FILE),
                         json.dumps(self.run_config, indent=2, sort_keys=True))
-    logging.info("Saved checkpoint %s", path)
-    return path
+
+  def _save_in_background(self, step):
+    """The same checkpoint as `save`, serialized to memory (TensorFlow's
+    ram:// filesystem) on this thread; a thread writes it to the folder."""
+    self.wait()  # one write at a time; the previous one's error first
+    if self._staging is None:
+      self._staging = tf.train.CheckpointManager(
+          self.checkpoint, f"ram://distloop/{uuid.uuid4().hex}",
+          max_to_keep=1, checkpoint_name="ckpt")
+    try:
+      staged = self._staging.save(checkpoint_number=step)
+    except tf.errors.OpError as e:
+      raise ModelDirError(self._failed_save(step, e)) from None
+    self._pending = (step, threading.Thread(
+        target=self._write_staged, args=(staged, step),
+        name=f"checkpoint-{step}"))
+    self._pending[1].start()
+    self._write_run_config()
+    logging.info("Writing checkpoint ckpt-%d in the background", step)
+    return os.path.join(self.directory, f"ckpt-{step}")
+
+  def _write_staged(self, staged, step):
+    """(Background.) Copies the staged files under temporary names, renames
+    them into place (data files first, the index last), then lists the
+    checkpoint and drops the oldest, as TensorFlow's manager does."""
+    try:
+      files = sorted(tf.io.gfile.glob(staged + ".*"),
+                     key=lambda f: f.endswith(".index"))
+      final = [os.path.join(self.directory, os.path.basename(f))
+               for f in files]
+      temporary = [f"{f}.tempstate{uuid.uuid4().int % 10**12}"
+                   for f in final]
+      for source, target in zip(files, temporary):
+        tf.io.gfile.copy(source, target, overwrite=True)
+        tf.io.gfile.remove(source)  # the memory it held
+      for hook in _WRITE_HOOKS:
+        hook(os.path.join(self.directory, f"ckpt-{step}"))
+      for source, target in zip(temporary, final):
+        tf.io.gfile.rename(source, target, overwrite=True)
+      self._list(os.path.join(self.directory, f"ckpt-{step}"))
+    except Exception as e:  # pylint: disable=broad-except
+      self._write_error = e  # raised on the step thread, by `wait`
+
+  def _list(self, path):
+    """Records `path` as the newest checkpoint in the state file, then
+    removes the checkpoints beyond `max_to_keep` (oldest first)."""
+    state = tf.train.get_checkpoint_state(self.directory)
+    listed = [p for p in (state.all_model_checkpoint_paths if state else ())
+              if os.path.basename(p) != os.path.basename(path)]
+    names = [os.path.basename(p) for p in listed] + [os.path.basename(path)]
+    drop, keep = names[:-self._max_to_keep], names[-self._max_to_keep:]
+    fresh = tf.compat.v1.train.generate_checkpoint_state_proto(
+        self.directory, keep[-1], all_model_checkpoint_paths=keep)
+    fresh.model_checkpoint_path = keep[-1]
+    del fresh.all_model_checkpoint_paths[:]
+    fresh.all_model_checkpoint_paths.extend(keep)
+    run_files.write_text(os.path.join(self.directory, STATE_FILE),
+                         text_format.MessageToString(fresh))
+    for name in drop:
+      for old in tf.io.gfile.glob(os.path.join(self.directory, name) + ".*"):
+        tf.io.gfile.remove(old)
+
+  def wait(self):
+    """Waits for the background write in flight (if any); ModelDirError,
+    in one line, if it failed (its partial files removed)."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    step, thread = pending
+    thread.join()
+    error, self._write_error = self._write_error, None
+    if error is not None:
+      raise ModelDirError(self._failed_save(step, error))
+    self.manager = self._new_manager()  # the state file the thread wrote
+    logging.info("Saved checkpoint %s", self.latest)
+
+
+# Test-only: `fn(prefix)` called in each background write once its files
+# are copied under temporary names, before they are renamed and listed (a
+# test makes the write fail, or dies in it).
+_WRITE_HOOKS = []
+
+
+def check_async(strategy):
+  """ConfigError unless `strategy` trains in one process (what
+  async_checkpoint supports: a background write of one process's copy)."""
+  if strategies.task_info(strategy)[0] is not None:  # a cluster's task
+    raise ConfigError(ASYNC_ONE_PROCESS)
+
+
+ASYNC_ONE_PROCESS = (
+    "async_checkpoint=True writes one process's checkpoints in the "
+    "background; this run has several processes (multi_worker_mirrored, "
+    "parameter_server or a mesh across processes), whose saves are "
+    "collective: use async_checkpoint=False")
 
 
 # The names distloop gives the objects of a run's checkpoint:
