@@ -183,6 +183,10 @@ class Controller:
                           actions_lib.ProfileReport(self),
                           *train_actions]
     self.eval_actions = list(eval_actions)
+    # Each worker's step time, split (a cluster's trainer measures it).
+    self.step_times = None if parts.collective_wait is None else (
+        summaries.WorkerStepTimes(parts.strategy, parts.collective_wait,
+                                  self.writer, config.straggler_factor))
     self.batching = evaluation.Batching(parts)
     self.report = LoopReport(parts, config.train_steps,
                              config.stop_condition())
@@ -377,6 +381,12 @@ class Controller:
         self.writer("train").scalars(step, outputs)
       if due(c.log_every, step) or step == c.train_steps:
         self.report.log(step, metrics, outputs)
+      if self.step_times is not None and (
+          due(c.summary_every, step) or due(c.log_every, step)):
+        # A collective: every worker is at the same step here.
+        self.step_times.record(step, num_steps, elapsed,
+                               write=due(c.summary_every, step),
+                               log=due(c.log_every, step))
       self._act(self.train_actions, step, outputs)
       for fn in self.on_loop_end:
         fn(step)
@@ -422,7 +432,9 @@ class LoopParts:
   batches padded to it, `MaskedBatch`; none: as given); `metric_aliases`;
   `model` (best/ restores it; default `checkpoint["model"]`),
   `export_model()` (best/'s weights; default `model`), `ema` and
-  `averaged_weights()` (a context holding the EMA weights).
+  `averaged_weights()` (a context holding the EMA weights);
+  `collective_wait()` (seconds this task waited in the gradient
+  all-reduce so far; none: each worker's step time is not split).
   """
 
   global_step: Any
@@ -443,6 +455,7 @@ class LoopParts:
   export_model: Optional[Callable[[], Any]] = None
   ema: Any = None
   averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
+  collective_wait: Optional[Callable[[], float]] = None
 
   def __post_init__(self):
     self.checkpoint = dict(self.checkpoint)
@@ -480,6 +493,7 @@ def loop_parts(trainer: Any, evaluator: Any = None,
   if counts and policy == "skip":
     consecutive, max_skipped = lambda: int(skips[1].numpy()), skips[2]
   requested = optional(trainer, "stop_requested")
+  wait = optional(trainer, "collective_wait_seconds")
   masked = optional(evaluator, "run_eval_step") is not None
   return LoopParts(
       global_step=trainer.global_step, strategy=trainer.strategy,
@@ -498,7 +512,9 @@ def loop_parts(trainer: Any, evaluator: Any = None,
       model=trainer.model,
       export_model=functools.partial(protocols.export_model, trainer),
       ema=optional(trainer, "ema"),
-      averaged_weights=functools.partial(protocols.averaged_weights, trainer))
+      averaged_weights=functools.partial(protocols.averaged_weights, trainer),
+      collective_wait=(None if wait is None else
+                       lambda: float(wait.numpy())))
 
 
 def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:
