@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from framework.core import actions as actions_lib
 from framework.core import adapt
-from framework.core import evaluation, protocols, summaries
+from framework.core import evaluation, goodput, protocols, summaries
 from framework.core.checkpoints import best
 from framework.core.checkpoints import (CheckpointManager, checkpoint_objects,
                                         for_loop)
@@ -170,6 +170,7 @@ class Controller:
     self.last_eval, self._last_eval_step = None, None
     self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = list(on_train_end)
+    self.goodput = None  # the run's `goodput.Goodput`, once `run()` trains
     self.stop_reason = None
     self.start_time = start_time
     self.handle_preemption = handle_preemption
@@ -224,7 +225,12 @@ class Controller:
                       self.non_finite_text())
       return None
     self.trainer.sync_replica_state()
-    return self.checkpoints.save(step)
+    started = time.time()
+    path = self.checkpoints.save(step)
+    if self.goodput is not None:
+      self.goodput.add("checkpoint", time.time() - started)
+      self.goodput.saved(step)
+    return path
 
   @property
   def loss_finite(self) -> bool:
@@ -247,11 +253,14 @@ class Controller:
     if not self.eval_sets:
       return None
     self.restore()
+    started = time.time()
     self.trainer.sync_replica_state()
     step = self.step
     self.eval_results = {
         split: evaluation.evaluate_one(self, split, fn, step)
         for split, fn in self.eval_sets.items()}
+    if self.goodput is not None:
+      self.goodput.add("evaluation", time.time() - started)
     # The actions get the primary set's (eval/, else the first).
     results = next(iter(self.eval_results.values()))
     self.last_eval, self._last_eval_step = results, step
@@ -295,6 +304,11 @@ class Controller:
                    c.train_steps)
       self.targets.measuring = False  # measured (or not) when it trained
       return self._train_end(step, None) or self.evaluate()
+    # The steps a killed launch trained past `step` are trained again.
+    self.goodput = goodput.Goodput(
+        self.model_dir, enabled=strategies.is_chief(self.parts.strategy),
+        start_time=self.start_time)
+    self.goodput.restored(step)
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
     self.writer("").hparams(self.hparams)  # model_dir: train/, eval/ below.
     iterator = iter(self.batching.train(self.train_input(step)))
@@ -319,6 +333,7 @@ class Controller:
       results = self.evaluate()
     self.targets.record(step, self.last_eval)
     self.targets.report_missed(step)
+    self.goodput.report(step, self.writer)
     return results
 
   @property
@@ -361,20 +376,30 @@ class Controller:
         raise
       raise error from None
 
+  def _skipped(self):
+    """Steps skipped so far (0 when the trainer does not count them)."""
+    count = self.parts.skipped_steps
+    return 0 if count is None else count()
+
   def _train_loops(self, iterator, step):
     """Loops from `step` to `train_steps`; (last step, last saved step)."""
     c = self.config
     last_saved = step
+    skipped = self._skipped()
     while step < c.train_steps:
       num_steps = steps_to_next_event(
           c, step, self.profiler.boundaries())
       self.profiler.maybe_start(step)
       self.report.before_loop(step, num_steps)
       loop_start = time.time()
+      self.goodput.training(loop_start)  # the first loop ends start-up
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
+      self.goodput.loop(step - num_steps + 1, step, elapsed)
+      skipped, newly_skipped = self._skipped(), skipped
+      self.goodput.lost_steps(skipped - newly_skipped, "skipped")
       self.report.watch(step - num_steps + 1, step, metrics, elapsed)
       outputs = self.report.outputs(metrics, num_steps, elapsed)
       if due(c.summary_every, step) or step == c.train_steps:
@@ -396,6 +421,7 @@ class Controller:
       if (due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
+      self.goodput.write()  # what a relaunch knows of this launch
       if self.parts.take_stop_request():  # in the loop or after
         self.request_stop("trainer.request_stop()")
       if self.stop_reason is not None:
