@@ -83,6 +83,15 @@ class Controller:
   of `run()`) to the first evaluation (or loop) that meets
   `config.stop_when` / `stop_at_accuracy` (`framework.core.actions`).
 
+  Long runs: `goodput` (`framework.core.goodput.Goodput`, set by `run()`)
+  accounts the run's wall time over its relaunches (`model_dir/
+  goodput.json`, one log line and `train/goodput/*` at the end); a policy
+  that drops steps reports them with `goodput.lost_steps(n, reason)` or
+  `goodput.restored(step, reason)`. On a multi-worker cluster each
+  worker's step time, split into compute and all-reduce wait, goes to
+  `train/step_time/*`, and the chief names workers slower than the median
+  by `config.straggler_factor` (`summaries.WorkerStepTimes`).
+
   Args:
     trainer: a `LoopTrainer` (e.g. `framework.Trainer`); without `parts`,
       also its `model`, `optimizer`, `strategy` and `global_step`.
