@@ -84,8 +84,8 @@ class LoopConfig:
     eval_steps: evaluate the first N global batches of each eval set only
       (Keras `validation_steps`; `framework.core.evaluation`). None: all.
     straggler_factor: on a multi-worker cluster the chief names, at each
-      log step, the workers whose compute per step exceeds the median's
-      this many times (> 1); every worker's compute and wait per step go
+      log step, the workers whose compute per step exceeds the other
+      workers' median this many times (> 1); every worker's compute and wait per step go
       to `train/step_time/<task>_<index>/{compute,wait}`.
   """
   # Filled in from the run's --train_steps or --epochs.
@@ -151,8 +151,8 @@ class LoopConfig:
   straggler_factor: float = setting(
       1.5, "Multi-worker runs: at each log step the chief logs one line "
       "naming every worker whose compute per step (its step time less its "
-      "wait in the gradient all-reduce) exceeds the median worker's this "
-      "many times; each worker's compute and wait go to TensorBoard and "
+      "wait in the gradient all-reduce) exceeds the other workers' median "
+      "this many times; each worker's compute and wait go to TensorBoard and "
       "metrics.jsonl as train/step_time/<task>_<index>/compute and wait "
       "(seconds per step). Must be > 1.",
       read_by={"strategy": ("multi_worker_mirrored",)})
@@ -184,7 +184,8 @@ class LoopConfig:
         or not 1 < self.straggler_factor < float("inf")):
       raise ConfigError(
           f"straggler_factor={self.straggler_factor!r} must be a number > 1 "
-          "(a worker slower than the median by this factor is named; e.g. "
+          "(a worker slower than the other workers' median by this factor "
+          "is named; e.g. "
           "1.5)")
     self._check_best()
 

@@ -89,8 +89,9 @@ class Controller:
   that drops steps reports them with `goodput.lost_steps(n, reason)` or
   `goodput.restored(step, reason)`. On a multi-worker cluster each
   worker's step time, split into compute and all-reduce wait, goes to
-  `train/step_time/*`, and the chief names workers slower than the median
-  by `config.straggler_factor` (`summaries.WorkerStepTimes`).
+  `train/step_time/*`, and the chief names workers slower than the other
+  workers' median by `config.straggler_factor`
+  (`summaries.WorkerStepTimes`).
 
   Args:
     trainer: a `LoopTrainer` (e.g. `framework.Trainer`); without `parts`,

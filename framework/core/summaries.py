@@ -267,7 +267,8 @@ class JsonlSink:
 # worker all-gathers its two numbers; the chief writes them to `train/`
 # as `step_time/<task>_<index>/compute` and `.../wait` (seconds per step;
 # metrics.jsonl too) and, at log steps, logs one line naming the workers
-# whose compute exceeds the median's `straggler_factor` times.
+# whose compute exceeds the other workers' median `straggler_factor`
+# times.
 _ROLES = ("chief", "worker")
 
 
@@ -281,8 +282,8 @@ class WorkerStepTimes:
     wait_seconds: `() -> float`: this task's seconds in the all-reduce so
       far.
     writer: the run's `Writers` (the chief's writes).
-    straggler_factor: a worker whose compute per step exceeds the median's
-      this many times is named (> 1).
+    straggler_factor: a worker whose compute per step exceeds the other
+      workers' median this many times is named (> 1).
   """
 
   def __init__(self, strategy, wait_seconds, writer, straggler_factor):
@@ -329,14 +330,17 @@ class WorkerStepTimes:
     return times
 
   def name_stragglers(self, step, times):
-    """Logs one line naming the workers slower than the median's factor."""
-    median = float(np.median([c for c, _ in times.values()]))
-    slow = sorted((name, c) for name, (c, _) in times.items()
-                  if c > self.factor * median)
+    """Logs one line naming the workers whose compute per step exceeds
+    the median of the other workers' `straggler_factor` times."""
+    slow = []
+    for name, (compute, _) in sorted(times.items()):
+      others = float(np.median([c for n, (c, _) in times.items()
+                                if n != name]))
+      if compute > self.factor * others:
+        slow.append(f"{name} {compute:.3f} s ({compute / max(others, 1e-9):.1f}x"
+                    f" the others' median {others:.3f} s)")
     if slow:
       logging.warning(
-          "straggler at step %d: %s (compute per step; the median of %d "
-          "workers is %.3f s, straggler_factor=%g); the others wait for it "
-          "in every all-reduce", step,
-          ", ".join(f"{name} {c:.3f} s = {c / max(median, 1e-9):.1f}x"
-                    for name, c in slow), len(times), median, self.factor)
+          "straggler at step %d: %s, compute per step of %d workers "
+          "(straggler_factor=%g); the others wait for it in every "
+          "all-reduce", step, ", ".join(slow), len(times), self.factor)
