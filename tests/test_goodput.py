@@ -122,3 +122,14 @@ def test_a_garbled_account_is_a_warning_and_counts_from_this_launch(
   (tmp_path / goodput.GOODPUT_FILE).write_text("{not json")
   account = goodput.Goodput(str(tmp_path), start_time=1.0)
   assert account.launches == 1 and account.steps == {}
+
+
+def test_an_account_that_cannot_be_written_is_a_warning_not_an_error(
+    tmp_path):
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")
+  account = goodput.Goodput(str(blocked), start_time=1.0)  # folder a file
+  account.loop(1, 2, 1.0)
+  account.write()
+  account.write()  # said once; training goes on
+  assert account._unwritable  # pylint: disable=protected-access

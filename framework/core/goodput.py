@@ -37,6 +37,7 @@ from typing import Optional
 from absl import logging
 
 from framework.core.checkpoints import run_files
+from framework.errors import ModelDirError
 
 GOODPUT_FILE = "goodput.json"
 # The timed parts besides productive steps, in report order.
@@ -68,6 +69,7 @@ class Goodput:
     self._first_entry = None  # this launch's first loop [first, last, s]
     self._per_step = None  # the latest loop's seconds per step
     self._trained = False  # whether this launch's first loop started
+    self._unwritable = False  # a write failed (warned once)
     self._load()
 
   def _load(self):
@@ -182,7 +184,14 @@ class Goodput:
               "last_time": now, "seconds": self.seconds,
               "lost_step_counts": self.steps, "pending": pending,
               "account": self.account(now)}
-    run_files.write_text(self.path, json.dumps(record, indent=1) + "\n")
+    try:
+      run_files.write_text(self.path, json.dumps(record, indent=1) + "\n")
+    except ModelDirError as e:
+      # The account is no reason to stop training (a full disk is the
+      # checkpoint's to report); said once.
+      if not self._unwritable:
+        logging.warning("goodput account not written: %s", e)
+      self._unwritable = True
 
   def report(self, step: int, writer) -> dict:
     """Logs the account in one line and writes `goodput/*` to `train/`
