@@ -307,7 +307,9 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "model_parallel.mesh": "", "model_parallel.data_axis": 1,
                 "model_parallel.tensor_stages": 1,
                 # Preprocessing layers adapted on the training data.
-                "adapt_examples": 10000}
+                "adapt_examples": 10000,
+                # Slow workers named.
+                "loop.straggler_factor": 1.5}
 
 
 def _flat(value, prefix=""):

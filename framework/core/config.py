@@ -92,6 +92,10 @@ class LoopConfig:
       (its final evaluation, weights file and export are the best ones).
     eval_steps: evaluate the first N global batches of each eval set only
       (Keras `validation_steps`; `framework.core.evaluation`). None: all.
+    straggler_factor: on a multi-worker cluster the chief names, at each
+      log step, the workers whose compute per step exceeds the other
+      workers' median this many times (> 1); every worker's compute and wait per step go
+      to `train/step_time/<task>_<index>/{compute,wait}`.
   """
   # Filled in from the run's --train_steps or --epochs.
   train_steps: int = setting(flag=False, minimum=POSITIVE)
@@ -156,6 +160,14 @@ class LoopConfig:
       False, "A run stopped by --early_stopping_patience ends with the best "
       "weights: its final evaluation, weights file and export are the best "
       "checkpoint's.")
+  straggler_factor: float = setting(
+      1.5, "Multi-worker runs: at each log step the chief logs one line "
+      "naming every worker whose compute per step (its step time less its "
+      "wait in the gradient all-reduce) exceeds the other workers' median "
+      "this many times; each worker's compute and wait go to TensorBoard and "
+      "metrics.jsonl as train/step_time/<task>_<index>/compute and wait "
+      "(seconds per step). Must be > 1.",
+      read_by={"strategy": ("multi_worker_mirrored",)})
 
   def __post_init__(self):
     from framework.perf import profiling  # pylint: disable=g-import-not-at-top
@@ -179,6 +191,14 @@ class LoopConfig:
     object.__setattr__(self, "profile_steps",
                        profiling.check_profile_steps(self.profile_steps))
     check_settings(self)
+    if (isinstance(self.straggler_factor, bool)
+        or not isinstance(self.straggler_factor, (int, float))
+        or not 1 < self.straggler_factor < float("inf")):
+      raise ConfigError(
+          f"straggler_factor={self.straggler_factor!r} must be a number > 1 "
+          "(a worker slower than the other workers' median by this factor "
+          "is named; e.g. "
+          "1.5)")
     self._check_best()
 
   def _check_best(self):

@@ -34,7 +34,8 @@ import tensorflow as tf
 
 from framework.core import actions as actions_lib
 from framework.core import adapt
-from framework.core import evaluation, protocols, spikes, summaries
+from framework.core import (evaluation, goodput, protocols, spikes,
+                            summaries)
 from framework.core.checkpoints import best
 from framework.core.checkpoints import (CheckpointManager, checkpoint_objects,
                                         for_loop)
@@ -82,6 +83,16 @@ class Controller:
   `time_to_target`: the wall time from `start_time` (default: the start
   of `run()`) to the first evaluation (or loop) that meets
   `config.stop_when` / `stop_at_accuracy` (`framework.core.actions`).
+
+  Long runs: `goodput` (`framework.core.goodput.Goodput`, set by `run()`)
+  accounts the run's wall time over its relaunches (`model_dir/
+  goodput.json`, one log line and `train/goodput/*` at the end); a policy
+  that drops steps reports them with `goodput.lost_steps(n, reason)` or
+  `goodput.restored(step, reason)`. On a multi-worker cluster each
+  worker's step time, split into compute and all-reduce wait, goes to
+  `train/step_time/*`, and the chief names workers slower than the other
+  workers' median by `config.straggler_factor`
+  (`summaries.WorkerStepTimes`).
 
   Args:
     trainer: a `LoopTrainer` (e.g. `framework.Trainer`); without `parts`,
@@ -171,6 +182,7 @@ class Controller:
     self.last_eval, self._last_eval_step = None, None
     self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = list(on_train_end)
+    self.goodput = None  # the run's `goodput.Goodput`, once `run()` trains
     self.stop_reason = None
     self.start_time = start_time
     self.handle_preemption = handle_preemption
@@ -184,6 +196,10 @@ class Controller:
                           actions_lib.ProfileReport(self),
                           *train_actions]
     self.eval_actions = list(eval_actions)
+    # Each worker's step time, split (a cluster's trainer measures it).
+    self.step_times = None if parts.collective_wait is None else (
+        summaries.WorkerStepTimes(parts.strategy, parts.collective_wait,
+                                  self.writer, config.straggler_factor))
     self.batching = evaluation.Batching(parts)
     # The batches loss-spike rollbacks skipped (a relaunch skips them too).
     self.rollbacks = spikes.RollbackRecord(model_dir)
@@ -224,7 +240,12 @@ class Controller:
                       self.non_finite_text())
       return None
     self.trainer.sync_replica_state()
-    return self.checkpoints.save(step)
+    started = time.time()
+    path = self.checkpoints.save(step)
+    if self.goodput is not None:
+      self.goodput.add("checkpoint", time.time() - started)
+      self.goodput.saved(step)
+    return path
 
   @property
   def loss_finite(self) -> bool:
@@ -247,11 +268,14 @@ class Controller:
     if not self.eval_sets:
       return None
     self.restore()
+    started = time.time()
     self.trainer.sync_replica_state()
     step = self.step
     self.eval_results = {
         split: evaluation.evaluate_one(self, split, fn, step)
         for split, fn in self.eval_sets.items()}
+    if self.goodput is not None:
+      self.goodput.add("evaluation", time.time() - started)
     # The actions get the primary set's (eval/, else the first).
     results = next(iter(self.eval_results.values()))
     self.last_eval, self._last_eval_step = results, step
@@ -302,6 +326,11 @@ class Controller:
                    c.train_steps)
       self.targets.measuring = False  # measured (or not) when it trained
       return self._train_end(step, None) or self.evaluate()
+    # The steps a killed launch trained past `step` are trained again.
+    self.goodput = goodput.Goodput(
+        self.model_dir, enabled=strategies.is_chief(self.parts.strategy),
+        start_time=self.start_time)
+    self.goodput.restored(step)
     self.writer("train").text(step, "flags", markdown_table(self.hparams))
     self.writer("").hparams(self.hparams)  # model_dir: train/, eval/ below.
     iterator = self._train_iterator(step)
@@ -327,6 +356,7 @@ class Controller:
       results = self.evaluate()
     self.targets.record(step, self.last_eval)
     self.targets.report_missed(step)
+    self.goodput.report(step, self.writer)
     return results
 
   @property
@@ -401,32 +431,60 @@ class Controller:
     self.writer.restart(step)  # the steps after it train again
     return step, self._train_iterator(step)
 
+  def _spike_skipped(self):
+    """Updates the spike policy dropped so far (0 without one)."""
+    spikes_ = self.parts.spikes
+    return 0 if spikes_ is None else int(spikes_.skipped.numpy())
+
+  def _skipped(self):
+    """Steps skipped so far (0 when the trainer does not count them)."""
+    count = self.parts.skipped_steps
+    return 0 if count is None else count()
+
   def _train_loops(self, iterator, step):
     """Loops from `step` to `train_steps`; (last step, last saved step)."""
     c = self.config
     last_saved = step
+    skipped, spike_skipped = self._skipped(), self._spike_skipped()
     while step < c.train_steps:
       num_steps = steps_to_next_event(
           c, step, self.profiler.boundaries())
       self.profiler.maybe_start(step)
       self.report.before_loop(step, num_steps)
       loop_start = time.time()
+      self.goodput.training(loop_start)  # the first loop ends start-up
       metrics = self._train(iterator, num_steps)
       elapsed = time.time() - loop_start
       spike_step = (self.parts.spikes.take_pending()
                     if self.parts.spikes is not None else 0)
+      last = self.step
       rolled = spike_step and self._roll_back(spike_step)
       if rolled:
+        # The steps since the checkpoint train again, on other batches.
+        self.goodput.loop(step + 1, last, elapsed)
         step, iterator = rolled
+        self.goodput.restored(step, "rolled_back")
+        skipped, spike_skipped = self._skipped(), self._spike_skipped()
         continue
       # Fewer steps than asked when the loop was told to stop.
       step, num_steps = self.step, self.step - step
+      self.goodput.loop(step - num_steps + 1, step, elapsed)
+      skipped, newly_skipped = self._skipped(), skipped
+      self.goodput.lost_steps(skipped - newly_skipped, "skipped")
+      spike_skipped, before = self._spike_skipped(), spike_skipped
+      self.goodput.lost_steps(spike_skipped - before, "spike_skipped")
       self.report.watch(step - num_steps + 1, step, metrics, elapsed)
       outputs = self.report.outputs(metrics, num_steps, elapsed)
       if due(c.summary_every, step) or step == c.train_steps:
         self.writer("train").scalars(step, outputs)
       if due(c.log_every, step) or step == c.train_steps:
         self.report.log(step, metrics, outputs)
+      if self.step_times is not None and (
+          due(c.summary_every, step) or due(c.log_every, step)):
+        # A collective: every worker is at the same step here.
+        self.step_times.record(step, num_steps, elapsed,
+                               write=due(c.summary_every, step),
+                               log=due(c.log_every, step))
       self._act(self.train_actions, step, outputs)
       for fn in self.on_loop_end:
         fn(step)
@@ -436,6 +494,7 @@ class Controller:
       if (due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
+      self.goodput.write()  # what a relaunch knows of this launch
       if self.parts.take_stop_request():  # in the loop or after
         self.request_stop("trainer.request_stop()")
       if self.stop_reason is not None:
@@ -473,7 +532,9 @@ class LoopParts:
   `model` (best/ restores it; default `checkpoint["model"]`),
   `export_model()` (best/'s weights; default `model`), `ema` and
   `averaged_weights()` (a context holding the EMA weights); `spikes` (the
-  loss-spike window, `framework.core.spikes`; none: spike_policy=none).
+  loss-spike window, `framework.core.spikes`; none: spike_policy=none);
+  `collective_wait()` (seconds this task waited in the gradient
+  all-reduce so far; none: each worker's step time is not split).
   """
 
   global_step: Any
@@ -495,6 +556,7 @@ class LoopParts:
   ema: Any = None
   averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
   spikes: Any = None
+  collective_wait: Optional[Callable[[], float]] = None
 
   def __post_init__(self):
     self.checkpoint = dict(self.checkpoint)
@@ -532,6 +594,7 @@ def loop_parts(trainer: Any, evaluator: Any = None,
   if counts and policy == "skip":
     consecutive, max_skipped = lambda: int(skips[1].numpy()), skips[2]
   requested = optional(trainer, "stop_requested")
+  wait = optional(trainer, "collective_wait_seconds")
   masked = optional(evaluator, "run_eval_step") is not None
   return LoopParts(
       global_step=trainer.global_step, strategy=trainer.strategy,
@@ -551,7 +614,9 @@ def loop_parts(trainer: Any, evaluator: Any = None,
       export_model=functools.partial(protocols.export_model, trainer),
       ema=optional(trainer, "ema"),
       averaged_weights=functools.partial(protocols.averaged_weights, trainer),
-      spikes=optional(trainer, "spikes"))
+      spikes=optional(trainer, "spikes"),
+      collective_wait=(None if wait is None else
+                       lambda: float(wait.numpy())))
 
 
 def loop_evaluator(trainer: Any, evaluator: Any, needed: bool) -> Any:

@@ -22,6 +22,7 @@ trainer's `model`, `trainable_variables`, `optimizer`, `strategy`, `grad_accum_s
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import tensorflow as tf
@@ -33,6 +34,13 @@ from framework.core.optimizers import fused_update
 
 class GradientPipeline:
   """The stages between a batch's loss and the one optimizer update."""
+
+  # A float64 host variable summing the seconds this task's replicas spent
+  # in the gradient all-reduce (its wait for the slowest task, and the
+  # transfer), divided by its local replicas: the Controller splits each
+  # worker's step time with it. None: not measured (one process).
+  collective_wait_seconds = None
+  _local_replicas = 1
 
   def accumulate_gradients(self, batch):
     """`compute_gradients` summed over `grad_accum_steps` micro-batches.
@@ -67,7 +75,18 @@ class GradientPipeline:
     context = tf.distribute.get_replica_context()
     if context is None or self.num_replicas == 1:
       return values
-    return all_reduce_sum(context, values, self.communication)
+    if self.collective_wait_seconds is None:
+      return all_reduce_sum(context, values, self.communication)
+    # From this replica's gradients being ready to their sum: the values
+    # are the same, the clock is only read (by the host: tf.timestamp is
+    # refused under op determinism).
+    with tf.control_dependencies(tf.nest.flatten(values)):
+      ready = _host_clock()
+    reduced = all_reduce_sum(context, values, self.communication)
+    with tf.control_dependencies(tf.nest.flatten(reduced)):
+      waited = _host_clock() - ready
+    self.collective_wait_seconds.assign_add(waited / self._local_replicas)
+    return reduced
 
   def clip_by_global_norm(
       self, grads: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
@@ -370,6 +389,11 @@ def communication_options(config):
   return tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=config.bytes_per_pack,
       implementation=_IMPLEMENTATION[config.implementation])
+
+
+def _host_clock():
+  """The host's wall clock in seconds (float64), read when the op runs."""
+  return tf.numpy_function(time.time, [], tf.float64, stateful=True)
 
 
 def all_reduce_sum(context, values, config=None):

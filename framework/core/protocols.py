@@ -88,6 +88,9 @@ OPTIONAL = {
     "run_eval_step": None,
     # {metric: the name the evaluator reports it under}.
     "metric_aliases": {},
+    # A float64 variable: seconds this task waited in the gradient
+    # all-reduce (each worker's step time split into compute and wait).
+    "collective_wait_seconds": None,
     # `() -> keras.Model` for the weights file and the export (a split model
     # reassembled); default `model`.
     "export_model": None,

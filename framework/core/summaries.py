@@ -15,9 +15,11 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from absl import logging
 from tensorboard.plugins.hparams import api as hp
+import numpy as np
 import tensorflow as tf
 
 from framework.core.checkpoints import run_files
+from framework.distribute import strategies
 
 
 @runtime_checkable
@@ -255,3 +257,90 @@ class JsonlSink:
                  "are trained again)", self.path, len(lines) - len(keep),
                  step)
     run_files.write_text(self.path, "".join(line + "\n" for line in keep))
+
+
+# Each worker's step time, split into its own compute (input, forward,
+# backward, the update, the loop's Python) and its wait in the gradient
+# all-reduce (for the slowest task, and the transfer). The trainer sums
+# the all-reduce's seconds in-graph (`collective_wait_seconds`); a loop's
+# wall time less that is the compute. At summary and log steps every
+# worker all-gathers its two numbers; the chief writes them to `train/`
+# as `step_time/<task>_<index>/compute` and `.../wait` (seconds per step;
+# metrics.jsonl too) and, at log steps, logs one line naming the workers
+# whose compute exceeds the other workers' median `straggler_factor`
+# times.
+_ROLES = ("chief", "worker")
+
+
+class WorkerStepTimes:
+  """Gathers each worker's compute and wait per step; names stragglers.
+
+  Every worker calls `record` at the same loops (it is a collective).
+
+  Args:
+    strategy: a MultiWorkerMirroredStrategy over a cluster.
+    wait_seconds: `() -> float`: this task's seconds in the all-reduce so
+      far.
+    writer: the run's `Writers` (the chief's writes).
+    straggler_factor: a worker whose compute per step exceeds the other
+      workers' median this many times is named (> 1).
+  """
+
+  def __init__(self, strategy, wait_seconds, writer, straggler_factor):
+    self.strategy = strategy
+    self.wait_seconds = wait_seconds
+    self.writer = writer
+    self.factor = straggler_factor
+    role, index = strategies.task_info(strategy)
+    self._me = tf.constant(
+        [[_ROLES.index(role) if role in _ROLES else -1, index]], tf.float64)
+    self._last_wait = wait_seconds()
+    self._gather = tf.function(self._gather_fn)
+
+  def _gather_fn(self, row):
+    def replica_fn(row):
+      # Each replica's row at its place, summed: every row everywhere.
+      context = tf.distribute.get_replica_context()
+      table = tf.scatter_nd([[context.replica_id_in_sync_group]], row,
+                            [context.num_replicas_in_sync, 4])
+      return context.all_reduce(tf.distribute.ReduceOp.SUM, table)
+    return self.strategy.experimental_local_results(
+        self.strategy.run(replica_fn, args=(row,)))[0]
+
+  def record(self, step, num_steps, elapsed, *, write=True, log=True):
+    """Gathers the loop of `num_steps` steps that ended at `step` and took
+    `elapsed` s here; the chief writes (`write`) and names stragglers
+    (`log`). Returns {`role:index`: (compute, wait)} seconds per step."""
+    total = self.wait_seconds()
+    wait = max(total - self._last_wait, 0.0) / num_steps
+    self._last_wait = total
+    compute = max(elapsed / num_steps - wait, 0.0)
+    row = tf.concat([self._me, [[compute, wait]]], axis=1)
+    rows = self._gather(row).numpy()
+    times = {}
+    for role, index, c, w in rows:  # several local replicas: one row each
+      times[f"{_ROLES[int(role)]}:{int(index)}"] = (float(c), float(w))
+    if write:
+      self.writer("train").scalars(step, {
+          f"step_time/{name.replace(':', '_')}/{part}": value
+          for name, pair in sorted(times.items())
+          for part, value in zip(("compute", "wait"), pair)})
+    if log and self.writer.enabled:
+      self.name_stragglers(step, times)
+    return times
+
+  def name_stragglers(self, step, times):
+    """Logs one line naming the workers whose compute per step exceeds
+    the median of the other workers' `straggler_factor` times."""
+    slow = []
+    for name, (compute, _) in sorted(times.items()):
+      others = float(np.median([c for n, (c, _) in times.items()
+                                if n != name]))
+      if compute > self.factor * others:
+        slow.append(f"{name} {compute:.3f} s ({compute / max(others, 1e-9):.1f}x"
+                    f" the others' median {others:.3f} s)")
+    if slow:
+      logging.warning(
+          "straggler at step %d: %s, compute per step of %d workers "
+          "(straggler_factor=%g); the others wait for it in every "
+          "all-reduce", step, ", ".join(slow), len(times), self.factor)

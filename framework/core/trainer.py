@@ -317,6 +317,16 @@ STEP = "step"            # the whole replica step
 GRADIENTS = "gradients"  # forward and backward of each replica
 
 
+def _spans_workers(strategy):
+  """Whether `strategy` is a MultiWorkerMirroredStrategy over a cluster of
+  several tasks (where a slow task makes the others wait)."""
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return False
+  resolver = strategy.cluster_resolver
+  spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+  return sum(len(spec.get(role, ())) for role in ("chief", "worker")) > 1
+
+
 def _strategy_name(strategy):
   return type(strategy).__name__
 
@@ -574,6 +584,12 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     with tf.device("CPU:0"):
       self.stop_requested = tf.Variable(False, trainable=False,
                                         name="stop_requested")
+    if _spans_workers(strategy):  # each worker's step time, split
+      with tf.device("CPU:0"):
+        self.collective_wait_seconds = tf.Variable(
+            0.0, dtype=tf.float64, trainable=False,
+            name="collective_wait_seconds")
+      self._local_replicas = len(strategy.extended.worker_devices)
     self._check_step_features()
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False

@@ -22,7 +22,7 @@ ORPHAN_NAMES = re.compile(
     re.escape(TMP_PREFIX) + r"(model\.weights\.h5|model_info\.json"
     r"|run_config\.json|target_reached\.json|checkpoint|export"
     r"|stopped_early\.json|best_history\.json|spike_batches\.json"
-    r"|metrics\.jsonl)(\.old)?")
+    r"|metrics\.jsonl|goodput\.json)(\.old)?")
 
 
 def _reason(error):
