@@ -16,6 +16,7 @@ import pytest
 
 import cluster_utils as cu
 import helpers
+from framework.distribute import launcher
 
 EXAMPLES, BATCH = 240, 12  # one epoch: 20 steps of 12 = 4 x 3 = 6 x 2
 STEPS = EXAMPLES // BATCH
@@ -184,3 +185,53 @@ def test_a_worker_lost_for_good_leaves_two_that_finish_on_the_same_examples(
   # The same weights as the uninterrupted run (the same global batches;
   # only the order of the sums differs).
   assert cu.max_weight_difference(str(model_dir), str(single)) <= 1e-5
+
+
+TRAIN = ["python", "scripts/train.py", "--strategy=multi_worker_mirrored"]
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--min_workers=4"], ["min_workers=4", "from 1 to workers=3"]),
+    (["--min_workers=0"], ["min_workers=0", "from 1 to workers=3"]),
+    (["--rejoin_timeout=0"], ["rejoin_timeout=0", "> 0"]),
+    (["--rejoin_timeout=-5"], ["rejoin_timeout=-5", "> 0"]),
+    (["--min_workers=2"], ["max_restarts >= 2", "max_restarts=0"]),
+    (["--min_workers=2", "--max_restarts=2", "--", *TRAIN,
+      "--dataset=text", "--global_batch_size=60"],
+     ["dataset=text", "depend on the worker count", "synthetic"]),
+    (["--min_workers=2", "--max_restarts=2", "--", *TRAIN,
+      "--dataset=synthetic", "--global_batch_size=64"],
+     ["global_batch_size=64", "3 workers", "multiple of 6"]),
+    (["--min_workers=2", "--max_restarts=2", "--ps=1", "--", "python",
+      "scripts/train.py", "--strategy=parameter_server"],
+     ["min_workers=2", "multi_worker_mirrored"]),
+])
+def test_bad_shrink_settings_are_one_line_before_anything_starts(
+    tmp_path, flags, fragments):
+  if "--" not in flags:
+    flags = flags + ["--", *TRAIN, "--dataset=synthetic",
+                     "--global_batch_size=60"]
+  flags = [f.replace("scripts/train.py", cu.TRAIN[1]) for f in flags]
+  model_dir = tmp_path / "run"
+  proc = helpers.run_script("launch.py", "--workers=3", *flags,
+                            f"--model_dir={model_dir}", check=False,
+                            timeout=120)
+  helpers.assert_one_line_error(proc, "launch.py", *fragments)
+  assert "[launch]" not in proc.stdout  # no task was started
+  assert not model_dir.exists()
+
+
+def test_the_launcher_shrinks_only_a_worker_that_failed_twice_quickly():
+  job = launcher.Launcher(["true"], launcher.local_cluster(3),
+                          min_workers=2, rejoin_timeout=10, max_restarts=5)
+  job._started_at = 0  # pylint: disable=protected-access
+  job._failed_after = 1  # pylint: disable=protected-access
+  assert not job._lost("worker", 2)  # its first failure: relaunched
+  job._missing = 2  # pylint: disable=protected-access
+  assert job._lost("worker", 2)  # failed again within rejoin_timeout
+  assert not job._lost("worker", 1)  # another worker: relaunched
+  assert not job._lost("chief", 2)
+  job._failed_after = 11  # pylint: disable=protected-access
+  assert not job._lost("worker", 2)  # it came back, then failed
+  job._failed_after, job.workers = 1, 2  # pylint: disable=protected-access
+  assert not job._lost("worker", 2)  # at --min_workers already
