@@ -16,6 +16,15 @@ training scripts resume from the last checkpoint in their --model_dir. After
 the N-th restart fails too, the launcher prints one error line and exits with
 that task's status.
 
+With --min_workers=K (below --workers) a worker that fails, is relaunched
+with the job and fails again within --rejoin_timeout seconds of that
+relaunch is lost: the job restarts as a cluster of one worker fewer (at
+least K), which resumes from the last checkpoint with the same global batch
+and sees the examples an uninterrupted run would have seen next:
+
+    python scripts/launch.py --workers=3 --min_workers=2 --max_restarts=3 -- \
+        python scripts/train.py --strategy=multi_worker_mirrored ...
+
 With --netns (root, Linux) each task runs on its own "host": a network
 namespace with its own address (10.77.0.N), all joined by a bridge;
 --netns_rate=10gbit shapes every link to that bandwidth (tc tbf) and
@@ -42,10 +51,13 @@ try:  # No TensorFlow in them.
   from . import config_flags  # pylint: disable=g-import-not-at-top
 except ImportError:
   from distloop_cli import config_flags  # pylint: disable=g-import-not-at-top
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
+from framework.data.config import RESIZABLE_DATASETS  # pylint: disable=g-import-not-at-top
 from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
 from framework.distribute.config import LaunchConfig  # pylint: disable=g-import-not-at-top
 from framework.distribute import netns  # pylint: disable=g-import-not-at-top
 from framework.errors import ConfigError  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 # The job's settings: one flag per field of LaunchConfig
@@ -60,6 +72,14 @@ def main(argv):
     serving = launcher.model_parallel_on_cluster(command)
     chief = config.chief if config.chief is not None else (serving or None)
     network, prefix = None, None
+    # Before any network or task exists: the cluster's shape is enough.
+    launcher.check_shrink(
+        command, {"worker": [""] * config.workers,
+                  **({"ps": [""] * config.ps} if config.ps else {})},
+        config.min_workers, config.max_restarts,
+        resizable_datasets=RESIZABLE_DATASETS,
+        dataset=default(ExperimentConfig, "dataset"),
+        global_batch_size=default(ExperimentConfig, "global_batch_size"))
     if config.netns:
       tasks = config.workers + config.ps + int(bool(
           chief if chief is not None else config.ps > 0))
@@ -92,7 +112,9 @@ def main(argv):
                             grace_period=config.grace_period,
                             serving_workers=serving,
                             max_restarts=config.max_restarts,
-                            new_cluster=new_cluster, task_prefix=prefix)
+                            new_cluster=new_cluster, task_prefix=prefix,
+                            min_workers=config.min_workers,
+                            rejoin_timeout=config.rejoin_timeout)
 
   def on_signal(signum, frame):
     del frame

@@ -24,6 +24,12 @@ TFDS_PREFIX = "tfds:"
 # `read_by` tables of the settings speak of these).
 DATASET_NAMES = ("cifar10", "synthetic", "shapes", "oxford_pet", "text",
                  "tfrecord", "image_folder", "numpy", "mix", TFDS_PREFIX + "*")
+# The datasets whose global batch at a step is a function of (seed, step,
+# global batch) alone, whatever the worker count (in-memory or mapped
+# arrays, `framework.data.inputs`): a job may shrink on them (`launch.py
+# --min_workers`) and go on with the same sequence of examples. The others
+# read their files per worker (`framework.data.shard_order.plan`).
+RESIZABLE_DATASETS = ("cifar10", "synthetic", "shapes", "oxford_pet", "numpy")
 # `--dataset=mix`: a weighted mixture of the datasets its `--mix` names.
 MIX = "mix"
 MIX_FORM = "[LABEL=]DATASET:WEIGHT"

@@ -90,6 +90,11 @@ class LaunchConfig:
       (`framework.distribute.netns`), its links' bandwidth and MTU.
     max_restarts: start the whole job again after a failure, at most this
       many times.
+    min_workers: the fewest `worker` tasks the job may shrink to when a
+      worker is lost (None: `workers`, never shrink).
+    rejoin_timeout: seconds a failed worker's relaunched process must run
+      to count as back; failing sooner, it is lost (see
+      `framework.distribute.launcher`).
   """
   workers: int = setting(2, "Number of worker tasks.", minimum=POSITIVE)
   ps: int = setting(0, "Number of parameter-server tasks; with ps > 0 a "
@@ -113,9 +118,33 @@ class LaunchConfig:
       "(it resumes from its last checkpoint), at most this many times; "
       "never after a task's configuration error (a bad flag or value).",
       minimum=NON_NEGATIVE)
+  min_workers: int | None = setting(
+      None, "Fewest worker tasks the job may shrink to (default: --workers, "
+      "never shrink). A worker that fails is relaunched with the job (a "
+      "restart); if its relaunched process fails again within "
+      "--rejoin_timeout it is lost, and the others restart as a cluster of "
+      "one worker fewer (another restart), resume from the last checkpoint "
+      "and train on the same sequence of examples with the same global "
+      "batch. Needs --max_restarts >= 2, a multi_worker_mirrored job and a "
+      "dataset whose batches do not depend on the worker count.")
+  rejoin_timeout: float = setting(
+      60.0, "With --min_workers: seconds a failed worker's relaunched "
+      "process must keep running to count as back; failing sooner, it is "
+      "lost and the job shrinks.")
 
   def __post_init__(self):
     check_settings(self)
+    if self.min_workers is not None and (
+        isinstance(self.min_workers, bool)
+        or not isinstance(self.min_workers, int)
+        or not 1 <= self.min_workers <= self.workers):
+      raise ConfigError(f"min_workers={self.min_workers!r} must be an "
+                        f"integer from 1 to workers={self.workers}")
+    if (isinstance(self.rejoin_timeout, bool)
+        or not isinstance(self.rejoin_timeout, (int, float))
+        or not 0 < self.rejoin_timeout < float("inf")):
+      raise ConfigError(f"rejoin_timeout={self.rejoin_timeout!r} must be a "
+                        "number of seconds > 0")
     if not self.grace_period >= 0:
       raise ConfigError(f"grace_period={self.grace_period} must be >= 0")
     low, high = MTU_RANGE

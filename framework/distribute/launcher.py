@@ -16,10 +16,23 @@ A task that ends with a configuration error (a flag absl rejects, a bad
 value: distloop's one-line errors; it writes the line to the file that
 $DISTLOOP_ERROR_FILE names) would fail the same way again: the job is not
 restarted and its exit status is the task's.
+
+With `min_workers=K` below the worker count a lost worker does not end the
+job: a `worker` task that fails is relaunched with the job (a restart, as
+above); if its relaunched process fails again within `rejoin_timeout`
+seconds of the relaunch, it did not come back and is lost: the job restarts
+as a cluster of one worker fewer (another restart; the survivors renumbered
+0..n-1, with fresh TF_CONFIGs), at least K. A relaunched worker that runs
+`rejoin_timeout` seconds is back: a later failure of it starts the count
+again. The tasks resume from the last checkpoint with the same global batch
+(each replica's batch grows), which for datasets whose batches are a
+function of (seed, step) alone (`framework.data.config.RESIZABLE_DATASETS`)
+continues the same sequence of examples.
 """
 
 import ctypes
 import functools
+import math
 import os
 import shutil
 import signal
@@ -105,6 +118,72 @@ def _expand_flagfiles(args):
   return expanded
 
 
+def command_flag(command, name):
+  """The last value of `--name` in `command` (flag files read), or None."""
+  args = _expand_flagfiles(list(command))
+  value = None
+  for i, arg in enumerate(args):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(args):
+      value = args[i + 1]
+  return value
+
+
+def is_distloop_program(command):
+  """Whether `command` runs one of distloop's training scripts."""
+  return any(os.path.basename(a) in _DISTLOOP_PROGRAMS for a in command)
+
+
+def check_shrink(command, cluster, min_workers, max_restarts, *,
+                 resizable_datasets, dataset, global_batch_size):
+  """Raises ConfigError unless the job may shrink to `min_workers` workers.
+
+  Args:
+    command, cluster: as for `Launcher`.
+    min_workers, max_restarts: as for `Launcher`.
+    resizable_datasets: the --dataset values whose batches do not depend
+      on the worker count.
+    dataset, global_batch_size: the command's defaults for the flags it
+      does not set.
+  """
+  workers = len(cluster.get("worker", []))
+  if min_workers is None or min_workers >= workers:
+    return
+  where = f"min_workers={min_workers} below workers={workers}"
+  if "ps" in cluster or model_parallel_on_cluster(command):
+    raise ConfigError(f"{where} needs a multi_worker_mirrored job (without "
+                      "--ps or --model_parallel_devices=cluster)")
+  if max_restarts < 2:
+    raise ConfigError(f"{where} needs max_restarts >= 2 (one relaunch for a "
+                      "failed worker to come back, one for the smaller "
+                      f"cluster); got max_restarts={max_restarts}")
+  if not is_distloop_program(command):
+    return  # another program's data and batch are not distloop's to judge
+  dataset = command_flag(command, "dataset") or dataset
+  if dataset not in resizable_datasets:
+    raise ConfigError(
+        f"dataset={dataset} cannot go on with fewer workers ({where}): each "
+        "worker reads its own part of its files, so the batches depend on "
+        "the worker count; a shrinking job needs one of "
+        f"{', '.join(resizable_datasets)}")
+  batch = command_flag(command, "global_batch_size")
+  try:
+    batch = int(batch) if batch is not None else global_batch_size
+  except ValueError:
+    return  # train.py names a non-integer batch itself
+  counts = range(min_workers, workers + 1)
+  bad = [n for n in counts if batch % n]
+  if bad:
+    multiple = functools.reduce(math.lcm, counts)
+    raise ConfigError(
+        f"global_batch_size={batch} does not divide over "
+        f"{' or '.join(map(str, bad))} workers, which {where} may run on: "
+        f"use a multiple of {multiple} (e.g. "
+        f"{max(multiple, batch // multiple * multiple)}) or a --min_workers "
+        "whose worker counts all divide it")
+
+
 def command_strategy(command):
   """The --strategy a launched command runs with, or None if unknown.
 
@@ -173,13 +252,18 @@ class Launcher:
       `lambda: local_cluster(2)`); default: the same `cluster` again.
     task_prefix: `f(role, index)` -> argv put before `command` for that task
       (e.g. `ip netns exec HOST`, see `framework.distribute.netns`).
+    min_workers: the fewest `worker` tasks the job may shrink to when a
+      worker is lost (None: never shrink; see the module docstring).
+    rejoin_timeout: seconds a failed worker's relaunched process must run
+      to count as back.
   """
 
   def __init__(self, command, cluster, *,
                grace_period=_default("grace_period"), env=None,
                output=None, serving_workers=False,
                max_restarts=_default("max_restarts"), new_cluster=None,
-               task_prefix=None):
+               task_prefix=None, min_workers=None,
+               rejoin_timeout=_default("rejoin_timeout")):
     check_command(command, cluster)
     if not grace_period >= 0:
       raise ConfigError(f"grace_period={grace_period} must be >= 0")
@@ -188,6 +272,20 @@ class Launcher:
       raise ConfigError(f"max_restarts={max_restarts!r} must be an integer "
                         ">= 0")
     self.max_restarts = max_restarts
+    self.workers = len(cluster.get("worker", []))  # now; shrinks
+    self.min_workers = self.workers if min_workers is None else min_workers
+    if not 1 <= self.min_workers <= max(self.workers, 1):
+      raise ConfigError(f"min_workers={min_workers!r} must be an integer "
+                        f"from 1 to workers={self.workers}")
+    if not 0 < rejoin_timeout < float("inf"):
+      raise ConfigError(f"rejoin_timeout={rejoin_timeout!r} must be a "
+                        "number of seconds > 0")
+    self.rejoin_timeout = rejoin_timeout
+    # The worker index that failed in the last attempt (it has not shown
+    # yet that it is back), and when the current attempt started.
+    self._missing = None
+    self._started_at = None
+    self._failed_after = None  # seconds into its attempt
     self.new_cluster = new_cluster
     self.task_prefix = task_prefix
     self.restarts = 0  # how many times the job was started again
@@ -219,6 +317,7 @@ class Launcher:
     """Starts every task; returns {(role, index): pid}."""
     if self._error_dir is None:
       self._error_dir = tempfile.mkdtemp(prefix="distloop_launch_")
+    self._started_at = time.monotonic()
     for role, index in tasks_of(self.cluster):
       env = dict(os.environ, **self.env,
                  TF_CONFIG=tf_config(self.cluster, role, index))
@@ -255,6 +354,7 @@ class Launcher:
         code = process.poll()
         if code:
           self.failed_task = (role, index)
+          self._failed_after = time.monotonic() - self._started_at
           self.configuration_error = self._read_error(role, index)
           self._print(f"[launch] {role}:{index} exited with status "
                       f"{exit_status(code)}; stopping the other tasks\n")
@@ -319,13 +419,39 @@ class Launcher:
         return status
       self.restarts += 1
       role, index = self.failed_task
-      self._print(f"[launch] restart {self.restarts} of {self.max_restarts}"
-                  f" after {role}:{index} exited with status {status}: "
-                  "starting every task again\n")
+      if self._lost(role, index):
+        self.workers -= 1
+        self._print(
+            f"[launch] {role}:{index} did not come back (its relaunch "
+            f"exited with status {status} within --rejoin_timeout="
+            f"{self.rejoin_timeout:g}s): restart {self.restarts} of "
+            f"{self.max_restarts} as a cluster of {self.workers} workers "
+            f"(--min_workers={self.min_workers}), from the last checkpoint "
+            "with the same global batch\n")
+        self._missing = None
+      else:
+        self._print(f"[launch] restart {self.restarts} of "
+                    f"{self.max_restarts} after {role}:{index} exited with "
+                    f"status {status}: starting every task again\n")
+        self._missing = index if role == "worker" else None
       if self.new_cluster is not None:
         self.cluster = self.new_cluster()
+      elif self.workers < len(self.cluster.get("worker", [])):
+        # The lost worker's address goes; the others are renumbered.
+        self.cluster = dict(self.cluster, worker=[
+            a for i, a in enumerate(self.cluster["worker"]) if i != index])
+      if self.workers < len(self.cluster.get("worker", [])):
+        self.cluster = dict(self.cluster,
+                            worker=self.cluster["worker"][:self.workers])
       self.processes = {}
       self._readers = []
+
+  def _lost(self, role, index):
+    """Whether worker `index`, which failed in the last attempt too, failed
+    again within rejoin_timeout of its relaunch and the job may shrink."""
+    return (role == "worker" and self._missing == index
+            and self.workers > self.min_workers
+            and self._failed_after < self.rejoin_timeout)
 
 
 def _signal_group(process, sig):
