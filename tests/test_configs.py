@@ -309,7 +309,14 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 # Preprocessing layers adapted on the training data.
                 "adapt_examples": 10000,
                 # Slow workers named.
-                "loop.straggler_factor": 1.5}
+                "loop.straggler_factor": 1.5,
+                # Loss spikes, background saves, warmup-stable-decay and
+                # weight-decay groups.
+                "spike_policy": "none", "spike_factor": 4.0,
+                "spike_window": 50, "loop.async_checkpoint": False,
+                "optimizer.decay_fraction": 0.2,
+                "optimizer.decay_shape": "linear",
+                "weight_decay_exclude": None}
 
 
 def _flat(value, prefix=""):
