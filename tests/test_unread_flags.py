@@ -20,7 +20,8 @@ from scripts import train
 READ_BY_EVERY_CHOICE = {
     "adapt_examples", "all_reduce_bytes_per_pack", "all_reduce_dtype",
     "all_reduce_implementation", "all_reduce_overlap", "allow_config_change",
-    "augment", "check_distribution", "checkpoint_every", "clip_norm",
+    "augment", "check_distribution", "checkpoint_every",
+    "checkpoint_sharding", "clip_norm",
     "cpu_devices", "dataset", "deterministic", "ema_decay", "ema_warmup",
     "epochs", "eval_every", "eval_start_step", "eval_tta",
     "export_saved_model", "global_batch_size", "grad_accum_steps",

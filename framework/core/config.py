@@ -24,6 +24,8 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 NAN_POLICIES = ("stop", "skip")
 # A damaged newest checkpoint: see `CheckpointManager`.
 RESTORE_POLICIES = ("latest_intact", "error")
+# Who writes a checkpoint's tensors (`framework.core.checkpoints.sharding`).
+CHECKPOINT_SHARDINGS = ("gathered", "by_task")
 # Compute dtypes; `auto` resolves to one of PRECISIONS on this machine
 # (`precision.resolve_precision`).
 PRECISIONS = ("float32", "bfloat16", "float16")
@@ -49,6 +51,9 @@ class LoopConfig:
     checkpoint_every, eval_every, summary_every, log_every: intervals in
       steps; a checkpoint and an evaluation also happen at the end.
     keep_checkpoints: how many checkpoints to keep.
+    checkpoint_sharding: `gathered` (a split weight is joined on the chief
+      and written there) or `by_task` (each task of a model split across
+      processes writes its own pieces; `framework.core.checkpoints.sharding`).
     profile_steps: `(first, last)` global steps (inclusive) to trace with
       TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
       tab); the time per op type goes to the log and a text summary.
@@ -92,6 +97,12 @@ class LoopConfig:
       1000, "Steps between checkpoints (0: only at the end).",
       minimum=NON_NEGATIVE)
   keep_checkpoints: int = setting(3, "Checkpoints to keep.", minimum=POSITIVE)
+  checkpoint_sharding: str = setting(
+      "gathered", "Who writes a checkpoint of a model split across "
+      "processes (--model_parallel_devices=cluster): gathered = the chief "
+      "joins each split weight and writes it; by_task = each task writes "
+      "the pieces it holds, nothing is joined (the same checkpoint keys: "
+      "any layout restores either).", choices=CHECKPOINT_SHARDINGS)
   eval_every: int = setting(
       0, "Steps between evaluations (0: only at the end).",
       minimum=NON_NEGATIVE)

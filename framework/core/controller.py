@@ -158,7 +158,8 @@ class Controller:
     self.hparams = hparams or {}
     chief = strategies.is_chief(parts.strategy)
     self.checkpoints = checkpoints or for_loop(
-        parts, model_dir, max_to_keep=config.keep_checkpoints)
+        parts, model_dir, max_to_keep=config.keep_checkpoints,
+        sharding=config.checkpoint_sharding)
     self.checkpoint = self.checkpoints.checkpoint
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
     self.metric_sinks = [summaries.JsonlSink(os.path.join(

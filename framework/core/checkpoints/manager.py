@@ -31,6 +31,7 @@ from framework import _tf_internal
 from framework.core import protocols
 from framework.core.checkpoints import run_config as run_config_lib
 from framework.core.checkpoints import run_files
+from framework.core.checkpoints import sharding as sharding_lib
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ConfigError, ModelDirError,
@@ -90,12 +91,16 @@ class CheckpointManager:
     allow_config_change: a changed `run_config` is a warning, not an error
       (None: not given, an error as without --allow_config_change; the
       setting's default lives in ExperimentConfig, above this layer).
+    sharding: `gathered` or `by_task`: who writes the tensors of a model
+      split across processes (`framework.core.checkpoints.sharding`).
   """
 
   def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
                restore_policy="latest_intact", run_config=None,
-               allow_config_change=None):
+               allow_config_change=None, sharding="gathered"):
     check_positive("keep_checkpoints", max_to_keep)
+    self.sharding = sharding
+    self._options = sharding_lib.options(sharding)
     self.checkpoint = checkpoint
     # Resolved once: TensorFlow's state file and this class join paths onto
     # the directory, and a relative one would be joined twice.
@@ -179,6 +184,7 @@ class CheckpointManager:
     if path is None:
       return None
     try:
+      # Read whole under either sharding (`sharding`'s docstring).
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
@@ -278,7 +284,9 @@ class CheckpointManager:
   def save(self, step):
     """Saves at `step`; every worker must call this (it is a collective)."""
     try:
-      path = self.manager.save(checkpoint_number=step)
+      with sharding_lib.active(self.sharding):
+        path = self.manager.save(checkpoint_number=step,
+                                 options=self._options)
     except cluster.TRANSPORT_ERRORS:
       # A variable on another task (a model-parallel stage) could not be
       # read: the task died, not the disk. The caller reports the cluster.
@@ -413,7 +421,7 @@ def for_loop(parts, model_dir, *, max_to_keep=3, **options):
   """The `CheckpointManager` a `Controller` with `parts` (a
   `framework.core.controller.LoopParts`) saves through: its checkpoint holds
   `parts.checkpoint`; `options` are `CheckpointManager`'s
-  (`restore_policy`, `run_config`, `allow_config_change`)."""
+  (`restore_policy`, `run_config`, `allow_config_change`, `sharding`)."""
   return CheckpointManager(tf.train.Checkpoint(**parts.checkpoint), model_dir,
                            parts.strategy, max_to_keep=max_to_keep, **options)
 
