@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.app.config import ExperimentConfig
 from framework.core.checkpoints import sharding
 from framework.core.config import LoopConfig
@@ -60,7 +61,7 @@ def test_by_task_writes_one_slice_per_shard_under_the_whole_key(tmp_path,
 def _serialized(weight, how):
   with sharding.active(how):
     # pylint: disable-next=protected-access
-    value = weight._serialize_to_tensors()["VARIABLE_VALUE"]
+    value = weight._serialize_to_tensors()[_tf_internal.VARIABLE_VALUE_KEY]
   return value if isinstance(value, dict) else {"": value}
 
 
