@@ -290,6 +290,7 @@ class ExperimentConfig:
       raise ConfigError("dataset=mix is not supported with "
                         "strategy=parameter_server (a mixture resumes by "
                         "global step); use multi_worker_mirrored")
+    self._check_checkpoint_sharding()
     if self.model_parallel.mode != "none" and (
         self.ema_decay is not None or self.eval_tta != "none"):
       raise ConfigError(
@@ -319,6 +320,28 @@ class ExperimentConfig:
         f"shard_optimizer_state=True shards the optimizer state over a data "
         f"axis; {where} has none (use a mesh with one, e.g. "
         f"--mesh=data:2,{mesh}, or turn shard_optimizer_state off)")
+
+  def _check_checkpoint_sharding(self):
+    """`checkpoint_sharding=by_task` needs a model whose variables one
+    program keeps on several tasks: a split over a cluster's workers."""
+    loop = self.loop or LoopConfig(train_steps=1)
+    if loop.checkpoint_sharding != "by_task":
+      return
+    if self.strategy == "parameter_server":
+      why = ("strategy=parameter_server keeps the variables on the ps "
+             "tasks, and each writes its own already")
+    elif (self.model_parallel.devices != "cluster" or
+          self.model_parallel.mode == "none"):
+      why = (f"strategy={self.strategy} without a model split over the "
+             "cluster's workers has each process hold (and write) a whole "
+             "copy")
+    else:
+      return
+    raise ConfigError(
+        f"checkpoint_sharding=by_task writes each task's pieces of a model "
+        f"split across processes (--model_parallel_devices=cluster with "
+        f"--mesh, --model_parallel or --num_stages); {why}: use "
+        f"checkpoint_sharding=gathered")
 
   def _check_eval_splits(self):
     """`best_metric` and `stop_when` name eval sets this run has."""

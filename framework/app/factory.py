@@ -287,6 +287,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   parts = loop_parts(trainer, checkpoint_items=checkpoint_items)
   manager = checkpoints.for_loop(
       parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
+      sharding=loop.checkpoint_sharding,
       restore_policy=config.restore, run_config=run_config,
       allow_config_change=config.allow_config_change,
       async_checkpoint=loop.async_checkpoint)

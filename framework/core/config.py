@@ -30,6 +30,8 @@ SPIKE_POLICIES = ("none", "skip", "rollback")
 MIN_SPIKE_WINDOW = 3
 # A damaged newest checkpoint: see `CheckpointManager`.
 RESTORE_POLICIES = ("latest_intact", "error")
+# Who writes a checkpoint's tensors (`framework.core.checkpoints.sharding`).
+CHECKPOINT_SHARDINGS = ("gathered", "by_task")
 # Compute dtypes; `auto` resolves to one of PRECISIONS on this machine
 # (`precision.resolve_precision`).
 PRECISIONS = ("float32", "bfloat16", "float16")
@@ -58,6 +60,9 @@ class LoopConfig:
     async_checkpoint: write checkpoints in the background (one process
       only); a checkpoint is listed once complete, the final one is waited
       for, a failed write is an error at the next save or at the end.
+    checkpoint_sharding: `gathered` (a split weight is joined on the chief
+      and written there) or `by_task` (each task of a model split across
+      processes writes its own pieces; `framework.core.checkpoints.sharding`).
     profile_steps: `(first, last)` global steps (inclusive) to trace with
       TensorFlow's profiler into `model_dir/train` (TensorBoard's Profile
       tab); the time per op type goes to the log and a text summary.
@@ -108,6 +113,12 @@ class LoopConfig:
   async_checkpoint: bool = setting(
       False, "Write checkpoints in the background: the loop waits only for "
       "the variables' copy, not the disk (one process only).")
+  checkpoint_sharding: str = setting(
+      "gathered", "Who writes a checkpoint of a model split across "
+      "processes (--model_parallel_devices=cluster): gathered = the chief "
+      "joins each split weight and writes it; by_task = each task writes "
+      "the pieces it holds, nothing is joined (the same checkpoint keys: "
+      "any layout restores either).", choices=CHECKPOINT_SHARDINGS)
   eval_every: int = setting(
       0, "Steps between evaluations (0: only at the end).",
       minimum=NON_NEGATIVE)

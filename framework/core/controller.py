@@ -170,7 +170,8 @@ class Controller:
     chief = strategies.is_chief(parts.strategy)
     self.checkpoints = checkpoints or for_loop(
         parts, model_dir, max_to_keep=config.keep_checkpoints,
-        async_checkpoint=config.async_checkpoint)
+        async_checkpoint=config.async_checkpoint,
+        sharding=config.checkpoint_sharding)
     self.checkpoint = self.checkpoints.checkpoint
     # Every scalar also goes to model_dir/metrics.jsonl and these sinks.
     self.metric_sinks = [summaries.JsonlSink(os.path.join(

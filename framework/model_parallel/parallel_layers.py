@@ -67,6 +67,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.core.checkpoints import sharding
 from framework.errors import ConfigError
 # split_for: app/experiment.py's import; its home is config.py (import it
 # from there, and this line goes).
@@ -183,7 +184,10 @@ class ShardedWeight(_tf_internal.Trackable):
   """One logical weight stored as D variables cut along `axis`.
 
   Checkpointed as the whole tensor: the key is the one an unsplit layer's
-  variable at the same path has.
+  variable at the same path has. Joined on the host (`gathered`), or, under
+  `checkpoint_sharding=by_task`, one slice of that tensor per shard, each
+  written from its shard's device (`framework.core.checkpoints.sharding`).
+  A restore reads the whole tensor (out of either) and splits it.
   """
 
   def __init__(self, shards, axis):
@@ -193,7 +197,36 @@ class ShardedWeight(_tf_internal.Trackable):
     shape[axis] = sum(int(s.shape[axis]) for s in self.shards)
     self.shape = tuple(shape)
 
+  def _slices(self):
+    """[(slice spec, shard)]: where each shard sits in the whole tensor;
+    None unless every shard is a variable (a ZeRO-1 slot's shards are
+    views that gather across copies: they save whole)."""
+    if not all(isinstance(s, (tf.Variable, keras.Variable))
+               for s in self.shards):
+      return None
+    slices, offset = [], 0
+    for shard in self.shards:
+      shape = [int(n) for n in shard.shape]
+      start = [0] * len(shape)
+      start[self.axis] = offset
+      offset += shape[self.axis]
+      spec = tf.Variable.SaveSliceInfo(
+          full_name=_VALUE, full_shape=list(self.shape), var_offset=start,
+          var_shape=shape).spec.strip()
+      slices.append((spec, shard))
+    return slices
+
   def _serialize_to_tensors(self):
+    slices = self._slices() if sharding.by_task() else None
+    if slices:
+      # Each slice read on its shard's device: the task holding it writes
+      # it, nothing is joined.
+      tensors = {}
+      for spec, shard in slices:
+        value = shard.value if isinstance(shard, keras.Variable) else shard
+        with tf.device(value.device):
+          tensors[spec] = tf.identity(value)
+      return {_VALUE: tensors}
     # The whole tensor, joined on the host (where a checkpoint writes every
     # variable from anyway): the unsplit layer's entry, so that any split,
     # or none, restores it.

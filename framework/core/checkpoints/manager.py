@@ -33,6 +33,7 @@ from framework import _tf_internal
 from framework.core import protocols
 from framework.core.checkpoints import run_config as run_config_lib
 from framework.core.checkpoints import run_files
+from framework.core.checkpoints import sharding as sharding_lib
 from framework.core.config import RESTORE_POLICIES
 from framework.distribute import cluster, strategies
 from framework.errors import (CheckpointError, ConfigError, ModelDirError,
@@ -96,12 +97,17 @@ class CheckpointManager:
       variables are copied; `wait` waits for the write). One process only:
       ConfigError, before anything is written, for a strategy with
       several workers or parameter servers.
+    sharding: `gathered` or `by_task`: who writes the tensors of a model
+      split across processes (`framework.core.checkpoints.sharding`).
   """
 
   def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
                restore_policy="latest_intact", run_config=None,
-               allow_config_change=None, async_checkpoint=False):
+               allow_config_change=None, async_checkpoint=False,
+               sharding="gathered"):
     check_positive("keep_checkpoints", max_to_keep)
+    self.sharding = sharding
+    self._options = sharding_lib.options(sharding)
     self.async_checkpoint = bool(async_checkpoint)
     if self.async_checkpoint:
       check_async(strategy)
@@ -193,6 +199,7 @@ class CheckpointManager:
     if path is None:
       return None
     try:
+      # Read whole under either sharding (`sharding`'s docstring).
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
@@ -300,7 +307,9 @@ class CheckpointManager:
     if self.async_checkpoint:
       return self._save_in_background(step)
     try:
-      path = self.manager.save(checkpoint_number=step)
+      with sharding_lib.active(self.sharding):
+        path = self.manager.save(checkpoint_number=step,
+                                 options=self._options)
     except cluster.TRANSPORT_ERRORS:
       # A variable on another task (a model-parallel stage) could not be
       # read: the task died, not the disk. The caller reports the cluster.
@@ -537,7 +546,7 @@ def for_loop(parts, model_dir, *, max_to_keep=3, **options):
   """The `CheckpointManager` a `Controller` with `parts` (a
   `framework.core.controller.LoopParts`) saves through: its checkpoint holds
   `parts.checkpoint`; `options` are `CheckpointManager`'s
-  (`restore_policy`, `run_config`, `allow_config_change`)."""
+  (`restore_policy`, `run_config`, `allow_config_change`, `sharding`)."""
   return CheckpointManager(tf.train.Checkpoint(**parts.checkpoint), model_dir,
                            parts.strategy, max_to_keep=max_to_keep, **options)
 
