@@ -34,8 +34,9 @@ from framework.core import protocols
 from framework.core.checkpoints import run_config as run_config_lib
 from framework.core.checkpoints import run_files
 from framework.core.checkpoints import sharding as sharding_lib
-from framework.core.config import RESTORE_POLICIES
+from framework.core.config import RESTORE_POLICIES, LoopConfig
 from framework.distribute import cluster, strategies
+from framework.settings import default
 from framework.errors import (CheckpointError, ConfigError, ModelDirError,
                               check_choice, check_positive, first_line)
 
@@ -103,8 +104,9 @@ class CheckpointManager:
 
   def __init__(self, checkpoint, model_dir, strategy, *, max_to_keep=3,
                restore_policy="latest_intact", run_config=None,
-               allow_config_change=None, async_checkpoint=False,
-               sharding="gathered"):
+               allow_config_change=None,
+               async_checkpoint=default(LoopConfig, "async_checkpoint"),
+               sharding=default(LoopConfig, "checkpoint_sharding")):
     check_positive("keep_checkpoints", max_to_keep)
     self.sharding = sharding
     self._options = sharding_lib.options(sharding)
