@@ -12,6 +12,9 @@ for STEPS steps, each once (a module cache). Then:
   reader's layout for one more step, and lands on the weights of one
   continuous one-device run of STEPS + 1 steps.
 
+The corpus is the test's own (a few kilobytes of text: `evaluate.py` reads
+its whole test split in one batch).
+
 Layouts that start several processes are slow.
 """
 
@@ -58,6 +61,7 @@ LAYOUTS = [
     Layout("mesh_processes", (*CLUSTER, ONE_EVAL_BATCH), processes=2),
     Layout("by_task", (*CLUSTER, "--checkpoint_sharding=by_task",
                        ONE_EVAL_BATCH), processes=2),
+    Layout("background", ("--async_checkpoint", ONE_EVAL_BATCH)),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
@@ -69,9 +73,9 @@ def _param(*names):
                       id="-".join(names))
 
 
-def _train(layout, model_dir, steps):
+def _train(layout, model_dir, steps, data_dir):
   args = [*GPT, *layout.flags, f"--model_dir={model_dir}",
-          f"--train_steps={steps}"]
+          f"--data_dir={data_dir}", f"--train_steps={steps}"]
   if layout.processes == 1:
     proc = helpers.run_script("train.py", *args, timeout=900, check=False)
   else:
@@ -84,7 +88,20 @@ def _train(layout, model_dir, steps):
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory):
+def corpus(tmp_path_factory):
+  """A corpus of its own: train/ and test/ text, a few kilobytes."""
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(61)
+  words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+  for split, size in (("train", 600), ("test", 120)):
+    os.makedirs(root / split)
+    text = " ".join(rng.choice(words, size=size))
+    (root / split / f"{split}.txt").write_text(text + "\n")
+  return str(root)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, corpus):
   """name -> the run folder of that layout's STEPS steps, trained on first
   use (a fast test never starts the processes a slow layout needs)."""
   runs = {}
@@ -92,24 +109,24 @@ def written(tmp_path_factory):
   def run(name):
     if name not in runs:
       model_dir = str(tmp_path_factory.mktemp(name) / "run")
-      _train(BY_NAME[name], model_dir, STEPS)
+      _train(BY_NAME[name], model_dir, STEPS, corpus)
       runs[name] = model_dir
     return runs[name]
   return run
 
 
 @pytest.fixture(scope="module")
-def continuous(tmp_path_factory):
+def continuous(tmp_path_factory, corpus):
   """One device, STEPS + 1 steps uninterrupted: where every resume lands."""
   model_dir = str(tmp_path_factory.mktemp("continuous") / "run")
-  _train(BY_NAME["one_device"], model_dir, STEPS + 1)
+  _train(BY_NAME["one_device"], model_dir, STEPS + 1, corpus)
   return model_weights(model_dir)
 
 
 @pytest.fixture(scope="module")
 def evaluated():
   """model_dir -> evaluate.py's metrics of its latest checkpoint (each run
-  folder evaluated once; the whole test split, in batches of 512)."""
+  folder evaluated once; the whole test split, in one batch of 512)."""
   metrics = {}
 
   def evaluate(model_dir):
@@ -147,15 +164,16 @@ def test_evaluate_gives_every_layouts_checkpoint_the_same_loss(
 # per-host shards both ways across a change of process count.
 PAIRS = [("mirrored", "mesh"), ("mesh", "one_device"),
          ("by_task", "one_device"), ("one_device", "by_task"),
-         ("mesh_processes", "by_task"), ("by_task", "mirrored")]
+         ("mesh_processes", "by_task"), ("by_task", "mirrored"),
+         ("background", "mesh"), ("mirrored", "background")]
 
 
 @pytest.mark.parametrize("writer,reader", [_param(*p) for p in PAIRS])
-def test_a_checkpoint_resumes_in_another_layout(written, continuous,
+def test_a_checkpoint_resumes_in_another_layout(written, continuous, corpus,
                                                 tmp_path, writer, reader):
   model_dir = str(tmp_path / "run")
   shutil.copytree(written(writer), model_dir)
-  _train(BY_NAME[reader], model_dir, STEPS + 1)
+  _train(BY_NAME[reader], model_dir, STEPS + 1, corpus)
   assert os.path.exists(os.path.join(model_dir, f"ckpt-{STEPS + 1}.index"))
   _assert_close(model_weights(model_dir), continuous)
 
