@@ -11,7 +11,7 @@ import pytest
 
 import framework
 from framework.app import experiment
-from framework.perf import flops, peak
+from framework.perf import flops, peak, throughput
 from models import registry
 from tests.helpers import run_script
 from tests.test_controller import scalars
@@ -72,8 +72,22 @@ def test_cnn_flops_per_example_are_its_layers_by_hand():
   assert registry.flops_counter("cifar_cnn") is None  # counted, not closed
 
 
-def test_gpt_run_logs_tokens_per_second_and_mfu_of_its_float32_peak(
-    tmp_path):
+def test_unet_flops_per_example_are_its_layers_by_hand():
+  model = registry.build_model("unet", (4, 4, 3), 3, depth=1, width=2)
+  pixels = 4 * 4
+  # Multiply-adds of each forward pass: 3x3 convs at full and half
+  # resolution, the 2x2 stride-2 transposed conv (4 -> 2 channels), the
+  # decoder's convs over the concatenation (4 channels), the 1x1 head.
+  first = pixels * 2 * 9 * 3
+  others = (pixels * 2 * 9 * 2 + 4 * 4 * 9 * 2 + 4 * 4 * 9 * 4
+            + pixels * 2 * 4 + pixels * 2 * 9 * 4 + pixels * 2 * 9 * 2
+            + pixels * 3 * 2)
+  by_hand = 2 * (2 * first + 3 * others)  # no input gradient of the first
+  assert flops.model_flops_per_example(model, (4, 4, 3)) == by_hand
+
+
+def train_gpt(tmp_path, *flags):
+  """A 4-step gpt run with the `PEAKS` cache; (model_dir, stderr)."""
   write_corpus(str(tmp_path / "corpus"), num_files=20)
   cache = write_peaks(tmp_path / "cache")
   model_dir = str(tmp_path / "run")
@@ -83,10 +97,13 @@ def test_gpt_run_logs_tokens_per_second_and_mfu_of_its_float32_peak(
       f"--data_dir={tmp_path / 'corpus'}", f"--model_dir={model_dir}",
       "--global_batch_size=8", "--train_steps=4", "--steps_per_loop=2",
       "--log_every=2", "--summary_every=2", "--mixed_precision=float32",
-      "--export_saved_model=false", env={"DISTLOOP_CACHE_DIR": cache})
-  lines = [line for line in proc.stderr.splitlines()
-           if "train step 4/4" in line]
-  assert len(lines) == 1 and " tokens/s=" in lines[0] and " MFU=" in lines[0]
+      "--export_saved_model=false", *flags,
+      env={"DISTLOOP_CACHE_DIR": cache}, timeout=900)
+  return model_dir, proc.stderr
+
+
+def check_gpt_points(model_dir):
+  """perf/* of a train_gpt run: the closed form's FLOPs, the float32 peak."""
   found = points(model_dir)
   model = registry.build_model("gpt", (16,), 256, num_layers=1, num_heads=2,
                                model_width=16)
@@ -99,6 +116,30 @@ def test_gpt_run_logs_tokens_per_second_and_mfu_of_its_float32_peak(
         found["perf/flops_per_sec"][step] / PEAKS["float32"], rel=1e-9)
     assert found["perf/tokens_per_sec"][step] == pytest.approx(
         16 * examples, rel=1e-9)
+
+
+def test_each_gpu_counts_once_and_a_cpu_once_per_process():
+  assert throughput.peak_devices(
+      ["/job:worker/replica:0/task:0/device:GPU:0", "/GPU:0", "/gpu:1"],
+      processes=2) == ("GPU", 4)
+  assert throughput.peak_devices(["/CPU:0", "/CPU:1", "/CPU:2"]) == ("CPU",
+                                                                    1)
+  assert throughput.peak_devices((), processes=3) == ("CPU", 3)
+
+
+@pytest.mark.slow
+def test_split_gpt_counts_the_whole_model_against_one_cpu_peak(tmp_path):
+  # Its 2 logical CPU devices share one CPU: one peak, not two.
+  model_dir, _ = train_gpt(tmp_path, "--mesh=model:2", "--cpu_devices=2")
+  check_gpt_points(model_dir)
+
+
+def test_gpt_run_logs_tokens_per_second_and_mfu_of_its_float32_peak(
+    tmp_path):
+  model_dir, stderr = train_gpt(tmp_path)
+  lines = [line for line in stderr.splitlines() if "train step 4/4" in line]
+  assert len(lines) == 1 and " tokens/s=" in lines[0] and " MFU=" in lines[0]
+  check_gpt_points(model_dir)
   events = os.path.join(model_dir, "train")
   for tag in ("perf/mfu", "perf/flops_per_sec", "perf/tokens_per_sec"):
     assert sorted(scalars(events, tag)) == [2, 4]

@@ -338,11 +338,20 @@ def run_throughput(plan, model, *, counted=True):
     return None
   if not per_example:
     return None
-  devices = set(plan.devices).union(
-      *map(set, plan.model_parallel.replica_devices))
+  # The devices it computes on: the strategy's, and a split's (its copies'
+  # groups, or the one copy's local devices under the default strategy).
+  split = plan.model_parallel
+  devices = set(plan.devices).union(*map(set, split.replica_devices))
+  if (split.mode != "none" and not split.replica_devices
+      and split.devices == "local"):
+    from framework.model_parallel import devices as split_devices  # pylint: disable=g-import-not-at-top
+    devices.update(split_devices.model_parallel_devices(
+        split.device_count[0]))
   resolver = getattr(plan.strategy, "cluster_resolver", None)
   cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
-  processes = len(cluster.get("chief", ())) + len(cluster.get("worker", ()))
+  # Processes that compute (a parameter-server chief only coordinates).
+  processes = len(cluster.get("worker", ())) + (
+      0 if "ps" in cluster else len(cluster.get("chief", ())))
   return throughput.for_run(
       per_example, precision=plan.precision, devices=devices,
       processes=processes or 1,
