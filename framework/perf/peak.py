@@ -102,7 +102,7 @@ def peak_flops(dtype: str = "float32", device_type: str = "CPU",
   size = _SIZES.get(device_type, _SIZES["CPU"])
   device = f"/{device_type}:0"
   if measure is None:
-    value = flops.matmul_peak_flops(size=size, trials=3, dtype=dtype,
+    value = flops.matmul_peak_flops(size=size, trials=2, dtype=dtype,
                                     device=device)
   else:
     value = measure(dtype, device)
