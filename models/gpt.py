@@ -24,6 +24,7 @@ from keras import ops
 
 from framework.errors import ConfigError
 from framework.model_parallel import parallel_layers
+from framework.perf import flops
 from framework.settings import default
 from models.options import ModelOptions
 from models.registry import register
@@ -258,7 +259,24 @@ def _check(name, value, minimum=1):
                       f"{minimum}")
 
 
-@register("gpt", task="language_model")
+def training_flops_per_example(model):
+  """nanoGPT's estimate of a training step's FLOPs for one sequence of the
+  (unsplit) GPT `model`: T x (6 N + 12 L H Q T)
+  (`framework.perf.flops.transformer_flops_per_token`), N its weights less
+  the position table and, untied, the token table (a lookup, no matmul)."""
+  embedding = model.get_layer("token_embedding")
+  positions = model.get_layer("position_embedding")
+  blocks = [layer for layer in model.layers if isinstance(layer, Block)]
+  params = sum(int(math.prod(w.shape)) for w in model.trainable_weights)
+  params -= int(math.prod(positions.positions.shape))
+  if not embedding.tied:
+    params -= int(math.prod(embedding.embeddings.shape))
+  length = positions.sequence_length
+  return length * flops.transformer_flops_per_token(
+      params, len(blocks), positions.width, length)
+
+
+@register("gpt", task="language_model", flops=training_flops_per_example)
 def build(input_shape, num_classes, *,
           num_layers=default(ModelOptions, "num_layers"),
           num_heads=default(ModelOptions, "num_heads"),

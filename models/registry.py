@@ -26,6 +26,7 @@ from models import builder_forms, input_scale
 
 _BUILDERS = {}
 _TASKS = {}  # name -> one of TASKS, where declared
+_FLOPS = {}  # name -> flops(model): training FLOPs per example, where declared
 # `custom`: not a classifier; its trainer's `compute_loss` is the task (an
 # autoencoder, a VAE, a regression): no check of outputs against classes.
 CUSTOM = "custom"
@@ -57,7 +58,7 @@ def load_builtin(name=None):
       importlib.import_module(f"models.{module}")
 
 
-def register(name, task=None):
+def register(name, task=None, flops=None):
   """Decorator: makes a builder available to `build_model(name, ...)`.
 
   Args:
@@ -67,6 +68,8 @@ def register(name, task=None):
       "custom": not a classifier (any outputs), trained only by a Trainer
       with `task = "custom"` whose `compute_loss` defines the loss. None:
       not checked before the model is built.
+    flops: `(model) -> training FLOPs per example` of a built model, where
+      a closed form is known (None: counted in its traced graph).
   """
   if ":" in name:
     raise ConfigError(f"model name {name!r} must not contain ':' (that "
@@ -78,6 +81,8 @@ def register(name, task=None):
   def wrap(builder):
     _BUILDERS[name] = builder
     _TASKS[name] = task
+    if flops is not None:
+      _FLOPS[name] = flops
     return builder
 
   return wrap
@@ -524,6 +529,12 @@ def declared_task(name):
   (an import path, or registered without one: its outputs tell)."""
   load_builtin(name)
   return _TASKS.get(name)
+
+
+def flops_counter(name):
+  """The `flops` model `name` was registered with, or None."""
+  load_builtin(name)
+  return _FLOPS.get(name)
 
 
 def check_task(name, per_pixel, dataset, model=None, label_shape=None):

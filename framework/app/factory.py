@@ -32,6 +32,7 @@ from framework.data import datasets, inputs
 from framework.data import preprocessing
 from framework.distribute import strategies
 from framework.errors import ConfigError, DistloopError
+from framework.perf import flops, throughput
 from framework.tasks import language_model, segmentation
 
 
@@ -285,6 +286,7 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
     eval_input = None
   # What the loop is handed: its parts and the manager it saves through.
   parts = loop_parts(trainer, checkpoint_items=checkpoint_items)
+  parts.throughput = run_throughput(plan, model, counted=build_model is None)
   manager = checkpoints.for_loop(
       parts, config.model_dir, max_to_keep=loop.keep_checkpoints,
       sharding=loop.checkpoint_sharding,
@@ -312,6 +314,51 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   else:
     controller = Controller(trainer, loop, config.model_dir, **kwargs)
   return trainer, controller
+
+
+def run_throughput(plan, model, *, counted=True):
+  """The `Throughput` of the run `plan` describes (FLOP/s, MFU, tokens/s in
+  its log line and `train/`), or None where the model's FLOPs cannot be
+  counted. `model` is the unsplit model; `counted`: `plan.config.model`
+  built it, so its registered closed form applies (else its graph)."""
+  config, dataset = plan.config, plan.dataset
+  counter = registry.flops_counter(config.model) if counted else None
+  try:
+    if counter is not None:
+      per_example = counter(model)
+    else:
+      inputs_dtype = (model.inputs[0].dtype if getattr(model, "inputs", None)
+                      else "float32")
+      per_example = flops.model_flops_per_example(
+          model, dataset.input_shape, inputs_dtype)
+  except Exception as e:  # pylint: disable=broad-except
+    # A diagnostic: a model whose graph cannot be traced alone still trains.
+    logging.info("no FLOP/s or MFU in the log: the FLOPs of model=%s "
+                 "could not be counted (%s)", config.model,
+                 str(e).strip().splitlines()[0][:200] if str(e) else
+                 type(e).__name__)
+    return None
+  if not per_example:
+    return None
+  # The devices it computes on: the strategy's, and a split's (its copies'
+  # groups, or the one copy's local devices under the default strategy).
+  split = plan.model_parallel
+  devices = set(plan.devices).union(*map(set, split.replica_devices))
+  if (split.mode != "none" and not split.replica_devices
+      and split.devices == "local"):
+    from framework.model_parallel import devices as split_devices  # pylint: disable=g-import-not-at-top
+    devices.update(split_devices.model_parallel_devices(
+        split.device_count[0]))
+  resolver = getattr(plan.strategy, "cluster_resolver", None)
+  cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
+  # Processes that compute (a parameter-server chief only coordinates).
+  processes = len(cluster.get("worker", ())) + (
+      0 if "ps" in cluster else len(cluster.get("chief", ())))
+  return throughput.for_run(
+      per_example, precision=plan.precision, devices=devices,
+      processes=processes or 1,
+      tokens_per_example=(int(dataset.input_shape[0])
+                          if plan.is_language_model else None))
 
 
 def check_experiment(config, strategy, dataset, trainer_cls=None, *,

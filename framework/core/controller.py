@@ -43,7 +43,7 @@ from framework.core.config import LoopConfig, TrainerConfig
 from framework.core.summaries import Writers, markdown_table, record_every
 from framework.distribute import strategies
 from framework.errors import NonFiniteLossError, ConfigError
-from framework.perf import profiling
+from framework.perf import profiling, throughput
 from framework.settings import default
 
 
@@ -535,7 +535,9 @@ class LoopParts:
   `averaged_weights()` (a context holding the EMA weights); `spikes` (the
   loss-spike window, `framework.core.spikes`; none: spike_policy=none);
   `collective_wait()` (seconds this task waited in the gradient
-  all-reduce so far; none: each worker's step time is not split).
+  all-reduce so far; none: each worker's step time is not split);
+  `throughput` (a `framework.perf.throughput.Throughput`: FLOP/s, MFU and
+  tokens/s from examples/s; none: not reported).
   """
 
   global_step: Any
@@ -558,6 +560,7 @@ class LoopParts:
   averaged_weights: Callable[[], ContextManager] = contextlib.nullcontext
   spikes: Any = None
   collective_wait: Optional[Callable[[], float]] = None
+  throughput: Any = None
 
   def __post_init__(self):
     self.checkpoint = dict(self.checkpoint)
@@ -693,10 +696,11 @@ def steps_to_next_event(config: Any, step: int,
 # was not finite in it.
 #
 # A loop's outputs are the trainer's mean metrics plus `learning_rate`,
-# `steps_per_second`, `examples_per_second` (with a `global_batch_size`)
-# and `skipped_steps` (a trainer that counts skipped steps and skips them:
-# nan_policy=skip or float16 loss scaling); they are what the train actions get and what
-# `train/` summarises. The log line puts `loss` first and counts the ETA to
+# `steps_per_second`, `examples_per_second` (with a `global_batch_size`),
+# `perf/flops_per_sec`, `perf/mfu` and `perf/tokens_per_sec` (with a
+# `throughput` too) and `skipped_steps` (a trainer that counts skipped
+# steps and skips them: nan_policy=skip or float16 loss scaling); they are
+# what the train actions get and what `train/` summarises. The log line puts `loss` first and counts the ETA to
 # `train_steps`.
 def learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
   """The optimizer's current learning rate as a float, whatever it holds: a
@@ -779,6 +783,9 @@ class LoopReport:
     if self.global_batch_size is not None:
       outputs["examples_per_second"] = (
           num_steps * self.global_batch_size / elapsed)
+      if self.parts.throughput is not None:
+        outputs.update(self.parts.throughput.outputs(
+            outputs["examples_per_second"]))
     if self.parts.skipped_steps is not None:
       outputs["skipped_steps"] = float(self.parts.skipped_steps())
     if self.parts.spikes is not None:
@@ -798,7 +805,8 @@ class LoopReport:
                  sorted(metrics.items(), key=lambda kv: kv[0] != "loss")),
         (f" examples/s={outputs['examples_per_second']:.1f}"
          if "examples_per_second" in outputs else
-         f" steps/s={outputs['steps_per_second']:.2f}"),
+         f" steps/s={outputs['steps_per_second']:.2f}")
+        + throughput.text(outputs),
         format_seconds(eta), f"to step {self.train_steps}",
         (f" skipped_steps={int(outputs['skipped_steps'])}"
          if "skipped_steps" in outputs else "") + (

@@ -5,7 +5,9 @@
 FLOPs are counted from the traced graph of one training step (forward, loss
 and backward; the optimizer's element-wise update is negligible and not
 counted), and cross-checked with an analytic count of the conv and dense
-layers. The peak is a float32 matmul timed on this machine in the same run.
+layers, or for a transformer by nanoGPT's closed form
+(`transformer_flops_per_token`). The peak is a matmul timed on this machine
+in the run's compute dtype (`framework.perf.peak` keeps it per host).
 """
 
 import time
@@ -192,21 +194,51 @@ def layer_kernel_times(model, batch_size, calls=10):
   return rows
 
 
-def matmul_peak_flops(size=2048, repeats=4, trials=3):
-  """Best measured float32 matmul FLOP/s ([size, size] @ [size, size])."""
-  a = tf.constant(np.random.default_rng(0).standard_normal(
-      (size, size)).astype(np.float32))
+def matmul_peak_flops(size=2048, repeats=4, trials=3, dtype="float32",
+                      device=None):
+  """Best measured matmul FLOP/s ([size, size] @ [size, size]) in `dtype`,
+  on `device` (a TF device name; None: TensorFlow's default placement)."""
+  with tf.device(device):
+    a = tf.cast(tf.constant(np.random.default_rng(0).standard_normal(
+        (size, size)).astype(np.float32)), dtype)
+    scale = tf.constant(1.0 / size, dtype)
 
-  @tf.function
-  def chain(x):
-    for _ in range(repeats):
-      x = tf.matmul(x, a) * (1.0 / size)  # keep values bounded
-    return x
+    @tf.function
+    def chain(x):
+      for _ in range(repeats):
+        x = tf.matmul(x, a) * scale  # keep values bounded
+      return x
 
-  chain(a).numpy()  # trace and warm up
-  best = float("inf")
-  for _ in range(trials):
-    start = time.perf_counter()
-    chain(a).numpy()
-    best = min(best, time.perf_counter() - start)
+    chain(a).numpy()  # trace and warm up
+    best = float("inf")
+    for _ in range(trials):
+      start = time.perf_counter()
+      chain(a).numpy()
+      best = min(best, time.perf_counter() - start)
   return 2.0 * size**3 * repeats / best
+
+
+def model_flops_per_example(model, input_shape, input_dtype="float32",
+                            batch_size=2):
+  """Conv + matmul FLOPs per example of a training step of `model`: its
+  forward pass and the gradient of its outputs w.r.t. its trainable
+  variables, counted in the traced (never run) graph (`graph_matmul_flops`).
+  The loss adds no conv or matmul, so this is `training_flops_per_example`'s
+  "matmul" for any output shape (per-pixel logits too)."""
+  spec = tf.TensorSpec([batch_size, *input_shape], input_dtype)
+  return call_training_flops(model, [spec], model.trainable_variables,
+                             input_gradient=False) / batch_size
+
+
+def transformer_flops_per_token(num_params, num_layers, width,
+                                sequence_length):
+  """Training FLOPs per token of a decoder transformer (nanoGPT's
+  `estimate_mfu`, from PaLM's appendix B): 6 N for the weights' forward
+  and backward matmuls plus 12 L H Q T for attention (H Q = `width`).
+
+  Args:
+    num_params: N, the weights a token's matmuls read (no position table;
+      an untied output head in, an untied token table, a lookup, out).
+    num_layers: L blocks; `width`: the model width; `sequence_length`: T.
+  """
+  return 6 * num_params + 12 * num_layers * width * sequence_length

@@ -1,0 +1,113 @@
+"""The host's matmul peak per compute dtype, measured once and kept.
+
+    peak_flops("bfloat16")  # FLOP/s of one device of this process's kind
+
+The first call on a host measures a chain of square matmuls in the dtype
+(`flops.matmul_peak_flops`, about a second) and records it in distloop's
+cache folder (`framework.data.integrity.cache_dir()`, never a run folder),
+in `peak_flops.json` keyed by the device kind (the GPU's name, or the CPU's
+model and the cores this process may use) and the dtype; later runs read
+it. A file that cannot be read or holds no usable figure is measured again
+and rewritten, never an error.
+"""
+
+import json
+import os
+
+from absl import logging
+
+from framework.data.integrity import cache_dir
+from framework.perf import flops
+
+CACHE_FILE = "peak_flops.json"
+# Big enough to reach a device's matmul rate, small enough to take about a
+# second: a GPU needs far larger matrices than a CPU to fill.
+_SIZES = {"GPU": 8192, "CPU": 2048}
+
+
+def cache_path() -> str:
+  return os.path.join(cache_dir(), CACHE_FILE)
+
+
+def _cpu_model(cpuinfo="/proc/cpuinfo"):
+  try:
+    with open(cpuinfo) as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  import platform  # pylint: disable=g-import-not-at-top
+  return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_kind(device_type: str = "CPU") -> str:
+  """What a peak is kept under: the first GPU's name, or the CPU's model
+  and the cores this process may run on (`device_type`: GPU or CPU)."""
+  if device_type == "GPU":
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+      details = tf.config.experimental.get_device_details(gpus[0])
+      return f"GPU {details.get('device_name', gpus[0].name)}"
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count())
+  return f"CPU {_cpu_model()} x{cores}"
+
+
+def _read(path):
+  """{key: FLOP/s} of the usable entries of `path` ({} if none)."""
+  try:
+    with open(path) as f:
+      entries = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(entries, dict):
+    return {}
+  return {key: value for key, value in entries.items()
+          if isinstance(value, (int, float)) and not isinstance(value, bool)
+          and value > 0 and value != float("inf")}
+
+
+def _write(path, entries):
+  """Atomically; a cache folder that cannot be written is left as it is
+  (the next run measures again)."""
+  temporary = f"{path}.{os.getpid()}.tmp"
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(temporary, "w") as f:
+      json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(temporary, path)
+  except OSError:
+    try:
+      os.remove(temporary)
+    except OSError:
+      pass
+
+
+def key(dtype: str, device_type: str = "CPU") -> str:
+  """The cache entry of `dtype` on this host's `device_type`."""
+  return f"{device_kind(device_type)} | {dtype}"
+
+
+def peak_flops(dtype: str = "float32", device_type: str = "CPU",
+               measure=None) -> float:
+  """Matmul FLOP/s of one `device_type` device in `dtype`: the cached
+  figure, else measured (`measure(dtype, device)`, default
+  `flops.matmul_peak_flops`) and cached."""
+  path, entry = cache_path(), key(dtype, device_type)
+  entries = _read(path)
+  if entry in entries:
+    return float(entries[entry])
+  size = _SIZES.get(device_type, _SIZES["CPU"])
+  device = f"/{device_type}:0"
+  if measure is None:
+    value = flops.matmul_peak_flops(size=size, trials=2, dtype=dtype,
+                                    device=device)
+  else:
+    value = measure(dtype, device)
+  logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (kept in "
+               "%s)", dtype, device_kind(device_type), value / 1e9, path)
+  # Re-read: another process of this host may have added its entries.
+  _write(path, {**_read(path), entry: float(value)})
+  return float(value)
