@@ -116,6 +116,8 @@ def test_unknown_sources_and_other_shapes_are_config_errors(corpora):
     load(corpora, mix=("a=text:1", "c=nosuch:1"))
   with pytest.raises(ConfigError, match="mix_data_dirs='z:/x'.*no source"):
     DatasetOptions(mix=("text:1",), mix_data_dirs=("z:/x",))
+  with pytest.raises(ConfigError, match="mix_data_dirs='a:/y'.*twice"):
+    DatasetOptions(mix=("a=text:1",), mix_data_dirs=("a:/x", "a:/y"))
   with pytest.raises(ConfigError, match="source synthetic .*same shapes"):
     load(corpora, mix=("a=text:1", "synthetic:1"))
 
