@@ -122,6 +122,21 @@ def test_unknown_sources_and_other_shapes_are_config_errors(corpora):
     load(corpora, mix=("a=text:1", "synthetic:1"))
 
 
+def test_uint8_and_float_sources_are_a_config_error(tmp_path):
+  # uint8 is divided by 255, float32 reaches the model as it is: both are
+  # float32 examples, but on different scales.
+  for name, dtype in (("u8", np.uint8), ("f32", np.float32)):
+    np.savez(tmp_path / f"{name}.npz", x_train=np.ones((4, 3), dtype),
+             y_train=np.arange(4) % 2, x_test=np.ones((2, 3), dtype),
+             y_test=np.arange(2) % 2)
+  dirs = (f"u8:{tmp_path / 'u8.npz'}", f"f32:{tmp_path / 'f32.npz'}")
+  with pytest.raises(ConfigError, match="source f32 has float32 features, "
+                     "u8 uint8; uint8 images are divided by 255"):
+    mixture.load_mix(mix=("u8=numpy:1", "f32=numpy:1"), mix_data_dirs=dirs)
+  mixture.load_mix(mix=("u8=numpy:1", "again=numpy:1"),  # one dtype: fine
+                   mix_data_dirs=(dirs[0], f"again:{tmp_path / 'u8.npz'}"))
+
+
 def _config(corpora, model_dir, steps):
   return framework.ExperimentConfig(
       model="gpt", dataset="mix", model_dir=str(model_dir),
