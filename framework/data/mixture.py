@@ -138,6 +138,10 @@ class MixtureDataset:
     generations = [f"{s.name}:{s.data.generation}" for s in self.sources
                    if getattr(s.data, "generation", None)]
     self.generation = ",".join(generations) or None
+    # What a resume must agree on (a run's run_config "mix"): other shares
+    # or sources would start each source's stream elsewhere.
+    self.mix_shares = {s.name: f"{s.dataset_name}:{int(q)}/{BLOCK}"
+                       for s, q in zip(self.sources, self.quotas)}
     self._owners = tf.constant(np.repeat(np.arange(len(self.sources)),
                                          self.quotas), tf.int64)
 
