@@ -13,6 +13,7 @@ from framework.app import experiment
 from framework.data import datasets, mixture
 from framework.data.config import DatasetOptions
 from framework.errors import ConfigError
+from tests import helpers
 from tests.helpers import assert_one_line_error, run_script, snapshot
 from tests.test_train_script import weights
 
@@ -116,8 +117,48 @@ def test_unknown_sources_and_other_shapes_are_config_errors(corpora):
     load(corpora, mix=("a=text:1", "c=nosuch:1"))
   with pytest.raises(ConfigError, match="mix_data_dirs='z:/x'.*no source"):
     DatasetOptions(mix=("text:1",), mix_data_dirs=("z:/x",))
+  with pytest.raises(ConfigError, match="mix_data_dirs='a:/y'.*twice"):
+    DatasetOptions(mix=("a=text:1",), mix_data_dirs=("a:/x", "a:/y"))
   with pytest.raises(ConfigError, match="source synthetic .*same shapes"):
     load(corpora, mix=("a=text:1", "synthetic:1"))
+
+
+def test_uint8_and_float_sources_are_a_config_error(tmp_path):
+  # uint8 is divided by 255, float32 reaches the model as it is: both are
+  # float32 examples, but on different scales.
+  for name, dtype in (("u8", np.uint8), ("f32", np.float32)):
+    np.savez(tmp_path / f"{name}.npz", x_train=np.ones((4, 3), dtype),
+             y_train=np.arange(4) % 2, x_test=np.ones((2, 3), dtype),
+             y_test=np.arange(2) % 2)
+  dirs = (f"u8:{tmp_path / 'u8.npz'}", f"f32:{tmp_path / 'f32.npz'}")
+  with pytest.raises(ConfigError, match="source f32 has float32 features, "
+                     "u8 uint8; uint8 images are divided by 255"):
+    mixture.load_mix(mix=("u8=numpy:1", "f32=numpy:1"), mix_data_dirs=dirs)
+  mixture.load_mix(mix=("u8=numpy:1", "again=numpy:1"),  # one dtype: fine
+                   mix_data_dirs=(dirs[0], f"again:{tmp_path / 'u8.npz'}"))
+
+
+def test_a_resume_with_other_weights_is_a_config_change(tmp_path):
+  # The resumed streams would start where the new weights put them, not
+  # where the run stopped.
+  data = str(tmp_path / "x.npz")
+  np.savez(data, x_train=np.ones((8, 3), np.float32),
+           y_train=np.arange(8) % 2, x_test=np.ones((2, 3), np.float32),
+           y_test=np.arange(2) % 2)
+
+  def config(steps, weight_b):
+    return helpers.tiny_mlp_config(
+        tmp_path / "run", dataset="mix", global_batch_size=4,
+        train_steps=steps, dataset_options=dict(
+            mix=("a=numpy:1", f"b=numpy:{weight_b}"),
+            mix_data_dirs=(f"a:{data}", f"b:{data}")))
+
+  experiment.run(config(2, 1))
+  with pytest.raises(framework.CheckpointError,
+                     match=r'mix was \{"a": "numpy:2048/4096", "b": '
+                     r'"numpy:2048/4096"\}, now \{"a": "numpy:2731/4096"'):
+    experiment.run(config(4, 0.5))
+  experiment.run(config(4, 2.0 / 2))  # the same shares: resumes
 
 
 def _config(corpora, model_dir, steps):

@@ -113,6 +113,14 @@ def test_a_bad_pattern_is_a_config_error():
     TrainerConfig(weight_decay_exclude="(bias")
 
 
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf")])
+def test_a_negative_or_nonfinite_decay_is_a_config_error(value):
+  # -0.1 would grow the weights; nan only showed as a nan loss mid-run.
+  with pytest.raises(ConfigError, match=rf"weight_decay={value} must be a "
+                     "number >= 0"):
+    framework.OptimizerConfig(name="adamw", weight_decay=value)
+
+
 _MESHES = """
 import json
 import framework

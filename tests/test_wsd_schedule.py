@@ -63,6 +63,8 @@ def test_the_schedule_serialises_and_reads_back():
 @pytest.mark.parametrize("kwargs,fragments", [
     (dict(decay_fraction=0.0), ["decay_fraction=0.0", "(0, 1]"]),
     (dict(decay_fraction=1.5), ["decay_fraction=1.5", "(0, 1]"]),
+    # Named as the flag is (--lr_min_ratio), not as the field.
+    (dict(min_lr_ratio=float("nan")), ["lr_min_ratio=nan", "[0, 1]"]),
 ])
 def test_bad_fractions(kwargs, fragments):
   with pytest.raises(ConfigError) as error:

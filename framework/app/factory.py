@@ -262,6 +262,9 @@ def build(plan, trainer_cls=None, *, build_model=None, train_input=None,
   if getattr(dataset, "generation", None):
     # Resuming on re-converted data (another content) is a config change.
     run_config["data_generation"] = dataset.generation
+  if getattr(dataset, "mix_shares", None):
+    # --dataset=mix: resuming on other sources or weights is a config change.
+    run_config["mix"] = dataset.mix_shares
   augment_fn = preprocessing.get_augmentation(config.augment)
 
   def default_train_input(start_step):

@@ -32,7 +32,7 @@ from framework.app.export import (MODEL_INFO_FILE, WEIGHTS_FILE,
                                   build_inference_model, read_model_info,
                                   with_model)
 from framework.core.checkpoints import best as best_checkpoint
-from framework.data import datasets
+from framework.data import datasets, mixture
 from framework.data.config import InputConfig
 from framework.data.inputs import to_float
 from framework.errors import (CheckpointError, ConfigError, DataError,
@@ -193,16 +193,26 @@ def test_example(info, index, data_dir=None):
   if isinstance(index, bool) or not 0 <= index < size:
     raise DataError(f"index={index} is out of range: the test split of "
                     f"dataset={name} has {size} examples (0..{size - 1})")
-  if hasattr(dataset, "test_x"):  # in memory
-    image, label = dataset.test_x[index], dataset.test_y[index]
-  else:
-    image, label = _file_test_example(dataset.test, index)
+  image, label = _stored_test_example(dataset, index)
   if np.ndim(label):
     raise ConfigError(f"dataset={name} has per-pixel labels; predict "
                       "classifies whole images")
   # As stored: uint8 images, or float features (never cast to uint8).
   image = np.asarray(image)
   return image, int(label), f"{name} test #{index}"
+
+
+def _stored_test_example(dataset, index):
+  """(features, label) of test example `index` of `dataset`, as stored."""
+  if isinstance(dataset, mixture.MixtureDataset):
+    # Numbered as it evaluates: the sources' test splits one after another.
+    for source in dataset.sources:
+      if index < source.data.num_test_examples:
+        return _stored_test_example(source.data, index)
+      index -= source.data.num_test_examples
+  if hasattr(dataset, "test_x"):  # in memory
+    return dataset.test_x[index], dataset.test_y[index]
+  return _file_test_example(dataset.test, index)
 
 
 def _file_test_example(split, index):

@@ -319,8 +319,11 @@ class OptimizerConfig:
     if self.nesterov and self.name != "momentum":
       raise ConfigError(f"nesterov=True needs optimizer=momentum (got "
                         f"optimizer={self.name})")
-    if not 0 <= self.min_lr_ratio <= 1:
-      raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+    if not 0 <= self.min_lr_ratio <= 1:  # named as its flag
+      raise ConfigError(f"lr_min_ratio={self.min_lr_ratio} must be in [0, 1]")
+    if not 0 <= self.weight_decay < math.inf:
+      raise ConfigError(f"weight_decay={self.weight_decay} must be a number "
+                        ">= 0 (0: no decay)")
     if not self.learning_rate > 0:
       raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
     if self.warmup_steps < 0:

@@ -180,6 +180,9 @@ def mix_dirs(entries, names):
       raise ConfigError(
           f"mix_data_dirs={entry!r}: {name!r} is no source of --mix (its "
           f"sources: {', '.join(names) or 'none'})")
+    if name in dirs:  # else the later folder would win silently
+      raise ConfigError(f"mix_data_dirs={entry!r}: the source {name!r} is "
+                        "given a folder twice; give each source one NAME:DIR")
     if "://" not in path:
       path = os.path.abspath(os.path.expanduser(path))
     dirs[name] = path

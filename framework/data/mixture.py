@@ -32,7 +32,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from framework.data import datasets, inputs
+from framework.data import datasets, inputs, preprocessing
 from framework.data.config import (MIX, DatasetOptions, InputConfig,
                                    mix_dirs, mix_sources)
 from framework.errors import ConfigError, DistloopError, check_positive
@@ -65,6 +65,11 @@ class _Source:
 def _example_spec(data, seed):
   """The element spec of one example of `data`'s training stream."""
   return _examples(data, 1, 0, seed, 0, None).element_spec
+
+
+def _scaled(data):
+  """Whether `data`'s features reach the model divided by 255."""
+  return preprocessing.scaled_pixels(data)[0] is not False
 
 
 def _spec_text(spec):
@@ -112,6 +117,14 @@ class MixtureDataset:
             f"{_spec_text(theirs)}, but {self.sources[0].name} "
             f"({self.sources[0].dataset_name}) gives {_spec_text(spec)}; "
             "every source must give the same shapes and dtypes")
+      if _scaled(s.data) != _scaled(first):
+        # Both are float32 by now, but on different scales: the mix would
+        # train on them as if they were one.
+        raise ConfigError(
+            f"mix: source {s.name} has {s.data.feature_dtype} features, "
+            f"{self.sources[0].name} {first.feature_dtype}; uint8 images are "
+            "divided by 255 and other dtypes are not, so every source must "
+            "store uint8 or every source another dtype")
       if tuple(s.data.class_names) != tuple(first.class_names):
         raise ConfigError(
             f"mix: source {s.name} has {s.data.num_classes} classes, "
@@ -125,6 +138,10 @@ class MixtureDataset:
     generations = [f"{s.name}:{s.data.generation}" for s in self.sources
                    if getattr(s.data, "generation", None)]
     self.generation = ",".join(generations) or None
+    # What a resume must agree on (a run's run_config "mix"): other shares
+    # or sources would start each source's stream elsewhere.
+    self.mix_shares = {s.name: f"{s.dataset_name}:{int(q)}/{BLOCK}"
+                       for s, q in zip(self.sources, self.quotas)}
     self._owners = tf.constant(np.repeat(np.arange(len(self.sources)),
                                          self.quotas), tf.int64)
 
