@@ -316,7 +316,8 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "spike_window": 50, "loop.async_checkpoint": False,
                 "optimizer.decay_fraction": 0.2,
                 "optimizer.decay_shape": "linear",
-                "weight_decay_exclude": None}
+                "weight_decay_exclude": None,
+                "loop.checkpoint_sharding": "gathered"}
 
 
 def _flat(value, prefix=""):

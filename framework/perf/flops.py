@@ -194,14 +194,15 @@ def layer_kernel_times(model, batch_size, calls=10):
   return rows
 
 
-def matmul_peak_flops(size=2048, repeats=4, trials=3, dtype="float32",
-                      device=None):
-  """Best measured matmul FLOP/s ([size, size] @ [size, size]) in `dtype`,
-  on `device` (a TF device name; None: TensorFlow's default placement)."""
+def matmul_peak_flops(size=2048, repeats=4, trials=3,
+                      compute_dtype="float32", device=None):
+  """Best measured matmul FLOP/s ([size, size] @ [size, size]) in
+  `compute_dtype`, on `device` (a TF device name; None: TensorFlow's default
+  placement)."""
   with tf.device(device):
     a = tf.cast(tf.constant(np.random.default_rng(0).standard_normal(
-        (size, size)).astype(np.float32)), dtype)
-    scale = tf.constant(1.0 / size, dtype)
+        (size, size)).astype(np.float32)), compute_dtype)
+    scale = tf.constant(1.0 / size, compute_dtype)
 
     @tf.function
     def chain(x):

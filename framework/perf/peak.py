@@ -90,24 +90,25 @@ def key(dtype: str, device_type: str = "CPU") -> str:
   return f"{device_kind(device_type)} | {dtype}"
 
 
-def peak_flops(dtype: str = "float32", device_type: str = "CPU",
+def peak_flops(compute_dtype: str = "float32", device_type: str = "CPU",
                measure=None) -> float:
-  """Matmul FLOP/s of one `device_type` device in `dtype`: the cached
-  figure, else measured (`measure(dtype, device)`, default
+  """Matmul FLOP/s of one `device_type` device in `compute_dtype`: the cached
+  figure, else measured (`measure(compute_dtype, device)`, default
   `flops.matmul_peak_flops`) and cached."""
-  path, entry = cache_path(), key(dtype, device_type)
+  path, entry = cache_path(), key(compute_dtype, device_type)
   entries = _read(path)
   if entry in entries:
     return float(entries[entry])
   size = _SIZES.get(device_type, _SIZES["CPU"])
   device = f"/{device_type}:0"
   if measure is None:
-    value = flops.matmul_peak_flops(size=size, trials=2, dtype=dtype,
-                                    device=device)
+    value = flops.matmul_peak_flops(size=size, trials=2,
+                                    compute_dtype=compute_dtype, device=device)
   else:
-    value = measure(dtype, device)
+    value = measure(compute_dtype, device)
   logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (kept in "
-               "%s)", dtype, device_kind(device_type), value / 1e9, path)
+               "%s)", compute_dtype, device_kind(device_type), value / 1e9,
+               path)
   # Re-read: another process of this host may have added its entries.
   _write(path, {**_read(path), entry: float(value)})
   return float(value)

@@ -26,13 +26,13 @@ class Throughput:
 
   Attributes:
     flops_per_example: training FLOPs of one example (forward + backward).
-    peak_flops: FLOP/s of all the run's devices in `dtype`.
-    dtype: the compute dtype the peak was measured in.
+    peak_flops: FLOP/s of all the run's devices in `compute_dtype`.
+    compute_dtype: the dtype the peak was measured in.
     tokens_per_example: tokens of one example (None: not a token model).
   """
   flops_per_example: float
   peak_flops: float
-  dtype: str = "float32"
+  compute_dtype: str = "float32"
   tokens_per_example: Optional[int] = None
 
   def outputs(self, examples_per_second: float) -> dict:
@@ -84,5 +84,5 @@ def for_run(flops_per_example: float, *, precision: str,
   device_type, count = peak_devices(devices, processes)
   one = peak.peak_flops(dtype, device_type, measure=measure)
   return Throughput(flops_per_example=float(flops_per_example),
-                    peak_flops=one * count, dtype=dtype,
+                    peak_flops=one * count, compute_dtype=dtype,
                     tokens_per_example=tokens_per_example)
