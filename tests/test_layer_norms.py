@@ -3,7 +3,6 @@ own, global under several replicas, and nothing of it when off."""
 
 import os
 
-import keras
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
@@ -12,7 +11,6 @@ import tensorflow as tf
 import framework
 from framework import LoopConfig, OptimizerConfig
 from framework.core import layer_norms
-from framework.errors import ConfigError
 import helpers
 
 LR = 0.1
@@ -122,10 +120,13 @@ def test_off_writes_none_and_adds_nothing_to_the_step(tmp_path, monkeypatch):
   assert not [t for t in tags if t.startswith("layer_norms")]
 
 
-def test_a_whole_step_under_xla_is_a_config_error():
-  strategy = tf.distribute.get_strategy()
-  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-  with pytest.raises(ConfigError, match="log_layer_norms=True.*jit_compile"):
-    framework.Trainer(model, keras.optimizers.SGD(), strategy,
-                      global_batch_size=4, jit_compile=True,
-                      log_layer_norms=True)
+def test_a_whole_step_under_xla_is_one_line(tmp_path):
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  before = helpers.snapshot(str(model_dir))
+  proc = helpers.run_script(
+      "train.py", "--model=mlp", "--dataset=synthetic", "--train_steps=2",
+      f"--model_dir={model_dir}", "--jit_compile", "--log_layer_norms",
+      check=False)
+  helpers.assert_one_line_error(proc, "train.py", "log_layer_norms=True",
+                                "jit_compile", unchanged=before)

@@ -448,7 +448,6 @@ class TrainerConfig:
       "model with biases, norms or embeddings (gpt, mlp, cifar_cnn, unet); "
       "sgd, momentum and adam have no weight decay, so the seed recipe "
       "(momentum) is unchanged.", read_by={"optimizer": ("adamw",)})
-  # Last: the fields before it keep their positions.
   log_layer_norms: bool = setting(
       False, "Write each layer's gradient norm (the applied gradient: "
       "all-reduced, after clipping), weight norm and update/weight ratio "

@@ -3,7 +3,7 @@
 `Trainer(log_layer_norms=True)` (`--log_layer_norms`): on the steps that
 `summary_every` divides, the default `train_step` writes into
 `model_dir/train`, for each layer (the trainable variables grouped by their
-path up to the last `/`, e.g. `gpt/block_0/mlp/fc`):
+path up to the last `/`, e.g. `block_0/mlp/fc`):
 
     layer_norms/<layer>/grad          ||g||, the gradient that is applied:
                                       all-reduced, float16 scale undone,
