@@ -238,12 +238,13 @@ class ExperimentConfig:
       "train), several separated by commas, e.g. "
       "test:cifar10:data/cifar10-test; --stop_when, --stop_at_accuracy and "
       "--best_metric can name them as eval_<NAME>/<metric>.")
-  # Last: the fields before it keep their positions.
+  # Appended last, so that the fields before them keep their positions.
   adapt_examples: int = setting(
       10000, "Training examples that the model's unadapted preprocessing "
       "layers (a keras Normalization) are adapted on, once, before a new "
       "run's first step (the first of its training batches, unaugmented); "
       "the checkpoints keep what they learn.", minimum=POSITIVE)
+  log_layer_norms: bool = same_as(TrainerConfig, "log_layer_norms")
 
   def __post_init__(self):
     if not self.model_dir:

@@ -416,6 +416,8 @@ class TrainerConfig:
     weight_decay_exclude: a regular expression: the optimizer's weight
       decay leaves out the variables whose path it matches; None: the
       default groups (`framework.core.weight_decay`).
+    log_layer_norms: per-layer gradient norm, weight norm and update/weight
+      ratio as summaries (`framework.core.layer_norms`).
   """
   clip_norm: float | None = setting(None, "Clip the all-reduced gradient to "
                                     "this global norm.")
@@ -480,6 +482,15 @@ class TrainerConfig:
       "model with biases, norms or embeddings (gpt, mlp, cifar_cnn, unet); "
       "sgd, momentum and adam have no weight decay, so the seed recipe "
       "(momentum) is unchanged.", read_by={"optimizer": ("adamw",)})
+  log_layer_norms: bool = setting(
+      False, "Write each layer's gradient norm (the applied gradient: "
+      "all-reduced, after clipping), weight norm and update/weight ratio "
+      "||w_after - w_before|| / ||w_before|| to TensorBoard at "
+      "--summary_every steps (scalars layer_norms/<layer>/..., histograms "
+      "layer_norms_hist/...); off: not one op more in the step. The default "
+      "train step only (not model parallelism; the parameter-server "
+      "coordinator records no summaries from inside steps).",
+      read_by={"model_parallel": ("none",)})
 
   def __post_init__(self):
     check_settings(self)

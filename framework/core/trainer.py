@@ -46,8 +46,8 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core import (evaluation, optimizer_sharding, spikes,
-                            summaries, weight_decay)
+from framework.core import (evaluation, layer_norms, optimizer_sharding,
+                            spikes, summaries, weight_decay)
 from framework.core.checkpoints import manager as checkpoint_manager
 from framework.core.config import TrainerConfig
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
@@ -497,6 +497,9 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       Keras optimizer's `weight_decay`) leaves out the variables whose path
       matches this pattern; None: those of fewer than 2 dimensions (biases,
       norms) and embedding tables (`framework.core.weight_decay`).
+    log_layer_norms: the default `train_step` writes each layer's gradient
+      norm, weight norm and update/weight ratio on the summary steps
+      (`framework.core.layer_norms`); off: no op of it in the step.
   """
 
   def __init__(self, model: keras.Model,
@@ -520,7 +523,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                shard_optimizer_state: bool = _default(
                    "shard_optimizer_state"),
                weight_decay_exclude: str | None = _default(
-                   "weight_decay_exclude")) -> None:
+                   "weight_decay_exclude"),
+               log_layer_norms: bool = _default("log_layer_norms")) -> None:
     check_positive("global_batch_size", global_batch_size)
     TrainerConfig(  # checks the step settings, one ConfigError naming one
         clip_norm=clip_norm, nan_policy=nan_policy,
@@ -547,6 +551,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self.fused_updates = fused_updates
     self.max_skipped_steps = max_skipped_steps
     self.spike_policy = spike_policy
+    self.log_layer_norms = log_layer_norms
     self.eval_tta = evaluation.check_tta(eval_tta)
     self.communication = all_reduce  # an AllReduceConfig, or None
     self.ema = None if ema_decay is None else WeightAverage(
@@ -597,6 +602,15 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # What XLA compiles (framework/core/trainer.py): the replica step (then
     # `distributed_train_step` runs `_replica_step`) or its gradients.
     self.jit_compile = jit_mode(jit_compile, strategy)
+    if log_layer_norms and self.jit_compile == STEP:
+      raise ConfigError(
+          "log_layer_norms=True: the step XLA compiles whole here "
+          "(jit_compile on one replica) cannot write summaries; turn "
+          "jit_compile or log_layer_norms off")
+    if log_layer_norms and type(self).train_step is not Trainer.train_step:
+      logging.warning("log_layer_norms: %s overrides train_step, which "
+                      "writes them; no layer norms are written",
+                      type(self).__name__)
     self._replica_step = None  # None: `train_step` as it is at each trace
     if self.jit_compile == STEP:
       self._replica_step = compiled_step(self)
@@ -810,8 +824,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     grads = self.unscale(self.all_reduce(grads))
     # Clip the global gradient; clipping shares would clip something else.
     grads, grad_norm = self.clip_by_global_norm(grads)
-    self.apply_gradients(grads, spike_signals=self.spike_signals(
-        metrics["loss"], grad_norm))
+    with (layer_norms.recorded(grads, self.trainable_variables)
+          if self.log_layer_norms else contextlib.nullcontext()):
+      self.apply_gradients(grads, spike_signals=self.spike_signals(
+          metrics["loss"], grad_norm))
     return {**metrics, "grad_norm": self.replica_share(grad_norm)}
 
   def compute_gradients(self, batch):
