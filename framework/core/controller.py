@@ -412,6 +412,9 @@ class Controller:
     """Restores the last checkpoint after a spike at `spike_step` and
     records the batches since it; (step, iterator), or None before the
     first checkpoint (the spike's update was dropped: a skip)."""
+    # A background write in flight is the checkpoint a synchronous run would
+    # roll back to: list it first.
+    self.wait_for_checkpoint()
     path = self.checkpoints.latest
     if path is None:
       logging.warning(
