@@ -30,6 +30,7 @@ restores an earlier step makes them lost.
 """
 
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -84,6 +85,15 @@ class Goodput:
       pending = [[int(a), int(b), float(s)] for a, b, s in record["pending"]]
       launches, first = int(record["launches"]), float(record["first_start"])
       last = float(record["last_time"])
+      numbers = [*seconds.values(), *steps.values(), first, last,
+                 *(x for entry in pending for x in entry)]
+      if not (all(math.isfinite(x) and x >= 0 for x in numbers)
+              and launches >= 1 and first <= last
+              and all(a <= b for a, b, _ in pending)):
+        # An edited account would report nonsense (nan%, -2 launches).
+        raise ValueError("its numbers are not finite non-negative seconds "
+                         "and counts, launches >= 1, first_start <= "
+                         "last_time")
     except Exception as e:  # pylint: disable=broad-except
       # An account that does not parse is no reason to stop training.
       logging.warning("%s is not a goodput account (%s); counting from this "
