@@ -118,8 +118,13 @@ class Goodput:
     self.pending = []
 
   def saved(self, step: int) -> None:
-    """A checkpoint at `step`: the pending steps up to it count."""
+    """A checkpoint at `step`: the pending steps up to it count; those
+    after it (trained while a background write was in flight) stay
+    pending."""
+    later = [entry for entry in self.pending if entry[0] > step]
+    self.pending = [entry for entry in self.pending if entry[0] <= step]
     self.restored(step)
+    self.pending = later
 
   def loop(self, first: int, last: int, elapsed: float) -> None:
     """Steps `first..last` trained in `elapsed` s. A launch's first loop
