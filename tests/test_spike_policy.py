@@ -99,6 +99,12 @@ def test_spike_policy_none_adds_no_state():
     ({"spike_policy": "skip", "spike_factor": 0.5}, "spike_factor=0.5"),
     ({"spike_policy": "skip", "spike_window": 0}, "spike_window=0"),
     ({"spike_policy": "skip", "spike_window": 2}, "spike_window=2"),
+    # A window no memory holds was an OOM traceback in the first step.
+    ({"spike_policy": "skip", "spike_window": 10**12},
+     "spike_window=1000000000000"),
+    # An infinite factor decides no spike: a policy silently off.
+    ({"spike_policy": "skip", "spike_factor": float("inf")},
+     "spike_factor=inf"),
 ])
 def test_bad_spike_settings_are_one_config_error(options, named):
   with pytest.raises(ConfigError, match=named):

@@ -28,6 +28,9 @@ NAN_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("none", "skip", "rollback")
 # The fewest losses whose median a spike is judged against.
 MIN_SPIKE_WINDOW = 3
+# The window is a variable in every step and checkpoint; a median over more
+# steps than this is no longer a running one.
+MAX_SPIKE_WINDOW = 100_000
 # A damaged newest checkpoint: see `CheckpointManager`.
 RESTORE_POLICIES = ("latest_intact", "error")
 # Who writes a checkpoint's tensors (`framework.core.checkpoints.sharding`).
@@ -404,8 +407,8 @@ class TrainerConfig:
       skipped steps in a row.
     spike_policy: one of SPIKE_POLICIES (`framework.core.spikes`).
     spike_factor: a step is a spike when its loss or gradient norm is above
-      the median of the last `spike_window` steps' times this (> 1).
-    spike_window: the steps that median is taken over (>= 3).
+      the median of the last `spike_window` steps' times this (finite, > 1).
+    spike_window: the steps that median is taken over (3 to 100000).
     grad_accum_steps: micro-batches per replica batch.
     ema_decay: an EMA of the trainable weights with this decay (None: off).
     ema_warmup: the EMA's decay ramps up as min(decay, (1+n)/(10+n)).
@@ -437,11 +440,11 @@ class TrainerConfig:
   spike_factor: float = setting(
       4.0, "--spike_policy: a step whose global loss, or gradient norm "
       "before clipping, is above the median of the last --spike_window "
-      "steps' times this is a spike (> 1).",
+      "steps' times this is a spike (a finite number > 1).",
       read_by={"spike_policy": ("skip", "rollback")})
   spike_window: int = setting(
       50, "--spike_policy: the steps the running median is taken over; no "
-      "spike is decided before that many steps ran (>= 3).",
+      "spike is decided before that many steps ran (3 to 100000).",
       minimum=POSITIVE, read_by={"spike_policy": ("skip", "rollback")})
   grad_accum_steps: int = setting(
       1, "Split each replica's batch into this many micro-batches; one "
@@ -507,13 +510,15 @@ class TrainerConfig:
     if self.ema_decay is not None and not 0 < self.ema_decay < 1:
       raise ConfigError(f"ema_decay={self.ema_decay} must be in (0, 1) (or "
                         "unset)")
-    if not self.spike_factor > 1:
-      raise ConfigError(f"spike_factor={self.spike_factor} must be > 1 (a "
-                        "spike is a loss above the running median times it)")
-    if self.spike_window < MIN_SPIKE_WINDOW:
+    if not 1 < self.spike_factor < math.inf:
+      raise ConfigError(f"spike_factor={self.spike_factor} must be a finite "
+                        "number > 1 (a spike is a loss above the running "
+                        "median times it)")
+    if not MIN_SPIKE_WINDOW <= self.spike_window <= MAX_SPIKE_WINDOW:
       raise ConfigError(
-          f"spike_window={self.spike_window} must be >= {MIN_SPIKE_WINDOW} "
-          "(the steps whose median a spike is judged against)")
+          f"spike_window={self.spike_window} must be from {MIN_SPIKE_WINDOW} "
+          f"to {MAX_SPIKE_WINDOW} (the steps whose median a spike is judged "
+          "against)")
 
   @classmethod
   def of(cls, config):

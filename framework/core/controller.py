@@ -184,6 +184,7 @@ class Controller:
     self.eval_results = {}  # {split: results} of the latest evaluation
     self.on_train_end = list(on_train_end)
     self.goodput = None  # the run's `goodput.Goodput`, once `run()` trains
+    self._unlisted = None  # the step of a background write not yet waited for
     self.stop_reason = None
     self.start_time = start_time
     self.handle_preemption = handle_preemption
@@ -245,8 +246,20 @@ class Controller:
     path = self.checkpoints.save(step)
     if self.goodput is not None:
       self.goodput.add("checkpoint", time.time() - started)
-      self.goodput.saved(step)
+      if getattr(self.checkpoints, "async_checkpoint", False):
+        # Its steps count once the write lands (a kill -9 before that
+        # makes them lost); `save` waited for the previous one.
+        self._confirm_save()
+        self._unlisted = step
+      else:
+        self.goodput.saved(step)
     return path
+
+  def _confirm_save(self):
+    """The steps up to a background write that landed count (goodput)."""
+    if self._unlisted is not None and self.goodput is not None:
+      self.goodput.saved(self._unlisted)
+    self._unlisted = None
 
   @property
   def loss_finite(self) -> bool:
@@ -295,6 +308,7 @@ class Controller:
     wait = getattr(self.checkpoints, "wait", None)  # a manager of one's own
     if wait is not None:
       wait()
+      self._confirm_save()
 
   def restore(self) -> None:
     """Restores the latest checkpoint, once (CheckpointError on mismatch)."""
@@ -413,6 +427,9 @@ class Controller:
     """Restores the last checkpoint after a spike at `spike_step` and
     records the batches since it; (step, iterator), or None before the
     first checkpoint (the spike's update was dropped: a skip)."""
+    # A background write in flight is the checkpoint a synchronous run would
+    # roll back to: list it first.
+    self.wait_for_checkpoint()
     path = self.checkpoints.latest
     if path is None:
       logging.warning(

@@ -30,6 +30,7 @@ restores an earlier step makes them lost.
 """
 
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -84,6 +85,15 @@ class Goodput:
       pending = [[int(a), int(b), float(s)] for a, b, s in record["pending"]]
       launches, first = int(record["launches"]), float(record["first_start"])
       last = float(record["last_time"])
+      numbers = [*seconds.values(), *steps.values(), first, last,
+                 *(x for entry in pending for x in entry)]
+      if not (all(math.isfinite(x) and x >= 0 for x in numbers)
+              and launches >= 1 and first <= last
+              and all(a <= b for a, b, _ in pending)):
+        # An edited account would report nonsense (nan%, -2 launches).
+        raise ValueError("its numbers are not finite non-negative seconds "
+                         "and counts, launches >= 1, first_start <= "
+                         "last_time")
     except Exception as e:  # pylint: disable=broad-except
       # An account that does not parse is no reason to stop training.
       logging.warning("%s is not a goodput account (%s); counting from this "
@@ -108,8 +118,13 @@ class Goodput:
     self.pending = []
 
   def saved(self, step: int) -> None:
-    """A checkpoint at `step`: the pending steps up to it count."""
+    """A checkpoint at `step`: the pending steps up to it count; those
+    after it (trained while a background write was in flight) stay
+    pending."""
+    later = [entry for entry in self.pending if entry[0] > step]
+    self.pending = [entry for entry in self.pending if entry[0] <= step]
     self.restored(step)
+    self.pending = later
 
   def loop(self, first: int, last: int, elapsed: float) -> None:
     """Steps `first..last` trained in `elapsed` s. A launch's first loop

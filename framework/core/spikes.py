@@ -131,6 +131,12 @@ def skip_batches(data: Any, start: int, skipped: Sequence[int]) -> Any:
           lambda _, batch: batch)
 
 
+def _index(value) -> bool:
+  """Whether `value` is a step or batch index (an int64 tensor holds it)."""
+  return (isinstance(value, int) and not isinstance(value, bool)
+          and 0 <= value < 2**62)
+
+
 class RollbackRecord:
   """`model_dir/spike_batches.json`: each rollback (the spike's step, the
   checkpoint's step, the batch indices skipped), read as plain data."""
@@ -147,13 +153,15 @@ class RollbackRecord:
         record = json.load(f)
       rollbacks = record["rollbacks"]
       for r in rollbacks:
-        if not (isinstance(r["spike_step"], int)
-                and isinstance(r["checkpoint_step"], int)
-                and all(isinstance(i, int) and i >= 0 for i in r["batches"])):
-          raise ValueError("not integers")
-    except (ValueError, KeyError, TypeError) as e:
+        if not (_index(r["checkpoint_step"]) and _index(r["spike_step"])
+                and r["checkpoint_step"] <= r["spike_step"]
+                and all(_index(i) for i in r["batches"])):
+          raise ValueError("not step and batch indices from 0 to 2**62, "
+                           "checkpoint_step <= spike_step")
+    except (ValueError, KeyError, TypeError, tf.errors.OpError) as e:
       raise CheckpointError(
-          f"{self.path} is not a spike_batches record ({e}); restore or "
+          f"{self.path} is not a spike_batches record "
+          f"({(str(e).splitlines() or [type(e).__name__])[0]}); restore or "
           "remove it (its batches are then trained on again)") from None
     return rollbacks
 

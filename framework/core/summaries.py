@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from framework.core.checkpoints import run_files
 from framework.distribute import strategies
+from framework.errors import ModelDirError
 
 
 @runtime_checkable
@@ -247,8 +248,12 @@ class JsonlSink:
     restored `step` writes those steps again."""
     if not tf.io.gfile.exists(self.path):
       return
-    with tf.io.gfile.GFile(self.path) as f:
-      lines = f.read().splitlines()
+    try:
+      with tf.io.gfile.GFile(self.path) as f:
+        lines = f.read().splitlines()
+    except tf.errors.OpError as e:  # a directory in its place
+      raise ModelDirError(f"cannot read {self.path} "
+                          f"({str(e).splitlines()[0]}); move it away") from None
     keep = [line for line in lines
             if (point := _parse(line)) is not None and point["step"] <= step]
     if len(keep) == len(lines):

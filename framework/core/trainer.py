@@ -208,9 +208,11 @@ class StepLoop:
     # Controller's train/ scalars use the same numbering).
     with summaries.default_step(self.global_step + 1):
       per_replica = self.distributed_train_step(dist_batch)
-    if not self._applied_in_trace and (self.ema is not None
-                                       or self.nan_policy == "skip"
-                                       or self.spike_policy != "none"):
+    # An error `apply_gradients` already gave (e.g. no spike_signals) says
+    # more than "never calls".
+    if not self._applied_in_trace and not self._trace_error and (
+        self.ema is not None or self.nan_policy == "skip"
+        or self.spike_policy != "none"):
       # Raised by `train` once traced (autograph would re-wrap it here).
       feature = ("ema_decay (the EMA of the weights)" if self.ema is not None
                  else "nan_policy=skip" if self.nan_policy == "skip"

@@ -205,6 +205,9 @@ class CheckpointManager:
       status = self.checkpoint.restore(path)
       status.assert_existing_objects_matched()
     except (ValueError, AssertionError, tf.errors.OpError) as e:
+      spike_problem = self._spike_window_problem(path)
+      if spike_problem:
+        raise CheckpointError(spike_problem) from None
       raise CheckpointError(
           f"checkpoint {path} does not match this model and optimizer "
           f"({first_line(e)}); use another model_dir or the same model "
@@ -214,6 +217,25 @@ class CheckpointManager:
       self._forget(damaged)
     logging.info("Restored checkpoint %s", path)
     return path
+
+  def _spike_window_problem(self, path):
+    """Why `path` cannot restore this run's spike window (a spike policy
+    added to a run trained without one, another window), or None."""
+    window = getattr(self.checkpoint, "spike_window", None)
+    if window is None:
+      return None
+    shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    saved = shapes.get("spike_window/losses/.ATTRIBUTES/VARIABLE_VALUE")
+    if saved is None:
+      return (f"spike_policy={window.policy}: checkpoint {path} was trained "
+              "without a spike policy, so it has no spike window to resume; "
+              "relaunch this run with spike_policy=none or start a new "
+              "model_dir")
+    if list(saved) != [window.window]:
+      return (f"spike_window={window.window}: checkpoint {path} holds a "
+              f"window of {saved[0]} steps; relaunch with "
+              f"spike_window={saved[0]}")
+    return None
 
   def _forget(self, damaged):
     """Rewrites the state file without the damaged checkpoints."""

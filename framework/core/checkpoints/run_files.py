@@ -89,7 +89,8 @@ def read_json(path, remedy=""):
   """The JSON at `path`, or None when there is no such file.
 
   Raises CheckpointError, in one line ending in `remedy`, when it is not
-  valid JSON (a file half-written by hand, or damaged).
+  valid JSON (a file half-written by hand, or damaged) or cannot be read
+  (a directory in its place).
   """
   if not tf.io.gfile.exists(path):
     return None
@@ -98,6 +99,9 @@ def read_json(path, remedy=""):
       return json.load(f)
   except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
     raise CheckpointError(f"{path} is not valid JSON ({e}){remedy}") from None
+  except tf.errors.OpError as e:  # a directory in its place, unreadable
+    raise CheckpointError(
+        f"cannot read {path} ({_reason(e)}){remedy}") from None
 
 
 def write_text(path, text):
