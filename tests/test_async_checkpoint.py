@@ -24,7 +24,7 @@ COMMON = ["--model=mlp", "--dataset=synthetic", "--hidden_units=16",
 # train.py with a hook in the background write of ckpt-4, after its files
 # are copied under temporary names and before they are renamed and listed.
 HOOKED_TRAIN = textwrap.dedent("""
-    import errno, os, signal, sys
+    import errno, os, signal, sys, time
     from absl import app
     from framework.core.checkpoints import manager
     what = os.environ["AT_CKPT_4"]
@@ -32,6 +32,10 @@ HOOKED_TRAIN = textwrap.dedent("""
       if prefix.endswith("ckpt-4"):
         if what == "kill":
           os.kill(os.getpid(), signal.SIGKILL)
+        if what == "term":  # the write goes on while the signal lands
+          os.kill(os.getpid(), signal.SIGTERM)
+          time.sleep(1)
+          return
         raise OSError(errno.ENOSPC, "No space left on device")
     manager._WRITE_HOOKS.append(hook)
     from scripts import train
@@ -93,6 +97,23 @@ def test_kill_9_in_a_background_write_resumes_exactly(synchronous, tmp_path):
   assert _digest(proc) == _digest(sync)
   assert _listed(model_dir) == ["ckpt-4", "ckpt-6"]
   assert not glob.glob(os.path.join(model_dir, "*tempstate*"))
+
+
+def test_sigterm_in_a_background_write_keeps_it_and_resumes_exactly(
+    synchronous, tmp_path):
+  """SIGTERM (a preemption) while ckpt-4 is being written: the write is
+  waited for, never left half-listed; the relaunch ends on the
+  uninterrupted run's weights."""
+  _, sync = synchronous
+  model_dir = str(tmp_path / "run")
+  args = [*COMMON, "--async_checkpoint", f"--model_dir={model_dir}"]
+  stopped = run_code(HOOKED_TRAIN, *args, env={"AT_CKPT_4": "term"})
+  assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+  assert "ckpt-4" in _listed(model_dir), stopped.stderr[-3000:]
+  assert not glob.glob(os.path.join(model_dir, "*tempstate*"))
+  proc = run_script("train.py", *args)
+  assert _digest(proc) == _digest(sync)
+  assert _listed(model_dir)[-1] == "ckpt-6"
 
 
 def test_a_failed_background_write_is_one_line_and_no_partial_checkpoint(
