@@ -23,6 +23,8 @@ def read_scalars(logdir):
         array = tf.make_ndarray(value.tensor)
         if array.dtype == object:
           texts[value.tag] = array.item().decode()
+        elif array.ndim:  # a histogram (e.g. --log_layer_norms), no curve
+          continue
         else:
           scalars.setdefault(value.tag, []).append(
               (event.step, float(array)))

@@ -119,3 +119,23 @@ def test_a_full_disk_is_one_line_and_the_old_png_stays(tmp_path):
                   "on device); the previous version is unchanged"), last
   assert after == before
   assert leftovers == ["filler", "loss.png", "train"], leftovers
+
+
+def test_histograms_beside_the_scalars_are_left_out(tmp_path):
+  """A run with histograms in train/ (`--log_layer_norms`) still plots."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  model_dir = str(tmp_path)
+  train = framework.core.summaries.SummaryWriter(model_dir, "train")
+  for step, loss in ((1, 3.0), (2, 2.0)):
+    train.scalars(step, {"loss": loss})
+  writer = tf.summary.create_file_writer(os.path.join(model_dir, "train"))
+  with writer.as_default():
+    tf.summary.histogram("layer_norms_hist/grad", [0.1, 0.2, 0.3], step=2)
+  writer.flush()
+  train.close()
+  values = tmp_path / "curves.json"
+  run_script("plot_curves.py", f"--model_dir={model_dir}", "--tag=loss",
+             "--x_axis=step", f"--output={tmp_path / 'loss.png'}",
+             f"--output_json={values}")
+  curves = json.loads(values.read_text())
+  assert curves["train"] == {"1": 3.0, "2": 2.0}
