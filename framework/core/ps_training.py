@@ -122,7 +122,7 @@ class CoordinatedTrainer:
               "loss_scale", "request_stop", "stop_requested",
               "run_eval_step", "metric_aliases", "export_model", "ema",
               "averaged_weights", "last_confusion", "checkpointed_optimizer",
-              "tracked_objects")
+              "tracked_objects", "spikes", "collective_wait_seconds")
   FORWARDED = REQUIRED + OPTIONAL
 
   def __init__(self, trainer):
