@@ -137,13 +137,14 @@ _INFO_FIELDS = {
     "ema_decay": ((int, float, type(None)), "a number or null"),
     "mixed_precision": ((str, type(None)), "a precision name or null"),
     input_scale.RECORD: (bool, "true or false"),
+    "run_plan": (dict, "an object"),
 }
 
 
 def read_model_info(model_dir):
   """The dict written by `write_model_info`, or None if there is none."""
   path = os.path.join(model_dir, MODEL_INFO_FILE)
-  info = run_files.read_json(path)
+  info = run_files.read_json(path, object_only=True)
   if info is None:
     return None
   missing = [k for k in ("model", "input_shape", "class_names")
@@ -162,6 +163,14 @@ def read_model_info(model_dir):
     raise CheckpointError(f"{path}: input_shape is {info['input_shape']}, "
                           "not a list of positive integers (edited or "
                           "damaged); restore the run's own file")
+  split = info.get("run_plan", {}).get("model_parallel")
+  if split is not None and not (isinstance(split, dict) and isinstance(
+      split.get("mesh", ""), str) and isinstance(split.get("mode", ""), str)):
+    # A resume compares it with this run's split (framework.app.resume).
+    raise CheckpointError(
+        f"{path}: run_plan.model_parallel is {json.dumps(split)[:80]}, not "
+        "an object with a string mesh and mode (edited or damaged); "
+        "restore the run's own file")
   if not all(isinstance(n, str) for n in info["class_names"]):
     raise CheckpointError(f"{path}: class_names holds other values than "
                           "strings (edited or damaged); restore the run's "
