@@ -163,14 +163,18 @@ def read_model_info(model_dir):
     raise CheckpointError(f"{path}: input_shape is {info['input_shape']}, "
                           "not a list of positive integers (edited or "
                           "damaged); restore the run's own file")
+  # A resume compares the recorded split with its own (framework.app.resume).
   split = info.get("run_plan", {}).get("model_parallel")
-  if split is not None and not (isinstance(split, dict) and isinstance(
-      split.get("mesh", ""), str) and isinstance(split.get("mode", ""), str)):
-    # A resume compares it with this run's split (framework.app.resume).
+  split = {} if split is None else split
+  bad = ("run_plan.model_parallel", split, "an object")
+  if isinstance(split, dict):
+    bad = next(((f"run_plan.model_parallel.{k}", split[k], "a string")
+                for k in ("mesh", "mode")
+                if k in split and not isinstance(split[k], str)), None)
+  if bad:
     raise CheckpointError(
-        f"{path}: run_plan.model_parallel is {json.dumps(split)[:80]}, not "
-        "an object with a string mesh and mode (edited or damaged); "
-        "restore the run's own file")
+        f"{path}: {bad[0]} is {json.dumps(bad[1])[:80]}, not {bad[2]} "
+        "(edited or damaged); restore the run's own file")
   if not all(isinstance(n, str) for n in info["class_names"]):
     raise CheckpointError(f"{path}: class_names holds other values than "
                           "strings (edited or damaged); restore the run's "
