@@ -18,7 +18,9 @@ GOOD = {"model": "mlp", "model_options": {}, "input_shape": [4],
     ("input_shape", "abc"), ("input_shape", [0]), ("input_shape", [True]),
     ("class_names", [1, 2]), ("num_classes", "2"),
     ("label_smoothing", "x"), ("input_times_255", "yes"),
-    ("model_import_dir", 3),
+    ("model_import_dir", 3), ("run_plan", "x"),
+    ("run_plan", {"model_parallel": "x"}),
+    ("run_plan", {"model_parallel": {"mesh": 5}}),
 ])
 def test_a_field_of_another_type_is_one_line_naming_it(tmp_path, field,
                                                        value):
@@ -33,3 +35,13 @@ def test_a_field_of_another_type_is_one_line_naming_it(tmp_path, field,
 def test_the_runs_own_file_reads(tmp_path):
   (tmp_path / export.MODEL_INFO_FILE).write_text(json.dumps(GOOD))
   assert export.read_model_info(str(tmp_path))["model"] == "mlp"
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3",
+                                  '"model input_shape class_names"'])
+def test_a_file_that_holds_no_object_is_one_line(tmp_path, text):
+  (tmp_path / export.MODEL_INFO_FILE).write_text(text)
+  with pytest.raises(CheckpointError) as error:
+    export.read_model_info(str(tmp_path))
+  assert "\n" not in str(error.value)
+  assert "not a JSON object" in str(error.value)

@@ -137,13 +137,14 @@ _INFO_FIELDS = {
     "ema_decay": ((int, float, type(None)), "a number or null"),
     "mixed_precision": ((str, type(None)), "a precision name or null"),
     input_scale.RECORD: (bool, "true or false"),
+    "run_plan": (dict, "an object"),
 }
 
 
 def read_model_info(model_dir):
   """The dict written by `write_model_info`, or None if there is none."""
   path = os.path.join(model_dir, MODEL_INFO_FILE)
-  info = run_files.read_json(path)
+  info = run_files.read_json(path, object_only=True)
   if info is None:
     return None
   missing = [k for k in ("model", "input_shape", "class_names")
@@ -162,6 +163,18 @@ def read_model_info(model_dir):
     raise CheckpointError(f"{path}: input_shape is {info['input_shape']}, "
                           "not a list of positive integers (edited or "
                           "damaged); restore the run's own file")
+  # A resume compares the recorded split with its own (framework.app.resume).
+  split = info.get("run_plan", {}).get("model_parallel")
+  split = {} if split is None else split
+  bad = ("run_plan.model_parallel", split, "an object")
+  if isinstance(split, dict):
+    bad = next(((f"run_plan.model_parallel.{k}", split[k], "a string")
+                for k in ("mesh", "mode")
+                if k in split and not isinstance(split[k], str)), None)
+  if bad:
+    raise CheckpointError(
+        f"{path}: {bad[0]} is {json.dumps(bad[1])[:80]}, not {bad[2]} "
+        "(edited or damaged); restore the run's own file")
   if not all(isinstance(n, str) for n in info["class_names"]):
     raise CheckpointError(f"{path}: class_names holds other values than "
                           "strings (edited or damaged); restore the run's "

@@ -579,7 +579,8 @@ def read_run_config(model_dir):
   """The dict the chief wrote with its checkpoints, or None."""
   return run_files.read_json(
       os.path.join(model_dir, RUN_CONFIG_FILE),
-      "; delete it to resume without the configuration check")
+      "; delete it to resume without the configuration check",
+      object_only=True)
 
 
 # The `checkpoint` state file: read strictly, and rebuilt when garbled.

@@ -85,23 +85,29 @@ def write_atomically(path, write):
   return path
 
 
-def read_json(path, remedy=""):
+def read_json(path, remedy="", *, object_only=False):
   """The JSON at `path`, or None when there is no such file.
 
   Raises CheckpointError, in one line ending in `remedy`, when it is not
-  valid JSON (a file half-written by hand, or damaged) or cannot be read
-  (a directory in its place).
+  valid JSON (a file half-written by hand, or damaged), cannot be read
+  (a directory in its place) or, with `object_only`, holds no JSON object
+  (`[]`, `null`: a file the run wrote always holds one).
   """
   if not tf.io.gfile.exists(path):
     return None
   try:
     with tf.io.gfile.GFile(path) as f:
-      return json.load(f)
+      value = json.load(f)
   except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
     raise CheckpointError(f"{path} is not valid JSON ({e}){remedy}") from None
   except tf.errors.OpError as e:  # a directory in its place, unreadable
     raise CheckpointError(
         f"cannot read {path} ({_reason(e)}){remedy}") from None
+  if object_only and not isinstance(value, dict):
+    raise CheckpointError(
+        f"{path} holds {json.dumps(value)[:40]}, not a JSON object (edited "
+        f"or damaged){remedy}")
+  return value
 
 
 def write_text(path, text):
