@@ -172,15 +172,19 @@ def test_bfloat16_cnn_run_divides_by_the_bfloat16_peak(tmp_path,
                         "perf/mfu")) == [1, 2]
 
 
-@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "", "NEGATIVE"])
+# Figures no device has (1e308 FLOP/s would give every run an MFU of 0).
+_FIGURES = {"NEGATIVE": -5.0, "HUGE": 1e308, "TINY": 1e-300}
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "", *_FIGURES])
 def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path,
                                                          monkeypatch,
                                                          damage):
   monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(tmp_path))
   path = peak.cache_path()
   with open(path, "w") as f:
-    f.write(json.dumps({peak.key("float32"): -5.0}) if damage == "NEGATIVE"
-            else damage)
+    f.write(json.dumps({peak.key("float32"): _FIGURES[damage]})
+            if damage in _FIGURES else damage)
   measured = []
 
   def measure(dtype, device):

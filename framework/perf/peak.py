@@ -23,6 +23,9 @@ CACHE_FILE = "peak_flops.json"
 # Big enough to reach a device's matmul rate, small enough to take about a
 # second: a GPU needs far larger matrices than a CPU to fill.
 _SIZES = {"GPU": 8192, "CPU": 2048}
+# FLOP/s a device's matmuls can have: a figure outside (a doctored file)
+# would make every MFU about 0 or huge, so it is measured again.
+_PLAUSIBLE = (1e6, 1e17)
 
 
 def cache_path() -> str:
@@ -66,7 +69,7 @@ def _read(path):
     return {}
   return {key: value for key, value in entries.items()
           if isinstance(value, (int, float)) and not isinstance(value, bool)
-          and value > 0 and value != float("inf")}
+          and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]}
 
 
 def _write(path, entries):
