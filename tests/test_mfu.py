@@ -200,3 +200,21 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path,
   assert measured == [("float32", "/CPU:0"), ("bfloat16", "/CPU:0")]
   assert set(json.load(open(path))) == {peak.key("float32"),
                                         peak.key("bfloat16")}
+
+
+@pytest.mark.parametrize("blocker", ["file_is_a_folder", "cache_is_a_file"])
+def test_a_peak_that_cannot_be_kept_is_not_logged_as_kept(tmp_path,
+                                                          monkeypatch,
+                                                          blocker):
+  cache = tmp_path / "cache"
+  if blocker == "file_is_a_folder":
+    (cache / peak.CACHE_FILE).mkdir(parents=True)
+  else:
+    cache.write_text("")
+  monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(cache))
+  logged = []
+  monkeypatch.setattr(peak.logging, "info",
+                      lambda fmt, *args: logged.append(fmt % args))
+  assert peak.peak_flops("float32", measure=lambda *_: 2.0e11) == 2.0e11
+  assert len(logged) == 1 and "not kept" in logged[0], logged
+  assert "kept in" not in logged[0]

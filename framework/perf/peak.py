@@ -74,18 +74,20 @@ def _read(path):
 
 def _write(path, entries):
   """Atomically; a cache folder that cannot be written is left as it is
-  (the next run measures again)."""
+  (the next run measures again). Returns None, or why it was not written."""
   temporary = f"{path}.{os.getpid()}.tmp"
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(temporary, "w") as f:
       json.dump(entries, f, indent=1, sort_keys=True)
     os.replace(temporary, path)
-  except OSError:
+  except OSError as e:
     try:
       os.remove(temporary)
     except OSError:
       pass
+    return f"{e.strerror or e}: {e.filename or path}"
+  return None
 
 
 def key(dtype: str, device_type: str = "CPU") -> str:
@@ -109,9 +111,10 @@ def peak_flops(compute_dtype: str = "float32", device_type: str = "CPU",
                                     compute_dtype=compute_dtype, device=device)
   else:
     value = measure(compute_dtype, device)
-  logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (kept in "
-               "%s)", compute_dtype, device_kind(device_type), value / 1e9,
-               path)
   # Re-read: another process of this host may have added its entries.
-  _write(path, {**_read(path), entry: float(value)})
+  problem = _write(path, {**_read(path), entry: float(value)})
+  logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (%s)",
+               compute_dtype, device_kind(device_type), value / 1e9,
+               f"kept in {path}" if problem is None else
+               f"not kept: {problem}; the next run measures again")
   return float(value)
