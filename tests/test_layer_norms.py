@@ -130,3 +130,14 @@ def test_a_whole_step_under_xla_is_one_line(tmp_path):
       check=False)
   helpers.assert_one_line_error(proc, "train.py", "log_layer_norms=True",
                                 "jit_compile", unchanged=before)
+
+
+def test_no_summary_steps_is_one_clear_error(tmp_path):
+  # summary_every=0 records nothing inside the step: the flag would do
+  # nothing, silently.
+  with pytest.raises(framework.errors.ConfigError,
+                     match="log_layer_norms=True.*summary_every=0"):
+    helpers.tiny_mlp_config(
+        str(tmp_path), log_layer_norms=True,
+        loop=LoopConfig(train_steps=2, summary_every=0))
+  assert not os.listdir(tmp_path)
