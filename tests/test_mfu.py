@@ -218,3 +218,16 @@ def test_a_peak_that_cannot_be_kept_is_not_logged_as_kept(tmp_path,
   assert peak.peak_flops("float32", measure=lambda *_: 2.0e11) == 2.0e11
   assert len(logged) == 1 and "not kept" in logged[0], logged
   assert "kept in" not in logged[0]
+
+
+@pytest.mark.parametrize("stand_in", ["/dev/zero", "huge"])
+def test_a_cache_file_that_never_ends_is_measured_again(tmp_path, monkeypatch,
+                                                        stand_in):
+  monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(tmp_path))
+  path = peak.cache_path()
+  if stand_in == "huge":  # valid JSON, larger than any cache holds
+    with open(path, "w") as f:
+      json.dump({peak.key("float32"): 3.0e11, "padding": "x" * (2 << 20)}, f)
+  else:
+    os.symlink(stand_in, path)
+  assert peak.peak_flops("float32", measure=lambda *_: 2.0e11) == 2.0e11

@@ -26,6 +26,8 @@ _SIZES = {"GPU": 8192, "CPU": 2048}
 # FLOP/s a device's matmuls can have: a figure outside (a doctored file)
 # would make every MFU about 0 or huge, so it is measured again.
 _PLAUSIBLE = (1e6, 1e17)
+# Far more than the entries of every device kind and dtype of a host.
+_MAX_BYTES = 1 << 20
 
 
 def cache_path() -> str:
@@ -60,9 +62,16 @@ def device_kind(device_type: str = "CPU") -> str:
 
 def _read(path):
   """{key: FLOP/s} of the usable entries of `path` ({} if none)."""
+  # Only a regular file, and only its first bytes: a device, a pipe or a
+  # huge file in its place would block or fill the memory.
+  if not os.path.isfile(path):
+    return {}
   try:
-    with open(path) as f:
-      entries = json.load(f)
+    with open(path, "rb") as f:
+      text = f.read(_MAX_BYTES + 1)
+    if len(text) > _MAX_BYTES:
+      return {}
+    entries = json.loads(text)
   except (OSError, ValueError):
     return {}
   if not isinstance(entries, dict):
