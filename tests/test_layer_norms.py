@@ -3,6 +3,7 @@ own, global under several replicas, and nothing of it when off."""
 
 import os
 
+import keras
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
@@ -130,3 +131,33 @@ def test_a_whole_step_under_xla_is_one_line(tmp_path):
       check=False)
   helpers.assert_one_line_error(proc, "train.py", "log_layer_norms=True",
                                 "jit_compile", unchanged=before)
+
+
+def test_no_summary_steps_is_one_clear_error(tmp_path):
+  # summary_every=0 records nothing inside the step: the flag would do
+  # nothing, silently.
+  with pytest.raises(framework.errors.ConfigError,
+                     match="log_layer_norms=True.*summary_every=0"):
+    helpers.tiny_mlp_config(
+        str(tmp_path), log_layer_norms=True,
+        loop=LoopConfig(train_steps=2, summary_every=0))
+  assert not os.listdir(tmp_path)
+
+
+def test_two_layers_of_one_name_are_two_layers():
+  class Twin(keras.Model):
+
+    def __init__(self):
+      super().__init__(name="twin")
+      self.first = keras.layers.Dense(3, name="same")
+      self.second = keras.layers.Dense(2, name="same")
+
+    def call(self, x):
+      return self.second(self.first(x))
+
+  model = Twin()
+  model(np.zeros((1, 4), np.float32))
+  assert ([v.path for v in model.trainable_variables]
+          == ["twin/same/kernel", "twin/same/bias"] * 2)  # what Keras names
+  assert layer_norms.group_by_layer(model.trainable_variables) == [
+      ("twin/same", [0, 1]), ("twin/same.2", [2, 3])]

@@ -172,15 +172,19 @@ def test_bfloat16_cnn_run_divides_by_the_bfloat16_peak(tmp_path,
                         "perf/mfu")) == [1, 2]
 
 
-@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "", "NEGATIVE"])
+# Figures no device has (1e308 FLOP/s would give every run an MFU of 0).
+_FIGURES = {"NEGATIVE": -5.0, "HUGE": 1e308, "TINY": 1e-300}
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "", *_FIGURES])
 def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path,
                                                          monkeypatch,
                                                          damage):
   monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(tmp_path))
   path = peak.cache_path()
   with open(path, "w") as f:
-    f.write(json.dumps({peak.key("float32"): -5.0}) if damage == "NEGATIVE"
-            else damage)
+    f.write(json.dumps({peak.key("float32"): _FIGURES[damage]})
+            if damage in _FIGURES else damage)
   measured = []
 
   def measure(dtype, device):
@@ -196,3 +200,34 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path,
   assert measured == [("float32", "/CPU:0"), ("bfloat16", "/CPU:0")]
   assert set(json.load(open(path))) == {peak.key("float32"),
                                         peak.key("bfloat16")}
+
+
+@pytest.mark.parametrize("blocker", ["file_is_a_folder", "cache_is_a_file"])
+def test_a_peak_that_cannot_be_kept_is_not_logged_as_kept(tmp_path,
+                                                          monkeypatch,
+                                                          blocker):
+  cache = tmp_path / "cache"
+  if blocker == "file_is_a_folder":
+    (cache / peak.CACHE_FILE).mkdir(parents=True)
+  else:
+    cache.write_text("")
+  monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(cache))
+  logged = []
+  monkeypatch.setattr(peak.logging, "info",
+                      lambda fmt, *args: logged.append(fmt % args))
+  assert peak.peak_flops("float32", measure=lambda *_: 2.0e11) == 2.0e11
+  assert len(logged) == 1 and "not kept" in logged[0], logged
+  assert "kept in" not in logged[0]
+
+
+@pytest.mark.parametrize("stand_in", ["/dev/zero", "huge"])
+def test_a_cache_file_that_never_ends_is_measured_again(tmp_path, monkeypatch,
+                                                        stand_in):
+  monkeypatch.setenv("DISTLOOP_CACHE_DIR", str(tmp_path))
+  path = peak.cache_path()
+  if stand_in == "huge":  # valid JSON, larger than any cache holds
+    with open(path, "w") as f:
+      json.dump({peak.key("float32"): 3.0e11, "padding": "x" * (2 << 20)}, f)
+  else:
+    os.symlink(stand_in, path)
+  assert peak.peak_flops("float32", measure=lambda *_: 2.0e11) == 2.0e11

@@ -278,6 +278,13 @@ class ExperimentConfig:
           "spike_policy=rollback needs checkpoints to roll back to, but "
           "checkpoint_every=0 saves only at the end; set checkpoint_every "
           "(e.g. 100) or use spike_policy=skip")
+    if (self.log_layer_norms and self.loop is not None
+        and not self.loop.summary_every):
+      # summary_every=0 records no summary inside the step: none would show.
+      raise ConfigError(
+          "log_layer_norms=True writes on the summary_every steps, but "
+          "summary_every=0 records none; set summary_every (e.g. 100) or "
+          "turn log_layer_norms off")
     builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", builtin.num_heads),

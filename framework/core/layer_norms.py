@@ -40,16 +40,31 @@ KINDS = ("grad", "weight", "update_ratio")
 def layer_of(variable: Any) -> str:
   """The layer path of `variable`: its Keras path (or name) without the
   last component (`mlp/dense_1/kernel` -> `mlp/dense_1`)."""
-  path = getattr(variable, "path", None) or variable.name.split(":")[0]
+  path = _path(variable)
   return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def _path(variable: Any) -> str:
+  return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
 def group_by_layer(variables: Sequence[Any]) -> list[tuple[str, list[int]]]:
   """[(layer path, indices of its variables in `variables`)], in the order
-  the layers first appear."""
-  groups = {}
+  the layers first appear. Two layers of one path (a subclassed model may
+  name two layers alike) are two groups, the second `<path>.2`, ...: a
+  variable path seen again starts the next one."""
+  groups, current = {}, {}  # current: layer path -> (group, paths in it)
   for i, variable in enumerate(variables):
-    groups.setdefault(layer_of(variable), []).append(i)
+    layer = layer_of(variable)
+    name, paths = current.get(layer, (layer, set()))
+    if _path(variable) in paths:
+      copy = 2
+      while f"{layer}.{copy}" in groups:
+        copy += 1
+      name, paths = f"{layer}.{copy}", set()
+    paths.add(_path(variable))
+    current[layer] = (name, paths)
+    groups.setdefault(name, []).append(i)
   return list(groups.items())
 
 

@@ -124,9 +124,10 @@ def node_flops(node, input_gradient=True):
         {id(k): t for k, t in zip(inputs, tensors)})
     return call_layer(layer, args, kwargs, training=True)
 
+  # A ranking of the stages: a layer's loop counted once still ranks it.
   return call_training_flops(fn, [_spec(t) for t in inputs],
                              getattr(layer, "trainable_variables", []),
-                             input_gradient)
+                             input_gradient, outer_ops_only=True)
 
 
 def node_costs(nodes, balance=default(SplitConfig, "stage_balance")):

@@ -21,7 +21,14 @@ def _elements(tensor):
   return int(np.prod(tensor.shape.as_list()))
 
 
-def graph_matmul_flops(concrete_function):
+# Ops that run another function's graph (a loop's body as many times as it
+# iterates): the matmuls inside are not in the outer graph's op list.
+_CALLS_A_FUNCTION = frozenset((
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "For", "RemoteCall"))
+
+
+def graph_matmul_flops(concrete_function, outer_ops_only=False):
   """2 x multiply-adds of the conv and matmul ops in a traced graph.
 
   Counted op by op from the static shapes: Conv2D and its two gradients
@@ -29,11 +36,24 @@ def graph_matmul_flops(concrete_function):
   channels) and MatMul (2 x output elements x inner dimension).
   TF's profiler counts a conv gradient over the conv's *input* size, which
   overcounts 'valid' convolutions; this count is exact.
+
+  Args:
+    concrete_function: the traced function.
+    outer_ops_only: count the outer graph's ops even where it runs a loop,
+      a conditional or a nested function (a lower bound, for ranking).
+
+  Raises:
+    ValueError: the graph runs a loop, a conditional or a nested function
+      (an RNN's `While`) and not `outer_ops_only`: its FLOPs cannot be
+      counted from its ops alone.
   """
   graph = concrete_function.graph
   returned = {t.ref() for t in graph.outputs}
   total = 0
   for op in graph.get_operations():
+    if op.type in _CALLS_A_FUNCTION and not outer_ops_only:
+      raise ValueError(f"the graph runs a {op.type} op ({op.name}), whose "
+                       "iterations and branches are not counted")
     if op.type not in ("Conv2D", "Conv2DBackpropInput",
                        "Conv2DBackpropFilter", "MatMul"):
       continue
@@ -51,7 +71,8 @@ def graph_matmul_flops(concrete_function):
   return total
 
 
-def call_training_flops(fn, specs, variables, input_gradient=True):
+def call_training_flops(fn, specs, variables, input_gradient=True,
+                        outer_ops_only=False):
   """Conv + matmul FLOPs of `fn(*inputs)`'s forward and backward pass.
 
   Traces (never runs) `fn` on inputs of `specs` under a tape and its
@@ -65,6 +86,7 @@ def call_training_flops(fn, specs, variables, input_gradient=True):
     variables: the trainable variables `fn` reads.
     input_gradient: also differentiate with respect to the inputs (every
       layer but the first in a model needs it).
+    outer_ops_only: as in `graph_matmul_flops`.
   """
 
   @tf.function(autograph=False)
@@ -77,7 +99,8 @@ def call_training_flops(fn, specs, variables, input_gradient=True):
     return tape.gradient(outputs, sources,
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-  return graph_matmul_flops(step.get_concrete_function(*specs))
+  return graph_matmul_flops(step.get_concrete_function(*specs),
+                            outer_ops_only)
 
 
 def graph_flops(concrete_function):

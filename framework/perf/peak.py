@@ -23,6 +23,11 @@ CACHE_FILE = "peak_flops.json"
 # Big enough to reach a device's matmul rate, small enough to take about a
 # second: a GPU needs far larger matrices than a CPU to fill.
 _SIZES = {"GPU": 8192, "CPU": 2048}
+# FLOP/s a device's matmuls can have: a figure outside (a doctored file)
+# would make every MFU about 0 or huge, so it is measured again.
+_PLAUSIBLE = (1e6, 1e17)
+# Far more than the entries of every device kind and dtype of a host.
+_MAX_BYTES = 1 << 20
 
 
 def cache_path() -> str:
@@ -57,32 +62,41 @@ def device_kind(device_type: str = "CPU") -> str:
 
 def _read(path):
   """{key: FLOP/s} of the usable entries of `path` ({} if none)."""
+  # Only a regular file, and only its first bytes: a device, a pipe or a
+  # huge file in its place would block or fill the memory.
+  if not os.path.isfile(path):
+    return {}
   try:
-    with open(path) as f:
-      entries = json.load(f)
+    with open(path, "rb") as f:
+      text = f.read(_MAX_BYTES + 1)
+    if len(text) > _MAX_BYTES:
+      return {}
+    entries = json.loads(text)
   except (OSError, ValueError):
     return {}
   if not isinstance(entries, dict):
     return {}
   return {key: value for key, value in entries.items()
           if isinstance(value, (int, float)) and not isinstance(value, bool)
-          and value > 0 and value != float("inf")}
+          and _PLAUSIBLE[0] <= value <= _PLAUSIBLE[1]}
 
 
 def _write(path, entries):
   """Atomically; a cache folder that cannot be written is left as it is
-  (the next run measures again)."""
+  (the next run measures again). Returns None, or why it was not written."""
   temporary = f"{path}.{os.getpid()}.tmp"
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(temporary, "w") as f:
       json.dump(entries, f, indent=1, sort_keys=True)
     os.replace(temporary, path)
-  except OSError:
+  except OSError as e:
     try:
       os.remove(temporary)
     except OSError:
       pass
+    return f"{e.strerror or e}: {e.filename or path}"
+  return None
 
 
 def key(dtype: str, device_type: str = "CPU") -> str:
@@ -106,9 +120,10 @@ def peak_flops(compute_dtype: str = "float32", device_type: str = "CPU",
                                     compute_dtype=compute_dtype, device=device)
   else:
     value = measure(compute_dtype, device)
-  logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (kept in "
-               "%s)", compute_dtype, device_kind(device_type), value / 1e9,
-               path)
   # Re-read: another process of this host may have added its entries.
-  _write(path, {**_read(path), entry: float(value)})
+  problem = _write(path, {**_read(path), entry: float(value)})
+  logging.info("measured the %s matmul peak of %s: %.1f GFLOP/s (%s)",
+               compute_dtype, device_kind(device_type), value / 1e9,
+               f"kept in {path}" if problem is None else
+               f"not kept: {problem}; the next run measures again")
   return float(value)
