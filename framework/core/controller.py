@@ -246,7 +246,7 @@ class Controller:
     path = self.checkpoints.save(step)
     if self.goodput is not None:
       self.goodput.add("checkpoint", time.time() - started)
-      if getattr(self.checkpoints, "async_checkpoint", False):
+      if getattr(self.checkpoints, "async_checkpoint", None):
         # Its steps count once the write lands (a kill -9 before that
         # makes them lost); `save` waited for the previous one.
         self._confirm_save()
