@@ -317,7 +317,8 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "optimizer.decay_fraction": 0.2,
                 "optimizer.decay_shape": "linear",
                 "weight_decay_exclude": None,
-                "loop.checkpoint_sharding": "gathered"}
+                "loop.checkpoint_sharding": "gathered",
+                "log_layer_norms": False}
 
 
 def _flat(value, prefix=""):
