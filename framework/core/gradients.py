@@ -14,9 +14,12 @@
                                                    # float16 overflow); EMA
 
 `GradientPipeline` is a mixin of `framework.Trainer`: it reads the
-trainer's `model`, `trainable_variables`, `optimizer`, `strategy`, `grad_accum_steps`,
-`loss_scale`, `clip_norm`, `communication`, `fused_updates`, `ema`,
-`nan_policy` and skip counters, and `compute_gradients(batch)`.
+trainer's `trainable_variables`, `optimizer`, `grad_accum_steps`,
+`clip_norm`, `communication`, `fused_updates` and `spikes`, and
+`compute_gradients(batch)`. The update itself, with its skip, loss scale
+and EMA, is the trainer's `updater`, one object of the kind the trainer
+chose (`framework.core.updates`); `scale_loss`, `unscale`,
+`apply_gradients`, `assign_weights` and `if_finite` call it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from framework import _tf_internal
+from framework.core import updates
 from framework.core.config import (ALL_REDUCE_DTYPES, ALL_REDUCE_IMPLEMENTATIONS, AllReduceConfig)
-from framework.core.optimizers import fused_update
 
 
 class GradientPipeline:
@@ -64,11 +66,11 @@ class GradientPipeline:
 
   def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
     """`loss` times the float16 loss scale (unchanged without one)."""
-    return loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
+    return self.updater.scale_loss(loss)
 
   def unscale(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """Reduced gradients divided by the loss scale (unchanged without one)."""
-    return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
+    return self.updater.unscale(grads)
 
   def all_reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """SUM of `values` (a nest of tensors) over all replicas, in one call."""
@@ -137,87 +139,20 @@ class GradientPipeline:
     if len(grads) != len(variables):
       raise ValueError(f"apply_gradients got {len(grads)} gradients for "
                        f"{len(variables)} variables")
-    finite = tf.math.is_finite(tf.linalg.global_norm(grads))
-    context = tf.distribute.get_replica_context()
-    if isinstance(self.strategy,
-                  tf.distribute.experimental.ParameterServerStrategy):
-      # One replica per worker, and merge_call is not available there.
-      return self._update(self.strategy, grads, variables, finite,
-                          signals=spike_signals)
-    sharding = getattr(self, "optimizer_sharding", None)
-    # Not while the self-check has swapped in its own optimizer.
-    if sharding is not None and sharding.optimizer is self.optimizer:
-      return self._apply_sharded(context, sharding, grads, variables, finite,
-                                 spike_signals)
-    return context.merge_call(self._update, args=(grads, variables, finite),
-                              kwargs={"signals": spike_signals})
-
-  def _apply_sharded(self, context, sharding, grads, variables, finite,
-                     signals=()):
-    """`apply_gradients` with the optimizer state sharded over replicas
-    (`framework.core.optimizer_sharding`): each replica updates its shard
-    of every variable, then the shards are all-gathered into the weights."""
-    if [id(v) for v in variables] != [id(v) for v in sharding.variables]:
-      raise ValueError("shard_optimizer_state: apply_gradients updates the "
-                       "model's trainable variables only")
-    replica = context.replica_id_in_sync_group
-    grad_shards = sharding.local_shards(grads, replica)
-    weight_shards = sharding.local_shards(variables, replica)
-    context.merge_call(self._update_shards, args=(
-        sharding, grad_shards, weight_shards, finite),
-                       kwargs={"signals": signals})
-    weights = sharding.gather_weights(context)
-    return self.assign_weights(weights, variables, finite, signals)
+    return self.updater.apply(grads, variables, spike_signals)
 
   def assign_weights(self, weights, variables, finite, spike_signals=()):
     """Sets `variables` to `weights`, updated elsewhere (gathered from the
     optimizer's shards), as one step: the step count, the EMA and the skip
     counters as in `apply_gradients`, with `assign` as the update."""
     self._applied_in_trace = True
-    return tf.distribute.get_replica_context().merge_call(
-        self._update, args=(weights, variables, finite),
-        kwargs={"assign": True, "signals": spike_signals})
+    return self.updater.assign(weights, variables, finite, spike_signals)
 
   def if_finite(self, finite, update, spike=None):
     """`update()` (it returns a bool tensor), under `nan_policy=skip` or a
     float16 loss scale only where `finite` (else False), and never on a
     `spike`."""
-    if spike is not None:
-      finite = tf.logical_and(finite, tf.logical_not(spike))
-    elif self.nan_policy != "skip" and self.loss_scale is None:
-      return update()
-    return tf.cond(finite, update, lambda: tf.constant(False))
-
-  def _spike(self, strategy, signals):
-    """(spike bool, loss, norm) in cross-replica context from the replicas'
-    equal `signals`; None without them."""
-    if not signals:
-      return None
-    loss, norm = (strategy.experimental_local_results(v)[0] for v in signals)
-    return self.spikes.is_spike(loss, norm), loss, norm
-
-  def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
-                     finite, signals=()):
-    """Cross-replica: each copy of each shard variable is set to its
-    replica's slice of the weights and updated with its gradient slice."""
-    optimizer = self.optimizer
-
-    def update_all():
-      lr = optimizer.learning_rate
-
-      def update_one(shard, grad, weight):
-        with tf.control_dependencies([shard.assign(weight)]):
-          return self.update_variable(grad, shard, tf.cast(lr, shard.dtype))
-
-      for grad, weight, shard in zip(grad_shards, weight_shards,
-                                     sharding.shards):
-        strategy.extended.update(shard.value, update_one,
-                                 args=(grad, weight), group=False)
-      return tf.constant(True)
-
-    spike = self._spike(strategy, signals)
-    return self.if_finite(strategy.experimental_local_results(finite)[0],
-                          update_all, spike and spike[0])
+    return self.updater.if_finite(finite, update, spike)
 
   def update_variable(self, grad, var, learning_rate):
     """One variable's optimizer step with its reduced gradient.
@@ -228,99 +163,10 @@ class GradientPipeline:
     then the step, as one fused kernel where TensorFlow has one
     (`framework.core.optimizers`).
     """
-    optimizer = self.optimizer
-    weight_decay = getattr(optimizer, "weight_decay", None)
-    if weight_decay and _tf_internal.uses_weight_decay(optimizer, var):
-      var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
-    # One kernel per variable instead of Keras's chain of element-wise ops.
     # Chosen while tracing, from the optimizer the trainer has now (the
     # distribution check swaps in a probe and back).
-    update_step = ((self.fused_updates and fused_update(optimizer))
-                   or optimizer.update_step)
-    return update_step(grad, var, learning_rate)
-
-  def _update(self, strategy, grads, variables, finite, assign=False,
-              signals=()):
-    """Cross-replica: one optimizer update with the reduced gradients
-    (`assign`: `grads` are the new weights, gathered from the shards)."""
-    optimizer = self.optimizer
-
-    def update_all():
-      lr = optimizer.learning_rate
-
-      def update_one(var, grad):
-        if assign:
-          return var.assign(grad)
-        return self.update_variable(grad, var, tf.cast(lr, var.dtype))
-
-      for grad, var in zip(grads, variables):
-        var = getattr(var, "value", var)  # the tf.Variable behind a Keras one
-        copies = strategy.experimental_local_results(var)
-        if len(copies) == 1 and strategy.num_replicas_in_sync > 1:
-          # One central copy (central storage): replicas hold equal values.
-          grad = strategy.experimental_local_results(grad)[0]
-        strategy.extended.update(var, update_one, args=(grad,), group=False)
-      # On the tf.Variable: Keras's assign_add is a read then an assign,
-      # which loses increments when PS workers update concurrently.
-      iterations = optimizer.iterations
-      getattr(iterations, "value", iterations).assign_add(1)
-      if self.ema is not None:
-        # Reads the updated weights (TF orders ops on the same variables).
-        self.ema.update()
-      return tf.constant(True)
-
-    spike = self._spike(strategy, signals)
-    if (self.nan_policy != "skip" and self.loss_scale is None
-        and spike is None):
-      return update_all()
-
-    def apply():
-      update_all()
-      self.consecutive_skips.assign(0)
-      return tf.constant(True)
-
-    def skip():
-      self.skipped_steps.assign_add(1)
-      self.consecutive_skips.assign_add(1)
-      return tf.constant(False)
-
-    # A float16 overflow is expected now and then: skip it, shrink the scale.
-    finite = strategy.experimental_local_results(finite)[0]
-    if spike is None:
-      applied = tf.cond(finite, apply, skip)
-    else:
-      applied = self._apply_unless_spike(finite, spike, apply, skip)
-    if self.loss_scale is not None:
-      with tf.control_dependencies([self.loss_scale.update(finite)]):
-        applied = tf.identity(applied)
-    return applied
-
-  def _apply_unless_spike(self, finite, spike, apply, skip):
-    """`apply()` unless `spike` (then counted, and under rollback the step
-    recorded for the Controller) or not finite (`skip()` under
-    nan_policy=skip or a loss scale; else applied, as without spikes);
-    a finite step's loss and norm then enter the window."""
-    spike, loss, norm = spike
-    window = self.spikes
-
-    def drop():
-      counted = [window.skipped.assign_add(1)]
-      if window.policy == "rollback":
-        counted.append(window.pending.assign(self.global_step + 1))
-      with tf.control_dependencies(counted):
-        return tf.constant(False)
-
-    if self.nan_policy == "skip" or self.loss_scale is not None:
-      not_finite = skip
-    else:
-      not_finite = apply
-    applied = tf.cond(
-        finite, lambda: tf.cond(spike, drop, apply), not_finite)
-    with tf.control_dependencies([applied]):
-      pushed = tf.cond(finite, lambda: window.push(loss, norm),
-                       lambda: tf.constant(False))
-    with tf.control_dependencies([pushed]):
-      return tf.identity(applied)
+    return updates.update_variable(self.optimizer, grad, var, learning_rate,
+                                   fused=self.fused_updates)
 
 
 # How the step's one gradient all-reduce goes over the wire.

@@ -241,7 +241,7 @@ def fused_update(optimizer):
 #     average = decay * average + (1 - decay) * weight      after every update
 #
 # The Trainer updates the average in the cross-replica context of its one
-# optimizer update (`Trainer._update`, after the weights changed), with
+# optimizer update (`updates.MergeCallUpdate`, after the weights changed), with
 # `strategy.extended.update`: each replica's copy of an average is updated on
 # its own device from that device's copy of the weight. The weights' copies are
 # equal (they all applied the same all-reduced gradient), so the averages'

@@ -30,8 +30,9 @@ This module holds the step's own parts: the losses, `replica_sync_fn`
 steps in one `tf.function` call, ending early at a stop request or too many
 skips), the XLA compilation of the step (`jit_compile`) and `Trainer`
 itself. Its other mixins live beside it: `gradients.py` (accumulate,
-reduce, clip, apply, skip) and `evaluation.py` (the masked evaluation
-sums).
+reduce, clip, apply) and `evaluation.py` (the masked evaluation sums); the
+update with its skip, loss scale and EMA is one object of the kind the
+trainer chose at construction, `updater` (`updates.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core import (evaluation, layer_norms, optimizer_sharding,
-                            spikes, summaries, weight_decay)
+                            spikes, summaries, updates, weight_decay)
 from framework.core.checkpoints import manager as checkpoint_manager
 from framework.core.config import TrainerConfig
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
@@ -233,14 +234,8 @@ class StepLoop:
     # statistics too).
     state += [v for _, layer, _ in getattr(self, "_trained_tracked", ())
               for v in layer.variables]
-    if self.ema is not None:
-      state += list(self.ema.averages) + [self.ema.num_updates]
-    if self.loss_scale is not None:
-      state += [self.loss_scale.scale, self.loss_scale.good_steps]
-    if self.spikes is not None:
-      state += list(self.spikes.variables)
-    return state + [self.skipped_steps, self.consecutive_skips,
-                    self.global_step]
+    # The update's own: the EMA, the loss scale, spikes, skip counters.
+    return state + self.updater.state_variables() + [self.global_step]
 
   def _loop_step_fn(self, iterator):
     return self._advance(next(iterator))
@@ -597,6 +592,14 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             0.0, dtype=tf.float64, trainable=False,
             name="collective_wait_seconds")
       self._local_replicas = len(strategy.extended.worker_devices)
+    # The one update path of this run, chosen once (`framework.core.updates`).
+    self.updater = self._make_updater(
+        optimizer=lambda: self.optimizer,
+        update_variable=lambda grad, var, lr: self.update_variable(
+            grad, var, lr),
+        global_step=self.global_step, skipped_steps=self.skipped_steps,
+        consecutive_skips=self.consecutive_skips, nan_policy=nan_policy,
+        loss_scale=loss_scale, ema=self.ema, spikes=self.spikes)
     self._check_step_features()
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
@@ -714,6 +717,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       if self.optimizer_sharding is not None:
         self.optimizer_sharding = optimizer_sharding.ShardedOptimizerState(
             self.optimizer, self.strategy, variables)
+        self.updater.sharding = self.optimizer_sharding
       else:
         self.optimizer.build(variables)
     self._group_weight_decay(variables)
@@ -761,6 +765,13 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             f"{v.name!r} was created outside strategy.scope(); create it "
             f"under `with self.strategy.scope():` in __init__ (under "
             f"{type(self.strategy).__name__} each replica needs its copy)")
+
+  def _make_updater(self, **parts: Any) -> updates.MergeCallUpdate:
+    """The update kind of this run (`framework.core.updates.choose`);
+    `parts`: what every kind holds. A trainer with another kind of update
+    overrides this."""
+    return updates.choose(self.strategy, sharding=self.optimizer_sharding,
+                          **parts)
 
   @property
   def trainable_variables(self) -> list[Any]:

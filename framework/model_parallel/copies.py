@@ -188,24 +188,12 @@ class PipelineCopies:
             "grad_norm": self.replica_share(grad_norm)}
 
   def _apply_copy_shards(self, grads, variables):
-    """One step with the optimizer state sharded over the copies
-    (`optimizer_sharding`): copy r updates slice r of each of its variables,
-    then every copy's variables are joined from all copies' slices."""
-    count = len(self.variables)
-    per_copy = lambda values: [values[i:i + count]
-                               for i in range(0, len(values), count)]
-    finite = tf.math.is_finite(tf.linalg.global_norm(grads[:count]))
-    learning_rate = self.optimizer.learning_rate
-
-    def update():
-      self.copy_sharding.update_shards(
-          self.update_variable, per_copy(grads), per_copy(variables),
-          learning_rate)
-      return tf.constant(True)
-
-    self.if_finite(finite, update)
-    weights = self.copy_sharding.gather(per_copy(variables))
-    return self.assign_weights(weights, variables, finite)
+    """One step with the optimizer state sharded over the copies: the
+    trainer's `updates.CopyShardedUpdate` (copy r updates slice r of each
+    of its variables, then every copy's variables are joined from all
+    copies' slices)."""
+    self._applied_in_trace = True
+    return self.updater.apply(grads, variables)
 
   def _copy_pairs(self):
     """(copy 0's variable, copy r's variable): weights, optimizer slots."""

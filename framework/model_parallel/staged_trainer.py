@@ -61,7 +61,7 @@ from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig
 from framework.model_parallel.copies import PipelineCopies, tf_variable
-from framework.core import weight_decay
+from framework.core import updates, weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
                                               format_memory, memory_by_device,
@@ -395,6 +395,14 @@ class StagedTrainer(PipelineCopies, Trainer):
                     self.recompute)
     logging.info("model-parallel memory per device: %s",
                  format_memory(self.memory))
+
+  def _make_updater(self, **parts):
+    """With the optimizer state sharded over the copies, the copies' ZeRO-1
+    update (`updates.CopyShardedUpdate`); else the `Trainer`'s."""
+    if self.copy_sharding is not None:
+      return updates.CopyShardedUpdate(self.strategy,
+                                       sharding=self.copy_sharding, **parts)
+    return super()._make_updater(**parts)
 
   def _group_copies_weight_decay(self):
     """Every copy's optimizer (and the shards of each) decays the

@@ -1,0 +1,360 @@
+"""The optimizer update of a step: one object per kind of update.
+
+An update kind applies a step's reduced (and clipped) gradients to the
+variables exactly once, and holds what decides or follows that update:
+
+- the skip: under `nan_policy=skip` or a float16 loss scale a step whose
+  reduced gradient is not finite changes nothing (counted in
+  `skipped_steps` and `consecutive_skips`); under `spike_policy` skip or
+  rollback a loss spike is dropped alike (`framework.core.spikes`);
+- the float16 loss scale (`framework.core.precision.LossScale`): the loss
+  scaled before differentiation, the gradients unscaled after the
+  all-reduce, the scale updated from each step's finiteness;
+- the EMA of the weights (`framework.core.optimizers.WeightAverage`),
+  advanced after each applied update.
+
+The kinds, and where each is used:
+
+    MergeCallUpdate        one merge_call per step; each variable's copies
+                           updated with the gradient already on their device
+                           (default, one_device, mirrored, multi-worker,
+                           central storage, tpu, the model splits)
+    ParameterServerUpdate  the same update without merge_call, which a
+                           parameter-server worker (one replica) lacks
+    ShardedUpdate          ZeRO-1 over replicas (`optimizer_sharding.
+                           ShardedOptimizerState`): each replica updates its
+                           1/N shard of every variable, then one all-gather
+                           of the weights is assigned as the update
+    CopyShardedUpdate      ZeRO-1 over a split's copies on a mesh's data axis
+                           (`optimizer_sharding.CopyShardedState`)
+
+Every kind has one entry point, `apply(grads, variables, signals=()) ->
+applied` (a bool tensor: whether the update ran), called in replica context
+by `Trainer.apply_gradients`; `signals` are the step's spike signals
+(`Trainer.spike_signals`). The per-variable optimizer math stays the
+trainer's (`update_variable`, which a trainer may override to place it),
+and the optimizer is read from the trainer at each trace (the distribution
+check swaps in a probe). The trainer chooses its kind once, at construction
+(`choose`; a split trainer with sharded copies chooses `CopyShardedUpdate`):
+a new way of updating (sharded gradients, sharded parameters) is one more
+kind here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from framework import _tf_internal
+from framework.core.optimizers import fused_update
+
+
+def update_variable(optimizer, grad, var, learning_rate, *, fused=True):
+  """One variable's optimizer step with its reduced gradient (Keras's
+  order: decoupled weight decay (AdamW), then the step, as one fused kernel
+  where TensorFlow has one and `fused`)."""
+  weight_decay = getattr(optimizer, "weight_decay", None)
+  if weight_decay and _tf_internal.uses_weight_decay(optimizer, var):
+    var.assign_sub(var * tf.cast(weight_decay, var.dtype) * learning_rate)
+  # One kernel per variable instead of Keras's chain of element-wise ops.
+  update_step = (fused and fused_update(optimizer)) or optimizer.update_step
+  return update_step(grad, var, learning_rate)
+
+
+class MergeCallUpdate:
+  """One update per step in a merge_call, with its skip, loss scale and EMA.
+
+  Args:
+    strategy: the run's `tf.distribute.Strategy`.
+    optimizer: `() -> the optimizer` (read at each trace).
+    update_variable: `(grad, var, learning_rate) -> op`, one variable copy's
+      optimizer step.
+    global_step: the trainer's step counter (a rollback records the step).
+    skipped_steps, consecutive_skips: the skip counters.
+    nan_policy: `stop` or `skip`.
+    loss_scale: a `LossScale` (float16), or None.
+    ema: a `WeightAverage`, or None.
+    spikes: a `SpikeWindow`, or None (no spike check).
+  """
+
+  def __init__(self, strategy: tf.distribute.Strategy, *,
+               optimizer: Callable[[], Any],
+               update_variable: Callable[..., Any], global_step: tf.Variable,
+               skipped_steps: tf.Variable, consecutive_skips: tf.Variable,
+               nan_policy: str = "stop", loss_scale: Any = None,
+               ema: Any = None, spikes: Any = None):
+    self.strategy = strategy
+    self._optimizer = optimizer
+    self.update_variable = update_variable
+    self.global_step = global_step
+    self.skipped_steps = skipped_steps
+    self.consecutive_skips = consecutive_skips
+    self.nan_policy = nan_policy
+    self.loss_scale = loss_scale
+    self.ema = ema
+    self.spikes = spikes
+
+  @property
+  def optimizer(self):
+    return self._optimizer()
+
+  def state_variables(self) -> list[Any]:
+    """What an update changes besides the weights and the optimizer: the
+    EMA's, the loss scale's, the spike window's and the skip counters."""
+    state = []
+    if self.ema is not None:
+      state += list(self.ema.averages) + [self.ema.num_updates]
+    if self.loss_scale is not None:
+      state += [self.loss_scale.scale, self.loss_scale.good_steps]
+    if self.spikes is not None:
+      state += list(self.spikes.variables)
+    return state + [self.skipped_steps, self.consecutive_skips]
+
+  # --- The loss scale. -------------------------------------------------------
+
+  def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+    """`loss` times the float16 loss scale (unchanged without one)."""
+    return loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
+
+  def unscale(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Reduced gradients divided by the loss scale (unchanged without one)."""
+    return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
+
+  # --- The update. -----------------------------------------------------------
+
+  def apply(self, grads: Sequence[tf.Tensor], variables: Sequence[Any],
+            signals: Any = ()) -> Any:
+    """Applies the reduced `grads` to `variables` once (replica context);
+    returns whether it did (a bool tensor)."""
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads))
+    return self._apply(grads, variables, finite, signals)
+
+  def _apply(self, grads, variables, finite, signals):
+    context = tf.distribute.get_replica_context()
+    return context.merge_call(self._update, args=(grads, variables, finite),
+                              kwargs={"signals": signals})
+
+  def assign(self, weights, variables, finite, signals=()):
+    """Sets `variables` to `weights`, updated elsewhere (gathered from the
+    optimizer's shards), as one step: the step count, the EMA and the skip
+    counters as in `apply`, with `assign` as the update."""
+    return tf.distribute.get_replica_context().merge_call(
+        self._update, args=(weights, variables, finite),
+        kwargs={"assign": True, "signals": signals})
+
+  def if_finite(self, finite, update, spike=None):
+    """`update()` (it returns a bool tensor), under `nan_policy=skip` or a
+    float16 loss scale only where `finite` (else False), and never on a
+    `spike`."""
+    if spike is not None:
+      finite = tf.logical_and(finite, tf.logical_not(spike))
+    elif self.nan_policy != "skip" and self.loss_scale is None:
+      return update()
+    return tf.cond(finite, update, lambda: tf.constant(False))
+
+  def _spike(self, strategy, signals):
+    """(spike bool, loss, norm) in cross-replica context from the replicas'
+    equal `signals`; None without them."""
+    if not signals:
+      return None
+    loss, norm = (strategy.experimental_local_results(v)[0] for v in signals)
+    return self.spikes.is_spike(loss, norm), loss, norm
+
+  def _update(self, strategy, grads, variables, finite, assign=False,
+              signals=()):
+    """Cross-replica: one optimizer update with the reduced gradients
+    (`assign`: `grads` are the new weights, gathered from the shards)."""
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+
+      def update_one(var, grad):
+        if assign:
+          return var.assign(grad)
+        return self.update_variable(grad, var, tf.cast(lr, var.dtype))
+
+      for grad, var in zip(grads, variables):
+        var = getattr(var, "value", var)  # the tf.Variable behind a Keras one
+        copies = strategy.experimental_local_results(var)
+        if len(copies) == 1 and strategy.num_replicas_in_sync > 1:
+          # One central copy (central storage): replicas hold equal values.
+          grad = strategy.experimental_local_results(grad)[0]
+        strategy.extended.update(var, update_one, args=(grad,), group=False)
+      # On the tf.Variable: Keras's assign_add is a read then an assign,
+      # which loses increments when PS workers update concurrently.
+      iterations = optimizer.iterations
+      getattr(iterations, "value", iterations).assign_add(1)
+      if self.ema is not None:
+        # Reads the updated weights (TF orders ops on the same variables).
+        self.ema.update()
+      return tf.constant(True)
+
+    spike = self._spike(strategy, signals)
+    if (self.nan_policy != "skip" and self.loss_scale is None
+        and spike is None):
+      return update_all()
+
+    def apply():
+      update_all()
+      self.consecutive_skips.assign(0)
+      return tf.constant(True)
+
+    def skip():
+      self.skipped_steps.assign_add(1)
+      self.consecutive_skips.assign_add(1)
+      return tf.constant(False)
+
+    # A float16 overflow is expected now and then: skip it, shrink the scale.
+    finite = strategy.experimental_local_results(finite)[0]
+    if spike is None:
+      applied = tf.cond(finite, apply, skip)
+    else:
+      applied = self._apply_unless_spike(finite, spike, apply, skip)
+    if self.loss_scale is not None:
+      with tf.control_dependencies([self.loss_scale.update(finite)]):
+        applied = tf.identity(applied)
+    return applied
+
+  def _apply_unless_spike(self, finite, spike, apply, skip):
+    """`apply()` unless `spike` (then counted, and under rollback the step
+    recorded for the Controller) or not finite (`skip()` under
+    nan_policy=skip or a loss scale; else applied, as without spikes);
+    a finite step's loss and norm then enter the window."""
+    spike, loss, norm = spike
+    window = self.spikes
+
+    def drop():
+      counted = [window.skipped.assign_add(1)]
+      if window.policy == "rollback":
+        counted.append(window.pending.assign(self.global_step + 1))
+      with tf.control_dependencies(counted):
+        return tf.constant(False)
+
+    if self.nan_policy == "skip" or self.loss_scale is not None:
+      not_finite = skip
+    else:
+      not_finite = apply
+    applied = tf.cond(
+        finite, lambda: tf.cond(spike, drop, apply), not_finite)
+    with tf.control_dependencies([applied]):
+      pushed = tf.cond(finite, lambda: window.push(loss, norm),
+                       lambda: tf.constant(False))
+    with tf.control_dependencies([pushed]):
+      return tf.identity(applied)
+
+
+class ParameterServerUpdate(MergeCallUpdate):
+  """The update on a parameter-server worker: one replica, no merge_call
+  (the update ops run where the variables live, on the ps tasks)."""
+
+  def _apply(self, grads, variables, finite, signals):
+    return self._update(self.strategy, grads, variables, finite,
+                        signals=signals)
+
+
+class ShardedUpdate(MergeCallUpdate):
+  """ZeRO-1 over replicas: each replica updates its shard of every variable
+  with its slice of the reduced gradient, then the shards are all-gathered
+  into the weights, assigned as the step's update.
+
+  Args:
+    sharding: the trainer's `optimizer_sharding.ShardedOptimizerState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  def __init__(self, strategy, *, sharding, **kwargs):
+    super().__init__(strategy, **kwargs)
+    self.sharding = sharding
+
+  def _apply(self, grads, variables, finite, signals):
+    sharding = self.sharding
+    if sharding.optimizer is not self.optimizer:
+      # The distribution check's probe optimizer, built unsharded.
+      return super()._apply(grads, variables, finite, signals)
+    if [id(v) for v in variables] != [id(v) for v in sharding.variables]:
+      raise ValueError("shard_optimizer_state: apply_gradients updates the "
+                       "model's trainable variables only")
+    context = tf.distribute.get_replica_context()
+    replica = context.replica_id_in_sync_group
+    grad_shards = sharding.local_shards(grads, replica)
+    weight_shards = sharding.local_shards(variables, replica)
+    context.merge_call(self._update_shards, args=(
+        sharding, grad_shards, weight_shards, finite),
+                       kwargs={"signals": signals})
+    weights = sharding.gather_weights(context)
+    return self.assign(weights, variables, finite, signals)
+
+  def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
+                     finite, signals=()):
+    """Cross-replica: each copy of each shard variable is set to its
+    replica's slice of the weights and updated with its gradient slice."""
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+
+      def update_one(shard, grad, weight):
+        with tf.control_dependencies([shard.assign(weight)]):
+          return self.update_variable(grad, shard, tf.cast(lr, shard.dtype))
+
+      for grad, weight, shard in zip(grad_shards, weight_shards,
+                                     sharding.shards):
+        strategy.extended.update(shard.value, update_one,
+                                 args=(grad, weight), group=False)
+      return tf.constant(True)
+
+    spike = self._spike(strategy, signals)
+    return self.if_finite(strategy.experimental_local_results(finite)[0],
+                          update_all, spike and spike[0])
+
+
+class CopyShardedUpdate(MergeCallUpdate):
+  """ZeRO-1 over the R copies of a split (one replica): copy r updates
+  slice r of each of its variables, then every copy's variables are joined
+  from all copies' slices and assigned as the step's update.
+
+  `apply`'s `grads` and `variables` are the R copies' lists concatenated,
+  copy 0's first; finiteness is judged on copy 0's (all copies hold the
+  same summed gradient). Spike signals are not taken.
+
+  Args:
+    sharding: the split's `optimizer_sharding.CopyShardedState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  def __init__(self, strategy, *, sharding, **kwargs):
+    super().__init__(strategy, **kwargs)
+    self.sharding = sharding
+
+  def apply(self, grads, variables, signals=()):
+    del signals  # copies are sharded without a spike check
+    count = len(self.sharding.variables[0])
+    per_copy = lambda values: [values[i:i + count]
+                               for i in range(0, len(values), count)]
+    finite = tf.math.is_finite(tf.linalg.global_norm(grads[:count]))
+    learning_rate = self.optimizer.learning_rate
+
+    def update():
+      self.sharding.update_shards(
+          self.update_variable, per_copy(grads), per_copy(variables),
+          learning_rate)
+      return tf.constant(True)
+
+    self.if_finite(finite, update)
+    weights = self.sharding.gather(per_copy(variables))
+    return self.assign(weights, variables, finite)
+
+
+def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
+           **kwargs: Any) -> MergeCallUpdate:
+  """The update kind for `strategy`: `ParameterServerUpdate` under a
+  parameter-server strategy, `ShardedUpdate` with `sharding` (a
+  `ShardedOptimizerState`), else `MergeCallUpdate`; `kwargs`:
+  `MergeCallUpdate`'s."""
+  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    return ParameterServerUpdate(strategy, **kwargs)
+  if sharding is not None:
+    return ShardedUpdate(strategy, sharding=sharding, **kwargs)
+  return MergeCallUpdate(strategy, **kwargs)
