@@ -30,7 +30,8 @@ import pkgutil
 # what every train.py run of the Trainer converts.
 CORE_MODULES = (
     "framework.core.trainer", "framework.core.trainer",
-    "framework.core.gradients", "framework.core.evaluation",
+    "framework.core.gradients", "framework.core.updates",
+    "framework.core.evaluation",
     "framework.core.trainer", "framework.core.optimizers",
     "framework._tf_internal", "framework.data.inputs", "framework.app.export",
     "framework.core.gradients", "framework.core.evaluation")

@@ -599,7 +599,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             grad, var, lr),
         global_step=self.global_step, skipped_steps=self.skipped_steps,
         consecutive_skips=self.consecutive_skips, nan_policy=nan_policy,
-        loss_scale=loss_scale, ema=self.ema, spikes=self.spikes)
+        loss_scale=loss_scale, ema=self.ema, spikes=self.spikes,
+        on_assign=self._note_applied)
     self._check_step_features()
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
@@ -765,6 +766,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
             f"{v.name!r} was created outside strategy.scope(); create it "
             f"under `with self.strategy.scope():` in __init__ (under "
             f"{type(self.strategy).__name__} each replica needs its copy)")
+
+  def _note_applied(self):
+    """The step being traced has its update (see `_advance`)."""
+    self._applied_in_trace = True
 
   def _make_updater(self, **parts: Any) -> updates.MergeCallUpdate:
     """The update kind of this run (`framework.core.updates.choose`);

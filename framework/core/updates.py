@@ -76,6 +76,8 @@ class MergeCallUpdate:
     loss_scale: a `LossScale` (float16), or None.
     ema: a `WeightAverage`, or None.
     spikes: a `SpikeWindow`, or None (no spike check).
+    on_assign: called (while tracing) when `assign` makes a step's update,
+      so that the trainer knows its step has one; None: nothing.
   """
 
   def __init__(self, strategy: tf.distribute.Strategy, *,
@@ -83,7 +85,8 @@ class MergeCallUpdate:
                update_variable: Callable[..., Any], global_step: tf.Variable,
                skipped_steps: tf.Variable, consecutive_skips: tf.Variable,
                nan_policy: str = "stop", loss_scale: Any = None,
-               ema: Any = None, spikes: Any = None):
+               ema: Any = None, spikes: Any = None,
+               on_assign: Callable[[], None] | None = None):
     self.strategy = strategy
     self._optimizer = optimizer
     self.update_variable = update_variable
@@ -94,6 +97,7 @@ class MergeCallUpdate:
     self.loss_scale = loss_scale
     self.ema = ema
     self.spikes = spikes
+    self.on_assign = on_assign
 
   @property
   def optimizer(self):
@@ -139,6 +143,8 @@ class MergeCallUpdate:
     """Sets `variables` to `weights`, updated elsewhere (gathered from the
     optimizer's shards), as one step: the step count, the EMA and the skip
     counters as in `apply`, with `assign` as the update."""
+    if self.on_assign is not None:
+      self.on_assign()
     return tf.distribute.get_replica_context().merge_call(
         self._update, args=(weights, variables, finite),
         kwargs={"assign": True, "signals": signals})

@@ -192,7 +192,6 @@ class PipelineCopies:
     trainer's `updates.CopyShardedUpdate` (copy r updates slice r of each
     of its variables, then every copy's variables are joined from all
     copies' slices)."""
-    self._applied_in_trace = True
     return self.updater.apply(grads, variables)
 
   def _copy_pairs(self):
