@@ -34,7 +34,9 @@ def cache_path() -> str:
   return os.path.join(cache_dir(), CACHE_FILE)
 
 
-def _cpu_model(cpuinfo="/proc/cpuinfo"):
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """The CPU's model name (Linux `/proc/cpuinfo`), else what `platform`
+  knows of the processor or machine, else "unknown CPU"."""
   try:
     with open(cpuinfo) as f:
       for line in f:
@@ -57,7 +59,7 @@ def device_kind(device_type: str = "CPU") -> str:
       return f"GPU {details.get('device_name', gpus[0].name)}"
   cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
            else os.cpu_count())
-  return f"CPU {_cpu_model()} x{cores}"
+  return f"CPU {cpu_model()} x{cores}"
 
 
 def _read(path):

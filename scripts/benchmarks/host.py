@@ -7,24 +7,17 @@ refuses a flag defined twice.
 """
 
 import os
-import platform
 
 # The CPU cores the two-core benchmarks pin their processes to (taskset
 # -c; multi_worker.py and network.py --cores).
 PINNED_CORES = "0,1"
 
 
-def cpu_model(cpuinfo="/proc/cpuinfo"):
-  """The CPU's model name (Linux `/proc/cpuinfo`), else what `platform`
-  knows, else "unknown"."""
-  try:
-    with open(cpuinfo) as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
+def cpu_model():
+  """The CPU's model name: `framework.perf.peak.cpu_model`, the name the
+  MFU peak is kept under (imported here, not above: it loads TensorFlow)."""
+  from framework.perf import peak  # pylint: disable=g-import-not-at-top
+  return peak.cpu_model()
 
 
 def load_average():
