@@ -47,7 +47,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.core.config import TrainerConfig
 from framework.core.optimizers import fused_update
+from framework.settings import default
 
 
 def update_variable(optimizer, grad, var, learning_rate, *, fused=True):
@@ -84,7 +86,8 @@ class MergeCallUpdate:
                optimizer: Callable[[], Any],
                update_variable: Callable[..., Any], global_step: tf.Variable,
                skipped_steps: tf.Variable, consecutive_skips: tf.Variable,
-               nan_policy: str = "stop", loss_scale: Any = None,
+               nan_policy: str = default(TrainerConfig, "nan_policy"),
+               loss_scale: Any = None,
                ema: Any = None, spikes: Any = None,
                on_assign: Callable[[], None] | None = None):
     self.strategy = strategy
