@@ -42,6 +42,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from framework.data import inputs
 from framework.data.config import SHUFFLES
 # ShardedSplit stays importable from here (its public home).
 from framework.data.shard_order import ShardedSplit  # pylint: disable=unused-import
@@ -72,7 +73,7 @@ def _to_float(images):
   return to_float(images)
 
 
-class FileDataset:
+class FileDataset(inputs.ReadPerInputPipeline):
   """A dataset read from sharded files (TFRecords, an image folder)."""
   # Its records hold uint8 images (`prepare_features` divides them by 255).
   feature_dtype = "uint8"
@@ -200,15 +201,6 @@ class FileDataset:
           start_step, augment)
 
     return dataset_fn
-
-  def distribute_train(self, strategy, global_batch_size, *,
-                       seed=default(InputConfig, "seed"), start_step=0,
-                       augment=None,
-                       input_mode=default(InputConfig, "input_mode")):
-    """The distributed training dataset (both input modes read by file)."""
-    del input_mode  # Files are always read per input pipeline.
-    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
-        global_batch_size, seed=seed, start_step=start_step, augment=augment))
 
   def per_worker_train_dataset_fn(self, num_workers, global_batch_size, *,
                                   seed=default(InputConfig, "seed"),

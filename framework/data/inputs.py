@@ -200,6 +200,22 @@ def eval_dataset(images, labels, global_batch_size, *, pad=True):
   return ds.prefetch(tf.data.AUTOTUNE).with_options(element_sharded_options())
 
 
+class ReadPerInputPipeline:
+  """A dataset that builds its training batches per input pipeline (its
+  `train_dataset_fn(global_batch_size, seed=, start_step=, augment=)`), in
+  both input modes: files, numpy arrays read by slices, mixtures."""
+
+  def distribute_train(self, strategy, global_batch_size, *,
+                       seed=default(InputConfig, "seed"), start_step=0,
+                       augment=None,
+                       input_mode=default(InputConfig, "input_mode")):
+    """The distributed training dataset, per input pipeline whatever
+    `input_mode` says (the same global batches in both modes)."""
+    del input_mode
+    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
+        global_batch_size, seed=seed, start_step=start_step, augment=augment))
+
+
 def distribute_train(strategy, dataset, global_batch_size, *,
                      seed=default(InputConfig, "seed"), start_step=0,
                      augment=None,
@@ -207,7 +223,7 @@ def distribute_train(strategy, dataset, global_batch_size, *,
   """The distributed training dataset for `strategy` (see INPUT_MODES)."""
   check_choice("input_mode", input_mode, INPUT_MODES)
   kwargs = dict(seed=seed, start_step=start_step, augment=augment)
-  if hasattr(dataset, "distribute_train"):  # File-backed (file_input.py).
+  if hasattr(dataset, "distribute_train"):  # `ReadPerInputPipeline`
     return dataset.distribute_train(strategy, global_batch_size,
                                     input_mode=input_mode, **kwargs)
   if input_mode == "per_replica":

@@ -92,7 +92,7 @@ def _examples(data, num_pipelines, pipeline_id, seed, start, augment):
   return fn(context).unbatch()
 
 
-class MixtureDataset:
+class MixtureDataset(inputs.ReadPerInputPipeline):
   """Training examples drawn from several datasets in fixed proportions
   (see the module docstring); the interface of a `FileDataset`."""
 
@@ -248,15 +248,6 @@ class MixtureDataset:
           start_step, augment)
 
     return dataset_fn
-
-  def distribute_train(self, strategy, global_batch_size, *,
-                       seed=default(InputConfig, "seed"), start_step=0,
-                       augment=None,
-                       input_mode=default(InputConfig, "input_mode")):
-    """The distributed training dataset (per input pipeline in both modes)."""
-    del input_mode
-    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
-        global_batch_size, seed=seed, start_step=start_step, augment=augment))
 
   def log_counts(self, step, global_batch_size, num_pipelines=None):
     """Logs the examples each source gave in the first `step` steps (over

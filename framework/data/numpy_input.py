@@ -257,7 +257,7 @@ def _classes_of_labels(data_dir, labels):
   return max(top + 1, 2)
 
 
-class NumpyDataset(ArraySplits):
+class NumpyDataset(inputs.ReadPerInputPipeline, ArraySplits):
   """Memory-mapped train and test arrays, streamed by index.
 
   Has the attributes of an `ArrayDataset` (`train_x` ... are the mapped
@@ -450,15 +450,6 @@ class NumpyDataset(ArraySplits):
     ds = ds.map(self._gather(seed, augment),
                 num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE).with_options(inputs.element_sharded_options())
-
-  def distribute_train(self, strategy, global_batch_size, *,
-                       seed=default(InputConfig, "seed"), start_step=0,
-                       augment=None,
-                       input_mode=default(InputConfig, "input_mode")):
-    """Per input pipeline in both input modes (the same global batches)."""
-    del input_mode
-    return strategy.distribute_datasets_from_function(self.train_dataset_fn(
-        global_batch_size, seed=seed, start_step=start_step, augment=augment))
 
   def eval_dataset(self, global_batch_size, *, pad=True):
     """One pass over the test split in order, read by slices; padded
