@@ -1,5 +1,6 @@
 """A goodput.json whose numbers were edited (NaN, negative, inf, a launch
-count below 1, a start after its end) is a warning and the account counts
+count below 1, a start after its end, parts beyond its wall time, a record
+from the future, the computed `wall`/`other` among its parts) is a warning and the account counts
 from this launch, never a report of nan% or -2 launches."""
 
 import json
@@ -27,6 +28,11 @@ def _written(tmp_path):
     lambda r: r.update(first_start=1e9),
     lambda r: r["pending"].append([9, 3, 1.0]),
     lambda r: r["lost_step_counts"].update(skipped=-1),
+    lambda r: r["seconds"].update(productive=1e300),
+    lambda r: r["pending"].append([5, 9, 1e300]),
+    lambda r: r["seconds"].update(wall=1.0),
+    lambda r: r["seconds"].update(other=1.0),
+    lambda r: r.update(first_start=1e12, last_time=1e12 + 1),
 ])
 def test_an_edited_account_counts_from_this_launch(tmp_path, edit):
   record = _written(tmp_path)

@@ -44,6 +44,11 @@ GOODPUT_FILE = "goodput.json"
 # The timed parts besides productive steps, in report order.
 PARTS = ("startup", "compilation", "checkpoint", "evaluation", "restart",
          "lost_steps")
+# How far a read account's parts may exceed its wall time (rounding, the
+# clock's steps), and its last record may lie after this launch's start
+# (another host's clock after a relaunch elsewhere), in seconds.
+_SLACK, _SLACK_SHARE = 1.0, 0.01
+_CLOCK_SKEW = 3600.0
 
 
 class Goodput:
@@ -94,6 +99,20 @@ class Goodput:
         raise ValueError("its numbers are not finite non-negative seconds "
                          "and counts, launches >= 1, first_start <= "
                          "last_time")
+      timed = sum(seconds.values()) + sum(s for _, _, s in pending)
+      wall = last - first
+      if timed > wall + _SLACK + _SLACK_SHARE * wall:
+        # Parts beyond the recorded wall time (1e300 s of productive)
+        # would report a goodput of 100% of nonsense.
+        raise ValueError(f"its parts add up to {timed:.6g} s, more than "
+                         f"its wall time {wall:.6g} s")
+      if last > self.launch_start + _CLOCK_SKEW:
+        raise ValueError(f"its last_time {last:.6g} is after this launch's "
+                         f"start {self.launch_start:.6g}")
+      if set(seconds) & {"wall", "other"}:
+        # Names the account computes itself; read back, they would
+        # replace the computed wall time.
+        raise ValueError("its seconds name 'wall' or 'other'")
     except Exception as e:  # pylint: disable=broad-except
       # An account that does not parse is no reason to stop training.
       logging.warning("%s is not a goodput account (%s); counting from this "
