@@ -278,6 +278,20 @@ def stop_peer_watcher(handler):
     stop()
 
 
+# The threads a PreemptionCheckpointHandler starts, by the names TensorFlow
+# gives them (failure_handling.py).
+PREEMPTION_THREAD_PREFIXES = ("PeerTerminationWatcher-",
+                              "WorkerTerminationSignalWatcher-")
+
+
+def is_preemption_thread(thread):
+  """Whether `thread` is one a PreemptionCheckpointHandler started. Missing
+  publicly: the handler's threads are neither exposed nor guarded against
+  a lost coordination service."""
+  name = getattr(thread, "name", "") or ""
+  return name.startswith(PREEMPTION_THREAD_PREFIXES)
+
+
 # --- Random ops (check/distribution_step.py). ---------------------------------
 
 # The generated op modules whose functions the self-check wraps to make

@@ -468,11 +468,40 @@ class _LocalPreemption:
       _exit(step, saved=saved, at_once=True)
 
 
+_previous_excepthook = None  # threading's hook before _quiet_lost_peers
+
+
+def _quiet_lost_peers():
+  """Makes a lost peer in a PreemptionCheckpointHandler's thread one
+  warning line instead of a traceback (idempotent).
+
+  When the chief (which leads the coordination service) dies, the
+  handler's peer watcher raises "Socket closed" in its own thread; the
+  main thread then reports the lost task in one line.
+  """
+  global _previous_excepthook
+  if _previous_excepthook is not None:
+    return
+  _previous_excepthook = threading.excepthook
+
+  def hook(args):
+    if (_tf_internal.is_preemption_thread(args.thread)
+        and issubclass(args.exc_type, tf.errors.OpError)):
+      logging.warning("%s ended: %s", args.thread.name,
+                      str(args.exc_value).splitlines()[0][:200]
+                      if str(args.exc_value) else args.exc_type.__name__)
+      return
+    _previous_excepthook(args)
+
+  threading.excepthook = hook
+
+
 class _MultiWorkerPreemption:
   """PreemptionCheckpointHandler, saving through the controller's manager."""
 
   def __init__(self, controller):
     self.controller = controller
+    _quiet_lost_peers()
     self._step = None
     strategy = controller.parts.strategy
     # The handler restores its run counter from the chief's directory on
