@@ -1,9 +1,13 @@
-"""A PreemptionCheckpointHandler's peer watcher that loses the chief (kill
--9 of worker:0 under multi_worker_mirrored) is one warning line, not an
-"Exception in thread PeerTerminationWatcher" traceback; other threads'
-exceptions are printed as before."""
+"""When the chief of a multi_worker_mirrored job dies (kill -9 of worker:0),
+the other workers' PreemptionCheckpointHandler, which talks to the chief's
+coordination service, is one warning line, not a traceback: its peer
+watcher thread, and its SIGTERM handler when the launcher then stops the
+task; other threads' exceptions are printed as before."""
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import tensorflow as tf
@@ -42,3 +46,24 @@ def test_other_threads_still_print_their_traceback(printed):
   _raise_in("mine", tf.errors.UnavailableError(None, None, "x"))
   assert printed == [("PeerTerminationWatcher-1", ValueError),
                      ("mine", tf.errors.UnavailableError)]
+
+
+def test_a_sigterm_after_the_chief_died_is_no_traceback(monkeypatch):
+  def handler_of_tf(signum, frame):  # as TensorFlow's, the chief gone
+    del signum, frame
+    raise tf.errors.UnavailableError(None, None, "Connection refused")
+
+  previous = signal.signal(signal.SIGTERM, handler_of_tf)
+  try:
+    warnings = []
+    monkeypatch.setattr(actions.logging, "warning",
+                        lambda *args: warnings.append(args[0] % args[1:]))
+    actions._tolerate_a_lost_coordinator()  # pylint: disable=protected-access
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(50):  # the handler runs between bytecodes
+      if warnings:
+        break
+      time.sleep(0.1)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert len(warnings) == 1 and "Connection refused" in warnings[0], warnings

@@ -496,6 +496,31 @@ def _quiet_lost_peers():
   threading.excepthook = hook
 
 
+def _tolerate_a_lost_coordinator():
+  """Wraps the SIGTERM handler a PreemptionCheckpointHandler installed: a
+  coordination service that is gone is one warning line, not a traceback.
+
+  The handler tells the peers of a SIGTERM through the chief's
+  coordination service. When the chief died, the launcher's SIGTERM to
+  the others raised "Connection refused" from the handler in the main
+  thread, which hid that task's own one-line error about the lost peer.
+  """
+  handler = signal.getsignal(signal.SIGTERM)
+  if not callable(handler):
+    return
+
+  def on_sigterm(signum, frame):
+    try:
+      handler(signum, frame)
+    except tf.errors.OpError as e:
+      logging.warning("SIGTERM not shared with the cluster, whose "
+                      "coordination service is gone: %s",
+                      str(e).splitlines()[0][:200] if str(e)
+                      else type(e).__name__)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class _MultiWorkerPreemption:
   """PreemptionCheckpointHandler, saving through the controller's manager."""
 
@@ -514,6 +539,7 @@ class _MultiWorkerPreemption:
         exit_fn=lambda: _exit(self._step), save_fn=self._save, grace_period=0)
     self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
         strategy.cluster_resolver, reader, termination_config=config)
+    _tolerate_a_lost_coordinator()
     # After the handler installed its SIGTERM handler: a first Ctrl-C
     # becomes a SIGTERM for it (all workers agree on a step and save).
     self._interrupts = _Interrupts()
