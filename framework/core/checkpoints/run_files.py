@@ -85,16 +85,31 @@ def write_atomically(path, write):
   return path
 
 
+# The largest run record `read_json` reads: a run writes a few KiB; a
+# multi-GiB file put in its place would be read whole into memory.
+MAX_JSON_BYTES = 64 << 20
+
+
 def read_json(path, remedy="", *, object_only=False):
   """The JSON at `path`, or None when there is no such file.
 
   Raises CheckpointError, in one line ending in `remedy`, when it is not
-  valid JSON (a file half-written by hand, or damaged), cannot be read
-  (a directory in its place) or, with `object_only`, holds no JSON object
-  (`[]`, `null`: a file the run wrote always holds one).
+  valid JSON (a file half-written by hand, or damaged), larger than
+  `MAX_JSON_BYTES`, cannot be read (a directory in its place) or, with
+  `object_only`, holds no JSON object (`[]`, `null`: a file the run wrote
+  always holds one).
   """
   if not tf.io.gfile.exists(path):
     return None
+  try:
+    size = tf.io.gfile.stat(path).length
+  except tf.errors.OpError as e:
+    raise CheckpointError(
+        f"cannot read {path} ({_reason(e)}){remedy}") from None
+  if size > MAX_JSON_BYTES:
+    raise CheckpointError(
+        f"{path} holds {size} bytes, more than a run record's "
+        f"{MAX_JSON_BYTES} (replaced or damaged){remedy}")
   try:
     with tf.io.gfile.GFile(path) as f:
       value = json.load(f)
