@@ -75,7 +75,8 @@ flags.DEFINE_float(
     "collective_timeout", _CLUSTER_OPTIONS.collective_timeout,
     "Seconds a task of a multi-worker job or a --mesh over a cluster may "
     "wait for its peers (from one finished loop to the next: its "
-    "all-reduces, evaluation, checkpoint) before it exits with one line "
+    "all-reduces, evaluation, checkpoint; after the last loop, the final "
+    "evaluation and export) before it exits with one line "
     "naming the task that did not answer and the step; launch.py "
     "--max_restarts then restarts the job from its last checkpoint. Must "
     "be > 0. The default leaves room for the slowest healthy gap on a "

@@ -51,7 +51,8 @@ class ClusterOptions:
       missing ones (0: wait forever).
     collective_timeout: seconds a task of a multi-process job may wait for
       its peers (from one finished loop to the next: its all-reduces and
-      all-gathers, a mesh's and ZeRO-1's collectives, evaluation's sums)
+      all-gathers, a mesh's and ZeRO-1's collectives, evaluation's sums;
+      after the last loop, the final evaluation and export)
       before it exits naming the task that did not answer (> 0).
   """
   resolver: str = "tf_config"

@@ -130,7 +130,8 @@ class StepWatchdog:
   Args:
     config: the parsed TF_CONFIG (None: the watchdog does nothing).
     timeout: seconds from one finished loop (or from `start`) to the
-      next, > 0; a healthy loop, evaluation or checkpoint never comes near.
+      next, or to `stop` after the last one, > 0; a healthy loop,
+      evaluation or checkpoint never comes near.
     program: the name that starts the error line.
   """
 
