@@ -431,12 +431,20 @@ class Controller:
     # roll back to: list it first.
     self.wait_for_checkpoint()
     path = self.checkpoints.latest
-    if path is None:
+    # Only the chief lists its checkpoints: every worker restores the one
+    # it names (and reads it once the chief has written it).
+    saved = strategies.chief_value(
+        self.parts.strategy, int(path.rsplit("-", 1)[1]) if path else -1)
+    if saved < 0:
       logging.warning(
           "loss spike at step %d: no checkpoint yet to roll back to; its "
           "update was skipped (spikes/skipped)", spike_step)
       return None
-    self.checkpoints.restore_latest()
+    if path is None:  # a worker other than the chief
+      path = os.path.join(self.model_dir, f"ckpt-{saved}")
+      self.checkpoints.restore_latest(path)
+    else:
+      self.checkpoints.restore_latest()
     adapt.refresh(self.parts.model)
     step = self.step
     batches = self.rollbacks.add(spike_step, step, write=strategies.is_chief(

@@ -118,3 +118,28 @@ def is_chief(strategy):
     return True
   cluster = strategy.cluster_resolver.cluster_spec().as_dict()
   return task_type == "worker" and task_id == 0 and "chief" not in cluster
+
+
+def chief_value(strategy, value: int) -> int:
+  """The chief's `value` (an int, |value| < 2**53) on every worker of a
+  MultiWorkerMirroredStrategy, `value` itself under any other strategy.
+
+  A collective: every worker calls it at the same point, and none returns
+  before the chief has called it (what the chief wrote before is there).
+  """
+  if (not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+      or task_info(strategy)[0] is None):
+    return value
+  # Only the chief's first replica (replica 0 of the group) adds its value.
+  mine = tf.constant(value if is_chief(strategy) else 0, tf.float64)
+
+  @tf.function
+  def agree():
+    def replica_fn():
+      context = tf.distribute.get_replica_context()
+      first = tf.equal(context.replica_id_in_sync_group, 0)
+      return context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                tf.where(first, mine, tf.zeros_like(mine)))
+    return strategy.run(replica_fn)
+
+  return int(strategy.experimental_local_results(agree())[0].numpy())
