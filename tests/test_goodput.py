@@ -133,3 +133,24 @@ def test_an_account_that_cannot_be_written_is_a_warning_not_an_error(
   account.write()
   account.write()  # said once; training goes on
   assert account._unwritable  # pylint: disable=protected-access
+
+
+def test_a_rollback_counts_its_restore_as_rolled_back(tmp_path, monkeypatch):
+  """The restore and the new iterator of a rollback are its time, not
+  `other`: a rollback made 3 s slower moves 3 s into `rolled_back`."""
+  import test_spike_policy as sp  # pylint: disable=g-import-not-at-top
+  from framework.core import controller as controller_lib  # pylint: disable=g-import-not-at-top
+  roll_back = controller_lib.Controller._roll_back
+
+  def slow_roll_back(self, spike_step):
+    time.sleep(3)
+    return roll_back(self, spike_step)
+
+  monkeypatch.setattr(controller_lib.Controller, "_roll_back", slow_roll_back)
+  sp._controller(tmp_path / "rolled", sp.ROLL_STEPS, spike_policy="rollback",
+                 spike_factor=5, spike_window=3)
+  record = json.loads((tmp_path / "rolled" / "goodput.json").read_text())
+  account = record["account"]
+  assert record["lost_step_counts"]["rolled_back"] == 3, record
+  assert account["rolled_back"] >= 3.0, account
+  assert account["other"] < 3.0, account

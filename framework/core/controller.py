@@ -484,12 +484,15 @@ class Controller:
       spike_step = (self.parts.spikes.take_pending()
                     if self.parts.spikes is not None else 0)
       last = self.step
+      rolling = time.time()
       rolled = spike_step and self._roll_back(spike_step)
       if rolled:
-        # The steps since the checkpoint train again, on other batches.
+        # The steps since the checkpoint train again, on other batches; the
+        # restore and the new iterator are the rollback's time too.
         self.goodput.loop(step + 1, last, elapsed)
         step, iterator = rolled
         self.goodput.restored(step, "rolled_back")
+        self.goodput.add("rolled_back", time.time() - rolling)
         skipped, spike_skipped = self._skipped(), self._spike_skipped()
         continue
       # Fewer steps than asked when the loop was told to stop.
