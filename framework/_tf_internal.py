@@ -163,6 +163,38 @@ def collective_keys(group_key_start=1_000_000):
       group_key_start=group_key_start)
 
 
+@tf.autograph.experimental.do_not_convert
+def collective_launcher(devices, group_size, collective_keys):
+  """{device: a CollectiveReplicaLauncher} for each of this process's
+  `devices`, in one group of `group_size` replicas (all processes' devices).
+  Missing publicly: collectives other than all-reduce and all-gather over
+  a strategy's replicas (tf.distribute has no reduce-scatter or all-to-all).
+  The launcher gives each call a fresh instance key at call time and orders
+  one device's collectives with a token, as the strategies' own do."""
+  utils = _distribute_module("cross_device_utils")
+  group_key = collective_keys.get_group_key(list(devices))
+  options = _distribute_module("collective_util").Options()
+  return {device: utils.CollectiveReplicaLauncher(
+      group_key, group_size, collective_keys, device, options)
+          for device in devices}
+
+
+@tf.autograph.experimental.do_not_convert
+def all_to_all(launcher, value):
+  """`launcher`'s replica sends `value[i]` to replica i and receives
+  replica i's piece for it as row i (`value`'s first dimension is the
+  group size). Missing publicly: the collective all-to-all
+  (CollectiveAllToAllV2, CPU and GPU kernels) has no tf.distribute API."""
+  collective_ops = importlib.import_module(
+      "tensorflow.python.ops.collective_ops")
+  instance_key = launcher._next_instance_key()
+  token = launcher._get_ordering_token()
+  with tf.device(launcher._device):
+    return collective_ops.all_to_all_v2(
+        value, launcher._group_size, launcher._group_key, instance_key,
+        ordering_token=token)
+
+
 def per_replica(values):
   """`values` as a PerReplica (one per device). Missing publicly: building
   one outside a strategy's `run`."""

@@ -4,8 +4,10 @@
 `train_step` override may call on its own:
 
     grads, metrics = accumulate_gradients(batch)  # K micro-batches, summed
-    grads = unscale(all_reduce(grads))             # one SUM over replicas,
-                                                   # then the float16 scale
+    grads = unscale(reduce_gradients(grads))       # one SUM over replicas
+                                                   # (all-reduce, or ZeRO-1's
+                                                   # reduce-scatter), then
+                                                   # the float16 scale
     grads, norm = clip_by_global_norm(grads)       # the reduced gradient
     apply_gradients(grads)                         # one update, never
                                                    # reduced again; skipped
@@ -77,23 +79,51 @@ class GradientPipeline:
     context = tf.distribute.get_replica_context()
     if context is None or self.num_replicas == 1:
       return values
+    return self._timed(
+        lambda v: all_reduce_sum(context, v, self.communication), values)
+
+  def scatters_gradients(self) -> bool:
+    """Whether `reduce_gradients` reduce-scatters (the update kind's
+    `scatters()`: ZeRO-1 with the default all-reduce options): each replica
+    then holds only its slice of the summed gradient."""
+    return self.num_replicas > 1 and self.updater.scatters()
+
+  def reduce_gradients(
+      self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """The SUM over replicas of this replica's gradient shares, as the
+    update kind takes it: whole (`all_reduce`) or, where
+    `scatters_gradients()`, only this replica's slice of each (a
+    reduce-scatter; pass the norm to `apply_gradients` as
+    `scattered_norm`)."""
+    if not self.scatters_gradients():
+      return self.all_reduce(grads)
+    return self._timed(self.updater.reduce_scatter, grads)
+
+  def _timed(self, reduce, values):
+    """`reduce(values)`, a collective, with this worker's wait for it added
+    to `collective_wait_seconds` (where measured)."""
     if self.collective_wait_seconds is None:
-      return all_reduce_sum(context, values, self.communication)
+      return reduce(values)
     # From this replica's gradients being ready to their sum: the values
     # are the same, the clock is only read (by the host: tf.timestamp is
     # refused under op determinism).
     with tf.control_dependencies(tf.nest.flatten(values)):
       ready = _host_clock()
-    reduced = all_reduce_sum(context, values, self.communication)
+    reduced = reduce(values)
     with tf.control_dependencies(tf.nest.flatten(reduced)):
       waited = _host_clock() - ready
     self.collective_wait_seconds.assign_add(waited / self._local_replicas)
     return reduced
 
   def clip_by_global_norm(
-      self, grads: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """(grads clipped to `clip_norm`, their global norm before clipping)."""
-    norm = tf.linalg.global_norm(grads)
+      self, grads: Sequence[tf.Tensor],
+      scattered: bool = False) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """(grads clipped to `clip_norm`, their global norm before clipping).
+    `scattered`: `grads` are this replica's slices (`reduce_gradients`
+    where `scatters_gradients()`); the norm is still the whole gradient's
+    (one scalar all-reduce of the slices' squares)."""
+    norm = (scattered_global_norm(grads) if scattered
+            else tf.linalg.global_norm(grads))
     if self.clip_norm is None:
       return grads, norm
     clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)
@@ -115,7 +145,8 @@ class GradientPipeline:
 
   def apply_gradients(self, grads: Sequence[tf.Tensor],
                       variables: Sequence[tf.Variable] | None = None, *,
-                      spike_signals: Any = None) -> Any:
+                      spike_signals: Any = None,
+                      scattered_norm: tf.Tensor | None = None) -> Any:
     """Applies already all-reduced `grads` once (call from `train_step`) to
     `variables` (default: the trainer's `trainable_variables`).
 
@@ -124,6 +155,8 @@ class GradientPipeline:
     and advances `optimizer.iterations` once. `spike_signals`: the step's
     `spike_signals(...)`; under `spike_policy` skip or rollback a spike
     drops the update (a `train_step` override passes them).
+    `scattered_norm`: `grads` are this replica's slices from
+    `reduce_gradients` (ZeRO-1) and this the whole gradient's norm.
     """
     variables = list(variables or self.trainable_variables)
     if spike_signals is not None or getattr(self, "spikes", None) is None:
@@ -139,7 +172,8 @@ class GradientPipeline:
     if len(grads) != len(variables):
       raise ValueError(f"apply_gradients got {len(grads)} gradients for "
                        f"{len(variables)} variables")
-    return self.updater.apply(grads, variables, spike_signals)
+    return self.updater.apply(grads, variables, spike_signals,
+                              scattered_norm=scattered_norm)
 
   def assign_weights(self, weights, variables, finite, spike_signals=()):
     """Sets `variables` to `weights`, updated elsewhere (gathered from the
@@ -235,6 +269,16 @@ def communication_options(config):
   return tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=config.bytes_per_pack,
       implementation=_IMPLEMENTATION[config.implementation])
+
+
+def scattered_global_norm(slices: Sequence[tf.Tensor]) -> tf.Tensor:
+  """The global norm of a gradient whose replicas each hold `slices` of it
+  (replica context): the square root of the SUM over replicas of their
+  squares (zero padding adds nothing)."""
+  squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+                      for g in slices])
+  return tf.sqrt(tf.distribute.get_replica_context().all_reduce(
+      tf.distribute.ReduceOp.SUM, squares))
 
 
 def _host_clock():

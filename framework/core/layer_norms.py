@@ -16,7 +16,9 @@ and `layer_norms_hist/grad`, `.../weight`, `.../update_ratio`: each a
 histogram over the layers of that step.
 
 Everything is computed in replica context from the all-reduced gradient and
-the weights, which are equal on every replica, so replica 0's summaries (the
+the weights, which are equal on every replica (under ZeRO-1's
+reduce-scatter, each layer's gradient norm from its slices' squares summed
+over replicas), so replica 0's summaries (the
 only ones `tf.summary` records under MirroredStrategy) are the global
 values. Both halves sit in a `tf.cond` on `tf.summary.should_record_summaries()`:
 other steps compute only that condition (and keep no copy of the weights),
@@ -74,31 +76,48 @@ def _norm(tensors):
 
 
 @contextlib.contextmanager
-def recorded(grads: Sequence[Any], variables: Sequence[Any]):
+def recorded(grads: Sequence[Any], variables: Sequence[Any],
+             scattered: bool = False):
   """A context around the one update of `variables` with `grads` (the
   applied gradient, in replica context): reads the weights before it and
   writes the summaries after it, on recorded steps only. TensorFlow orders
-  the reads and the update of a variable as the code does."""
+  the reads and the update of a variable as the code does.
+
+  `scattered`: each of `grads` is this replica's slice of the gradient
+  (ZeRO-1's reduce-scatter); each layer's gradient norm is then the square
+  root of its slices' squares summed over replicas, one all-reduce of a
+  vector per step (a collective cannot sit in the recorded steps' branch).
+  """
   variables = list(variables)
+  layer_squares = None
+  if scattered:
+    squares = tf.stack([
+        tf.add_n([tf.reduce_sum(tf.square(tf.cast(grads[i], tf.float32)))
+                  for i in indices])
+        for _, indices in group_by_layer(variables)])
+    layer_squares = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, squares)
   record = tf.summary.should_record_summaries()
   before = tf.cond(
       record, lambda: [tf.identity(v) for v in variables],
       # No copy of the weights on the other steps.
       lambda: [tf.zeros([0], v.dtype) for v in variables])
   yield
-  tf.cond(record, lambda: _write(grads, before, variables),
+  tf.cond(record, lambda: _write(grads, before, variables, layer_squares),
           lambda: tf.constant(False))
 
 
-def _write(grads, before, variables):
+def _write(grads, before, variables, layer_squares=None):
   """The summaries of one recorded step (a `tf.cond` branch)."""
   after = [tf.identity(v) for v in variables]
   values = {kind: [] for kind in KINDS}
   layers = group_by_layer(variables)
-  for _, indices in layers:
+  for layer, (_, indices) in enumerate(layers):
     weight = _norm([before[i] for i in indices])
     update = _norm([after[i] - before[i] for i in indices])
-    layer_values = {"grad": _norm([grads[i] for i in indices]),
+    grad = (_norm([grads[i] for i in indices]) if layer_squares is None
+            else tf.sqrt(layer_squares[layer]))
+    layer_values = {"grad": grad,
                     "weight": weight,
                     "update_ratio": tf.math.divide_no_nan(update, weight)}
     values = {kind: values[kind] + [value]

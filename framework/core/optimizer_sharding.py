@@ -10,8 +10,9 @@ Data parallelism keeps a full copy of the optimizer state on every replica
 trainer splits every trainable variable, flattened and zero-padded to a
 multiple of N, into N equal shards; replica r owns shard r:
 
-    grads = all_reduce(grads); clip_by_global_norm(grads)  # full, unchanged
-    g_r   = flat(grad)[r*L:(r+1)*L]       # this replica's slice
+    g_r   = reduce_scatter(grads)[r]      # this replica's [L] slice of
+                                          # flat(sum of grads), padded
+    clip_by_global_norm(g_r)              # norm: squares summed over replicas
     w_r   = flat(weight)[r*L:(r+1)*L]     # into a [L] shard variable
     update_step(g_r, w_r)                 # slots of shape [L]: 1/N each
     weight = all_gather(w_r)[:n]          # ReplicaContext.all_gather
@@ -20,9 +21,11 @@ The optimizer is built on the shard variables, so Keras's own `update_step`
 (or the fused kernel) does the update and its slots are [L]-shaped
 per-device copies, each holding its own replica's shard. Elementwise
 optimizers only (SGD, momentum, Adam, AdamW): a shard's update must not
-need the rest of the variable. The gradient is all-reduced whole, so
-clipping by global norm sees the full gradient; the cost is one all-gather
-of the weights per step.
+need the rest of the variable. The gradient is reduce-scattered
+(`framework.distribute.collectives`: all-to-all + local sum), half the
+bytes of an all-reduce; with all-reduce options other than the defaults it
+is all-reduced whole and sliced. The cost is one all-gather of the weights
+per step.
 
 Checkpoints hold the full slots under the keys an unsharded run writes
 (`checkpointed_optimizer`: the optimizer's own object graph with each slot
@@ -39,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.distribute import collectives
 from framework.errors import ConfigError
 
 
@@ -218,6 +222,7 @@ class ShardedOptimizerState:
     self._slots = slot_parameters(optimizer, len(self.shards))
     self._gather_slots = tf.function(self._gather_slots_fn)
     self._gathered = None  # (iterations, [full slot]) of the last save
+    self._scatter = None  # the gradients' reduce-scatter, made on first use
     self.checkpointed_optimizer = checkpoint_view(optimizer, {
         **{id(s): v for s, v in zip(self.shards, self.variables)},
         **saved_slots(self._slots, self._full_slot, self._restore_slot,
@@ -233,6 +238,23 @@ class ShardedOptimizerState:
                      shard.shape[0], self.num_shards, replica_id)
             for value, shard, variable in zip(values, self.shards,
                                               self.variables)]
+
+  def reduce_scatter(self, grads):
+    """This replica's [L] slice of the SUM over replicas of each of
+    `grads` (replica context): one reduce-scatter of all of them (per
+    dtype), half the bytes an all-reduce moves."""
+    if self._scatter is None:
+      self._scatter = collectives.ReduceScatter(self.strategy)
+    chunks = [tf.reshape(padded(tf.reshape(tf.convert_to_tensor(g), v.shape),
+                                s.shape[0], self.num_shards),
+                         [self.num_shards, s.shape[0]])
+              for g, s, v in zip(grads, self.shards, self.variables)]
+    shards = [None] * len(chunks)
+    for dtype in dict.fromkeys(c.dtype for c in chunks):
+      indices = [i for i, c in enumerate(chunks) if c.dtype == dtype]
+      for i, shard in zip(indices, self._scatter([chunks[i] for i in indices])):
+        shards[i] = shard
+    return shards
 
   def gather_weights(self, context):
     """The full weights from every replica's updated shard (replica

@@ -775,8 +775,12 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     """The update kind of this run (`framework.core.updates.choose`);
     `parts`: what every kind holds. A trainer with another kind of update
     overrides this."""
+    # ZeRO-1's reduce-scatter sums as the default all-reduce does; other
+    # all-reduce options (bfloat16 on the wire, buckets) keep the all-reduce.
+    communication = self.communication
     return updates.choose(self.strategy, sharding=self.optimizer_sharding,
-                          **parts)
+                          scatter=communication is None
+                          or communication.is_default, **parts)
 
   @property
   def trainable_variables(self) -> list[Any]:
@@ -839,13 +843,17 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     # One SUM over replicas turns the shares into the gradient of the mean;
     # undo the float16 loss scale only after it (the scale is the same
     # everywhere, and the reduced gradient decides the skip on overflow).
-    grads = self.unscale(self.all_reduce(grads))
+    # ZeRO-1: each replica receives only its slice of the sum.
+    scattered = self.scatters_gradients()
+    grads = self.unscale(self.reduce_gradients(grads))
     # Clip the global gradient; clipping shares would clip something else.
-    grads, grad_norm = self.clip_by_global_norm(grads)
-    with (layer_norms.recorded(grads, self.trainable_variables)
+    grads, grad_norm = self.clip_by_global_norm(grads, scattered=scattered)
+    with (layer_norms.recorded(grads, self.trainable_variables,
+                               scattered=scattered)
           if self.log_layer_norms else contextlib.nullcontext()):
       self.apply_gradients(grads, spike_signals=self.spike_signals(
-          metrics["loss"], grad_norm))
+          metrics["loss"], grad_norm),
+                           scattered_norm=grad_norm if scattered else None)
     return {**metrics, "grad_norm": self.replica_share(grad_norm)}
 
   def compute_gradients(self, batch):

@@ -22,15 +22,20 @@ The kinds, and where each is used:
     ParameterServerUpdate  the same update without merge_call, which a
                            parameter-server worker (one replica) lacks
     ShardedUpdate          ZeRO-1 over replicas (`optimizer_sharding.
-                           ShardedOptimizerState`): each replica updates its
-                           1/N shard of every variable, then one all-gather
-                           of the weights is assigned as the update
+                           ShardedOptimizerState`): the gradients reduce-
+                           scattered, each replica updates its 1/N shard of
+                           every variable, then one all-gather of the
+                           weights is assigned as the update
     CopyShardedUpdate      ZeRO-1 over a split's copies on a mesh's data axis
                            (`optimizer_sharding.CopyShardedState`)
 
-Every kind has one entry point, `apply(grads, variables, signals=()) ->
-applied` (a bool tensor: whether the update ran), called in replica context
-by `Trainer.apply_gradients`; `signals` are the step's spike signals
+Every kind has one entry point, `apply(grads, variables, signals=(),
+scattered_norm=None) -> applied` (a bool tensor: whether the update ran),
+called in replica context by `Trainer.apply_gradients`, and says how the
+gradients reach it: `scatters()`, whether the step reduce-scatters them
+(`reduce_scatter`: each replica receives only its slice of the sum, which
+`apply` then takes with `scattered_norm`, the whole gradient's norm) or
+all-reduces them whole; `signals` are the step's spike signals
 (`Trainer.spike_signals`). The per-variable optimizer math stays the
 trainer's (`update_variable`, which a trainer may override to place it),
 and the optimizer is read from the trainer at each trace (the distribution
@@ -128,12 +133,30 @@ class MergeCallUpdate:
     """Reduced gradients divided by the loss scale (unchanged without one)."""
     return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
 
+  # --- The reduction. --------------------------------------------------------
+
+  def scatters(self) -> bool:
+    """Whether the step reduce-scatters the gradients for this kind (in
+    replica context, as traced now): each replica then receives only its
+    slice of the sum (`reduce_scatter`)."""
+    return False
+
+  def reduce_scatter(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """This replica's slice of the SUM over replicas of each of `grads`
+    (only for a kind that `scatters()`)."""
+    raise NotImplementedError(f"{type(self).__name__} does not scatter")
+
   # --- The update. -----------------------------------------------------------
 
   def apply(self, grads: Sequence[tf.Tensor], variables: Sequence[Any],
-            signals: Any = ()) -> Any:
+            signals: Any = (), scattered_norm: tf.Tensor | None = None) -> Any:
     """Applies the reduced `grads` to `variables` once (replica context);
-    returns whether it did (a bool tensor)."""
+    returns whether it did (a bool tensor). `scattered_norm`: `grads` are
+    this replica's slices (`reduce_scatter`) and this the whole gradient's
+    norm (finiteness is judged on it, the same on every replica)."""
+    if scattered_norm is not None:
+      raise ValueError(f"{type(self).__name__} takes whole gradients, "
+                       "not reduce-scattered slices")
     finite = tf.math.is_finite(tf.linalg.global_norm(grads))
     return self._apply(grads, variables, finite, signals)
 
@@ -268,16 +291,39 @@ class ShardedUpdate(MergeCallUpdate):
   with its slice of the reduced gradient, then the shards are all-gathered
   into the weights, assigned as the step's update.
 
+  With `scatter` the default step reduce-scatters the gradients
+  (`scatters()`: all-to-all + local sum, `framework.distribute.
+  collectives`), so each replica receives only the slice it updates;
+  `apply` also takes whole reduced gradients (a `train_step` override's
+  `all_reduce`) and slices them.
+
   Args:
     sharding: the trainer's `optimizer_sharding.ShardedOptimizerState`.
+    scatter: reduce-scatter the gradients (the all-reduce options are the
+      defaults); False: all-reduce them whole, then slice.
     **kwargs: `MergeCallUpdate`'s.
   """
 
-  def __init__(self, strategy, *, sharding, **kwargs):
+  def __init__(self, strategy, *, sharding, scatter=True, **kwargs):
     super().__init__(strategy, **kwargs)
     self.sharding = sharding
+    self.scatter = scatter
 
-  def _apply(self, grads, variables, finite, signals):
+  def scatters(self):
+    # Not while the distribution check's probe optimizer (unsharded) is in.
+    return (self.scatter and self.sharding.optimizer is self.optimizer
+            and tf.distribute.get_replica_context() is not None)
+
+  def reduce_scatter(self, grads):
+    return self.sharding.reduce_scatter(grads)
+
+  def apply(self, grads, variables, signals=(), scattered_norm=None):
+    if scattered_norm is None:
+      return super().apply(grads, variables, signals)
+    finite = tf.math.is_finite(scattered_norm)
+    return self._apply(grads, variables, finite, signals, scattered=True)
+
+  def _apply(self, grads, variables, finite, signals, scattered=False):
     sharding = self.sharding
     if sharding.optimizer is not self.optimizer:
       # The distribution check's probe optimizer, built unsharded.
@@ -287,7 +333,8 @@ class ShardedUpdate(MergeCallUpdate):
                        "model's trainable variables only")
     context = tf.distribute.get_replica_context()
     replica = context.replica_id_in_sync_group
-    grad_shards = sharding.local_shards(grads, replica)
+    grad_shards = (list(grads) if scattered
+                   else sharding.local_shards(grads, replica))
     weight_shards = sharding.local_shards(variables, replica)
     context.merge_call(self._update_shards, args=(
         sharding, grad_shards, weight_shards, finite),
@@ -337,8 +384,10 @@ class CopyShardedUpdate(MergeCallUpdate):
     super().__init__(strategy, **kwargs)
     self.sharding = sharding
 
-  def apply(self, grads, variables, signals=()):
+  def apply(self, grads, variables, signals=(), scattered_norm=None):
     del signals  # copies are sharded without a spike check
+    if scattered_norm is not None:
+      raise ValueError("CopyShardedUpdate takes whole gradients")
     count = len(self.sharding.variables[0])
     per_copy = lambda values: [values[i:i + count]
                                for i in range(0, len(values), count)]
@@ -357,13 +406,14 @@ class CopyShardedUpdate(MergeCallUpdate):
 
 
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
-           **kwargs: Any) -> MergeCallUpdate:
+           scatter: bool = True, **kwargs: Any) -> MergeCallUpdate:
   """The update kind for `strategy`: `ParameterServerUpdate` under a
   parameter-server strategy, `ShardedUpdate` with `sharding` (a
-  `ShardedOptimizerState`), else `MergeCallUpdate`; `kwargs`:
-  `MergeCallUpdate`'s."""
+  `ShardedOptimizerState`; `scatter`: it reduce-scatters the gradients),
+  else `MergeCallUpdate`; `kwargs`: `MergeCallUpdate`'s."""
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     return ParameterServerUpdate(strategy, **kwargs)
   if sharding is not None:
-    return ShardedUpdate(strategy, sharding=sharding, **kwargs)
+    return ShardedUpdate(strategy, sharding=sharding, scatter=scatter,
+                         **kwargs)
   return MergeCallUpdate(strategy, **kwargs)
