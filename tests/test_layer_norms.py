@@ -97,9 +97,13 @@ def test_values_are_the_norms_of_the_checkpointed_weights(one_device):
     assert buckets[:, 2].sum() == len(LAYER_VARIABLES)
 
 
-def test_two_replicas_write_the_global_values(one_device, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "zero1"])
+def test_two_replicas_write_the_global_values(one_device, tmp_path, sharded):
+  # ZeRO-1: each replica applies only its reduce-scattered slice of the
+  # gradient; the layer's norm is still the whole gradient's.
   _, single = one_device
-  mirrored = run(str(tmp_path), strategy="mirrored")
+  mirrored = run(str(tmp_path), strategy="mirrored",
+                 shard_optimizer_state=sharded)
   assert len(layers(mirrored)) == len(LAYER_VARIABLES)
   for one, two in zip(layers(single), layers(mirrored)):
     for kind in layer_norms.KINDS:
