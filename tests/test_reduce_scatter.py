@@ -79,3 +79,15 @@ def test_equals_the_all_reduce_across_two_processes():
   assert len(found) == 2, proc.stdout
   assert all(float(d) <= 1e-7 for d in found)
   assert "mirrored, 2 logical CPU devices: max |diff|" in proc.stdout
+
+
+def test_the_reduce_scatter_is_timed_as_the_collective_wait(data):
+  # Each worker's step time is split with collective_wait_seconds (set
+  # where the replicas span workers); ZeRO-1's reduce-scatter, which takes
+  # the all-reduce's place, adds to it as the all-reduce did.
+  trainer = make_trainer("mirrored", shard_optimizer_state=True)
+  with tf.device("CPU:0"):
+    trainer.collective_wait_seconds = tf.Variable(
+        0.0, dtype=tf.float64, trainable=False)
+  train(trainer, data, steps=2)
+  assert float(trainer.collective_wait_seconds.numpy()) > 0
