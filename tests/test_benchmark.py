@@ -274,3 +274,45 @@ def test_mesh_benchmark_reports_bytes_per_device_and_split_costs(tmp_path):
   assert zero["computed"]["slot_bytes"] == total
   assert all(r["examples_per_s"] > 0 and r["peak_rss_bytes"] > 0
              for r in (unsplit, split, zero))
+
+
+@pytest.mark.slow
+def test_frozen_worker_benchmark_times_every_other_process(tmp_path):
+  # New interpreters throughout: a SIGSTOP to a zygote stand-in would stop
+  # the stand-in, not the task.
+  output = tmp_path / "frozen.json"
+  proc = helpers.run_script(
+      "benchmarks/frozen_worker.py", "--setups=mwms:2", "--timeouts=30",
+      "--restart_timeout=0", f"--output_json={output}", timeout=900,
+      check=False, fresh=True)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [row] = json.loads(output.read_text())["rows"]
+  assert sorted(row["seconds_to_exit"]) == ["launch.py", "worker:0"], row
+  assert row["all_exited"] == max(row["seconds_to_exit"].values())
+  assert row["ended_by"]["worker:0"] in (
+      "coordination service heartbeats", "step watchdog"), row
+  assert re.search(r"worker:1.* after step \d+", row["lines"]["worker:0"])
+  assert row["step"] >= 50
+
+
+@pytest.mark.slow
+def test_goodput_relaunch_benchmark_adds_up(tmp_path):
+  output = tmp_path / "goodput.json"
+  proc = helpers.run_script(
+      "benchmarks/goodput_relaunch.py", "--examples=40000",
+      "--train_steps=300", "--checkpoint_every=50", "--spike_step=130",
+      "--kill_after=200", "--kill_later=10", f"--output_json={output}",
+      timeout=900,
+      check=False, fresh=True)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(output.read_text())
+  assert record["launches"] == 2
+  assert record["sum_of_parts"] == pytest.approx(record["account"]["wall"])
+  assert record["account"]["wall"] < record["measured_wall"]
+  # Steps 101..130 undone by the rollback. (The steps after the checkpoint
+  # the kill followed are lost unless the launcher's SIGTERM let worker:0
+  # save them first: not asserted.)
+  assert record["lost_step_counts"]["rolled_back"] == 30
+  [rollback] = record["spike_batches"]["rollbacks"]
+  assert rollback["batches"] == list(range(100, 130))
+  assert "over 2 launch(es)" in record["goodput_line"]
