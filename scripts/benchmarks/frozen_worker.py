@@ -20,7 +20,9 @@ the same command: the sha256 of every tensor's bytes and the largest
 absolute difference.
 
 Prints the host and the load average before and after: on a shared
-machine every figure includes the others' load.
+machine every figure includes the others' load. The 12 jobs, 4 relaunches
+and 4 uninterrupted runs took 23 min on a loaded 2-core host; --setups and
+--timeouts run fewer.
 """
 
 import hashlib
