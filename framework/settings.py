@@ -26,7 +26,7 @@ NON_NEGATIVE = "non_negative"  # an integer >= 0
 
 def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disable=redefined-builtin
             choices=None, minimum=None, key=False, zero_unsets=False,
-            options=None, free_form=False, read_by=None,
+            options=None, free_form=False, read_by=None, parser=None,
             default_factory=dataclasses.MISSING):
   """A dataclass field that is also a command-line flag.
 
@@ -49,12 +49,15 @@ def setting(default=dataclasses.MISSING, help="", *, flag=None,  # pylint: disab
       `all_but(values)`}, e.g. `{"dataset": all_but("synthetic")}`; read
       when any named choice matches (see `is_read`). train.py warns about
       a flag that is set but not read by the run's choices.
+    parser: for a boolean setting that also takes words: `text -> value`
+      (a boolean flag, `--name` and `--noname`, whose `--name=WORD` the
+      parser reads; it raises ConfigError on a bad word).
     default_factory: as in `dataclasses.field`.
   """
   metadata = {"help": help, "flag": flag, "choices": choices,
               "minimum": minimum, "key": key, "zero_unsets": zero_unsets,
               "options": options, "free_form": free_form,
-              "read_by": read_by}
+              "read_by": read_by, "parser": parser}
   if minimum not in (None, POSITIVE, NON_NEGATIVE):
     raise ValueError(f"minimum={minimum!r} must be None, {POSITIVE!r} or "
                      f"{NON_NEGATIVE!r}")

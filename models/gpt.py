@@ -24,6 +24,7 @@ from keras import ops
 
 from framework.errors import ConfigError
 from framework.model_parallel import parallel_layers
+from framework.model_parallel import recompute
 from framework.perf import flops
 from framework.settings import default
 from models.options import ModelOptions
@@ -76,6 +77,8 @@ class CausalSelfAttention(keras.layers.Layer):
     self.width = width
     self.num_heads = num_heads
     self.devices = tuple(devices or ())
+    # --recompute=attention (fixed when made: `recompute.policy`).
+    self.recompute_segment = recompute.wants("attention")
     if self.devices:
       parallel_layers.check_divides(len(self.devices), num_heads=num_heads)
       column = lambda name: parallel_layers.ColumnParallelLinear(
@@ -96,16 +99,23 @@ class CausalSelfAttention(keras.layers.Layer):
     self.out.build(input_shape[:-1] + (self.width,))
 
   def call(self, x):
+    return recompute.segment(self, "attention", self._attend, x)
+
+  def _attend(self, x):
     q, k, v = (split_heads(layer(x), self.num_heads)
                for layer in (self.query, self.key, self.value))
     return self.out(merge_heads(causal_attention(q, k, v)))
 
   def shard(self, d, x):
     """Split: shard d's heads, up to its partial output projection."""
-    heads = self.num_heads // len(self.devices)
-    q, k, v = (split_heads(layer.shard(d, x), heads)
-               for layer in (self.query, self.key, self.value))
-    return self.out.partial(d, merge_heads(causal_attention(q, k, v)))
+    def attend(x):
+      # On shard d's device in the recomputation too.
+      with parallel_layers.maybe_device(self.devices[d:d + 1]):
+        heads = self.num_heads // len(self.devices)
+        q, k, v = (split_heads(layer.shard(d, x), heads)
+                   for layer in (self.query, self.key, self.value))
+        return self.out.partial(d, merge_heads(causal_attention(q, k, v)))
+    return recompute.segment(self, "attention", attend, x)
 
   def get_config(self):
     return {**super().get_config(), "width": self.width,
@@ -154,6 +164,8 @@ class Block(keras.layers.Layer):
     super().__init__(**kwargs)
     self.width, self.num_heads, self.hidden = width, num_heads, hidden
     self.devices = tuple(devices or ())
+    # --recompute=blocks (fixed when made: `recompute.policy`).
+    self.recompute_segment = recompute.wants("block")
     policy = self.dtype_policy
     self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5, name="ln1",
                                                dtype=policy)
@@ -170,12 +182,19 @@ class Block(keras.layers.Layer):
         layer.build(input_shape)
 
   def call(self, x):
+    return recompute.segment(self, "block", self._residual, x)
+
+  def _residual(self, x):
     x = x + self.attention(self.ln1(x))
     return x + self.mlp(self.ln2(x))
 
   def split_call(self, xs):
     """Split: `xs` one copy of the residual stream per device (equal
     values); each sub-layer's shards, one all-reduce, the residual add."""
+    return recompute.segment(self, "block",
+                             lambda *xs: self._split_residual(list(xs)), *xs)
+
+  def _split_residual(self, xs):
     for norm, layer, output in ((self.ln1, self.attention, self.attention.out),
                                 (self.ln2, self.mlp, self.mlp.proj)):
       partials = [parallel_layers.on_device(

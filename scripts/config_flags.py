@@ -82,6 +82,31 @@ def walk(cls=ExperimentConfig, path=()):
       yield Flag(name, here, field, hint)
 
 
+class _WordsParser(flags.BooleanParser):
+  """A boolean flag's parser that also takes its setting's words
+  (`setting(parser=...)`): `--recompute`, `--norecompute`,
+  `--recompute=true|false` as before, `--recompute=blocks` too."""
+
+  def __init__(self, parse_value):
+    super().__init__()
+    self.parse_value = parse_value
+
+  def parse(self, argument):
+    try:
+      return self.parse_value(argument)
+    except ConfigError as e:
+      raise ValueError(str(e)) from None
+
+
+class _WordsFlag(flags.Flag):
+  """Serializes a word as `--name=word` (a boolean as `--name`/`--noname`)."""
+
+  def _serialize(self, value):
+    if isinstance(value, str):
+      return f"--{self.name}={value}"
+    return super()._serialize(value)
+
+
 def define_flags(flag_values=flags.FLAGS, cls=ExperimentConfig):
   """Defines one flag per setting of `cls` (and the configs it nests);
   returns their names. A setting without a default is a required flag."""
@@ -98,6 +123,11 @@ def define_flags(flag_values=flags.FLAGS, cls=ExperimentConfig):
     elif flag.kind is tuple:
       flags.DEFINE_list(flag.name, [str(v) for v in default], meta["help"],
                         **args)
+    elif meta["parser"] is not None:
+      flags.DEFINE_flag(_WordsFlag(_WordsParser(meta["parser"]),
+                                   flags.ArgumentSerializer(), flag.name,
+                                   default, meta["help"], boolean=True),
+                        flag_values)
     elif meta["choices"] is not None:
       flags.DEFINE_enum(flag.name, default, list(meta["choices"]),
                         meta["help"], **args)

@@ -31,6 +31,7 @@ from framework.core.trainer import Trainer, smoothed_sparse_categorical_loss
 from framework.data import datasets, inputs
 from framework.data import preprocessing
 from framework.distribute import strategies
+from framework.model_parallel import recompute
 from framework.errors import ConfigError, DistloopError
 from framework.perf import flops, throughput
 from framework.tasks import language_model, segmentation
@@ -216,21 +217,24 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
   scale = {} if plan is None else dict(
       scaled_pixels=plan.scaled_pixels,
       scaled_pixels_why=plan.scaled_pixels_why)
-  model, optimizer, loop = build_model_and_optimizer(
-      config, strategy, dataset, build_model,
-      compute_precision=compute_precision, task=task, **scale)
-  if adapt_on is not None:
-    # Before a split or a trainer sees the model: one unsplit state.
-    with strategy.scope():
-      adapt.adapt(model, adapt_on, max_examples=config.adapt_examples,
-                  name=config.model)
-  if make_trainer is None:
-    # The model-parallel trainers load only when a split is asked for.
-    split = split and config.model_parallel.mode != "none"
-    make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
-                    if split else trainer_cls)
-  trainer = make_trainer(model, optimizer, strategy,
-                         **trainer_options(config, strategy))
+  # The layers (and a split's own) are made knowing what they recompute.
+  with recompute.policy(config.model_parallel.recompute) as declared:
+    model, optimizer, loop = build_model_and_optimizer(
+        config, strategy, dataset, build_model,
+        compute_precision=compute_precision, task=task, **scale)
+    recompute.apply(model, config.model_parallel.recompute, declared)
+    if adapt_on is not None:
+      # Before a split or a trainer sees the model: one unsplit state.
+      with strategy.scope():
+        adapt.adapt(model, adapt_on, max_examples=config.adapt_examples,
+                    name=config.model)
+    if make_trainer is None:
+      # The model-parallel trainers load only when a split is asked for.
+      split = split and config.model_parallel.mode != "none"
+      make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
+                      if split else trainer_cls)
+    trainer = make_trainer(model, optimizer, strategy,
+                           **trainer_options(config, strategy))
   return trainer, loop
 
 

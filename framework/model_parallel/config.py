@@ -162,6 +162,34 @@ def cluster_groups(text, sizes, names):
   return groups
 
 
+def parse_recompute(value):
+  """A `--recompute` value as the config holds it.
+
+  `False` (`false`, `none`, `--norecompute`): nothing recomputed. `True`
+  (`true`, `--recompute` alone): a split model's stages recomputed per
+  micro-batch (GPipe's re-materialisation; a split only). `"blocks"`,
+  `"attention"`: the model's transformer blocks or attention sublayers,
+  split or not; `"every:K"` (K >= 1): each run of K top-level layers of an
+  unsplit functional model (`framework.model_parallel.recompute`).
+
+  Raises:
+    ConfigError: any other value, naming it and the valid ones.
+  """
+  if isinstance(value, bool):
+    return value
+  text = str(value).strip().lower()
+  if text in ("true", "false", "none", "blocks", "attention"):
+    return {"true": True, "false": False, "none": False}.get(text, text)
+  if text.startswith("every:"):
+    count = text.split(":", 1)[1]
+    if count.isdigit() and int(count) >= 1:
+      return f"every:{int(count)}"
+  raise ConfigError(
+      f"recompute={value!r} is not valid; choose one of: none, blocks, "
+      "attention, every:K (K an integer >= 1), or true/false (true: a split "
+      "model's stages)")
+
+
 # What only a split model reads (`setting(read_by=...)`).
 SPLIT_READ_BY = {"model_parallel": ("pipeline", "tensor")}
 PIPELINE_READ_BY = {"model_parallel": ("pipeline",)}
@@ -187,10 +215,14 @@ class SplitConfig:
   split_layer: int | None = setting(
       None, "Tensor parallel: index of the Dense layer to split (default: "
       "the last Dense followed by a Dense).", read_by=TENSOR_READ_BY)
-  recompute: bool = setting(
-      False, "Model parallel: keep only each stage's inputs per micro-batch "
-      "and recompute its forward pass in the backward pass (less "
-      "activation memory, one more forward pass per step).", read_by=SPLIT_READ_BY)
+  recompute: bool | str = setting(
+      False, "Keep fewer activations and recompute them in the backward "
+      "pass (less activation memory, one more forward pass of what is "
+      "recomputed): none (false, --norecompute); true (--recompute alone): "
+      "a split model's stages, per micro-batch; blocks: the model's "
+      "transformer blocks; attention: only their attention sublayers; "
+      "every:K: each run of K top-level layers of an unsplit functional "
+      "model.", parser=parse_recompute)
   serial_stages: bool = setting(
       False, "Model parallel: each stage device runs its ops one at a time, "
       "in program order, as a GPU stream does (logical CPU devices "
@@ -211,6 +243,7 @@ class SplitConfig:
       "counts.", choices=BALANCES, read_by=PIPELINE_READ_BY)
 
   def __post_init__(self):
+    object.__setattr__(self, "recompute", parse_recompute(self.recompute))
     check_settings(self)
 
 
@@ -259,8 +292,10 @@ class ModelParallelConfig:
     devices: `local` (this process's GPUs or logical CPUs) or `cluster`
       (piece i on `/job:worker/task:i`; the chief must have called
       `devices.connect_cluster` first).
-    recompute: keep only each stage's inputs per micro-batch and recompute
-      its forward pass in the backward pass (GPipe's re-materialisation).
+    recompute: False (none); True: keep only each stage's inputs per
+      micro-batch and recompute its forward pass in the backward pass
+      (GPipe's re-materialisation); `blocks`, `attention`, `every:K`:
+      recomputation without (or within) a split (`parse_recompute`).
     serial_stages: each stage device runs its ops one at a time, in program
       order, as a GPU stream does (`devices.DeviceStreams`).
     input_grads_first: with serial_stages, each stage computes the input
@@ -307,6 +342,7 @@ class ModelParallelConfig:
   tensor_stages: int = same_as(SplitConfig, "tensor_stages")  # from `mesh`
 
   def __post_init__(self):
+    object.__setattr__(self, "recompute", parse_recompute(self.recompute))
     check_settings(self)
     if self.mesh:
       self._apply_mesh()
@@ -314,10 +350,17 @@ class ModelParallelConfig:
       raise ConfigError("serial_stages orders the ops of each stage of a "
                         "split model; set --model_parallel=pipeline or "
                         "tensor")
-    if self.recompute and self.mode == "none":
+    if self.recompute is True and self.mode == "none":
       raise ConfigError("recompute re-runs the stages of a split model in "
                         "the backward pass; set --model_parallel=pipeline "
-                        "or tensor")
+                        "or tensor (or --recompute=blocks, attention or "
+                        "every:K without a split)")
+    if str(self.recompute).startswith("every:") and self.mode != "none":
+      raise ConfigError(
+          f"recompute={self.recompute} recomputes runs of an unsplit "
+          f"model's top-level layers; a {self.mode} split runs its own "
+          "pieces: use --recompute=blocks, attention or true with "
+          "--model_parallel/--mesh")
     if self.devices == "cluster" and self.mode == "none":
       raise ConfigError("model_parallel_devices=cluster places the pieces of "
                         "a split model; set --model_parallel=pipeline or "

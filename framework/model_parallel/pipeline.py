@@ -170,11 +170,14 @@ def is_functional(model):
   return _tf_internal.has_layer_graph(model)
 
 
-def graph_nodes(model):
+def graph_nodes(model, once=True):
   """The model's call nodes (inputs excluded), in the order Keras runs them.
 
+  Args:
+    once: refuse a layer called more than once (a stage owns its layers).
   Raises:
-    ConfigError: not one input and one output, or a layer used twice.
+    ConfigError: not one input and one output, or (`once`) a layer used
+      twice.
   """
   if not is_functional(model):
     raise ConfigError(
@@ -192,7 +195,7 @@ def graph_nodes(model):
       if node.operation is not None and not node.is_input:
         nodes.append(node)
   seen = {}
-  for node in nodes:
+  for node in nodes if once else ():
     name = node.operation.name
     if id(node.operation) in seen:
       raise ConfigError(

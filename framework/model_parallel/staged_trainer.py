@@ -59,7 +59,7 @@ from framework import _tf_internal
 from framework.core.config import TrainerConfig
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
-from framework.model_parallel.config import SplitConfig
+from framework.model_parallel.config import SplitConfig, parse_recompute
 from framework.model_parallel.copies import PipelineCopies, tf_variable
 from framework.core import updates, weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
@@ -368,7 +368,8 @@ class StagedTrainer(PipelineCopies, Trainer):
           "decay)")
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
-    self.recompute = bool(recompute)
+    # Only `True` recomputes whole stages; blocks, attention are the layers'.
+    self.recompute = parse_recompute(recompute) is True
     self.streams = DeviceStreams(enabled=serial_stages)
     self.input_grads_first = bool(input_grads_first)
     self.stage_variables = [s.trainable_variables for s in self.stages]
