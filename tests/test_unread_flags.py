@@ -30,7 +30,7 @@ READ_BY_EVERY_CHOICE = {
     "log_every", "lr_scaling", "lr_schedule", "malloc", "mixed_precision",
     "model", "model_dir", "model_options", "model_parallel", "nan_policy",
     "nesterov", "onednn", "optimizer", "profile_steps", "restore", "seed",
-    "serial_stages", "spike_policy", "steps_per_loop", "stop_at_accuracy", "stop_when",
+    "recompute", "serial_stages", "spike_policy", "steps_per_loop", "stop_at_accuracy", "stop_when",
     "strategy", "summary_every", "train_steps", "warmup_steps",
     # Read by every choice (a strategy that cannot shard is a config error;
     # parameter_server warns that it compiles no XLA).

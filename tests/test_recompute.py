@@ -1,0 +1,175 @@
+"""Activation recomputation without a split (`--recompute=blocks|attention|every:K`)."""
+
+import os
+
+from absl import flags
+import h5py
+import numpy as np
+import pytest
+
+from framework.errors import ConfigError
+from framework.model_parallel.config import ModelParallelConfig, parse_recompute
+from scripts import config_flags
+from tests import helpers
+
+# A size and seed of this file's own.
+GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=6",
+       "--sequence_length=12", "--model_width=24", "--num_heads=3",
+       "--num_layers=3", "--seed=1357", "--train_steps=3",
+       "--optimizer=adam", "--learning_rate=0.01"]
+MLP = ["--model=mlp", "--dataset=synthetic", "--hidden_units=24,20,16",
+       "--global_batch_size=12", "--seed=1357", "--train_steps=3",
+       "--optimizer=momentum", "--learning_rate=0.05"]
+
+
+def _flag(*args):
+  values = flags.FlagValues()
+  config_flags.define_flags(values)
+  values(["train.py", "--train_steps=1", *args])
+  return values["recompute"].value
+
+
+def test_the_boolean_spellings_keep_their_meaning():
+  # --recompute, --norecompute, --recompute=true|false: as before.
+  assert _flag() is False
+  assert _flag("--recompute") is True
+  assert _flag("--norecompute") is False
+  assert _flag("--recompute=true") is True
+  assert _flag("--recompute=false") is False
+  assert _flag("--recompute=none") is False
+  assert _flag("--recompute=every:03") == "every:3"
+  assert ModelParallelConfig(mode="pipeline", recompute=True).recompute is True
+  assert ModelParallelConfig(recompute=False).recompute is False
+  # True still means a split's stages: without a split, an error.
+  with pytest.raises(ConfigError, match="recompute re-runs"):
+    ModelParallelConfig(recompute=True)
+  assert ModelParallelConfig(recompute="blocks").recompute == "blocks"
+
+
+@pytest.mark.parametrize("value", ["every:0", "every:x", "every:", "all"])
+def test_a_bad_value_names_it(value):
+  with pytest.raises(ConfigError, match="recompute="):
+    parse_recompute(value)
+
+
+def test_recomputed_segments_run_their_forward_again():
+  """The gradient's graph holds a second forward pass of each segment."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel import recompute  # pylint: disable=g-import-not-at-top
+
+  def softmaxes(value):
+    with recompute.policy(value) as declared:
+      model = models.build_model("gpt", (8,), 32, num_layers=2, num_heads=2,
+                                 model_width=16)
+    recompute.apply(model, value, declared)
+    x = tf.zeros((2, 8), tf.int32)
+
+    @tf.function
+    def step():
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x, training=True))
+      return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function().graph
+    return sum(op.type == "Softmax" for op in _all_ops(graph))
+
+  assert softmaxes(False) == 2
+  for value in ("blocks", "attention", "every:2"):
+    assert softmaxes(value) == 4, value
+  keras.backend.clear_session()
+
+
+def _all_ops(graph):
+  yield from graph.get_operations()
+  for function in graph._functions.values():  # pylint: disable=protected-access
+    inner = getattr(function, "graph", None)
+    if inner is not None:
+      yield from _all_ops(inner)
+
+
+def _train(model_dir, *args, check=True):
+  return helpers.run_script("train.py", f"--model_dir={model_dir}", *args,
+                            check=check)
+
+
+def _weights(model_dir):
+  with h5py.File(os.path.join(model_dir, "model.weights.h5")) as f:
+    arrays = []
+    f.visititems(lambda name, obj: arrays.append((name, obj[()]))
+                 if isinstance(obj, h5py.Dataset) else None)
+  return dict(arrays)
+
+
+def _assert_close(a, b):
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_allclose(a[name], b[name], atol=1e-6, rtol=0,
+                               err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", [
+    ["--strategy=one_device"],
+    ["--strategy=mirrored", "--cpu_devices=2"],
+])
+def test_gpt_recomputed_equals_not_recomputed(tmp_path, setup):
+  _train(tmp_path / "none", *GPT, *setup, "--recompute=none")
+  reference = _weights(tmp_path / "none")
+  for value in ("blocks", "attention", "every:2"):
+    _train(tmp_path / value, *GPT, *setup, f"--recompute={value}")
+    _assert_close(_weights(tmp_path / value), reference)
+
+
+@pytest.mark.slow
+def test_gpt_on_a_mesh_recomputed_equals_not_recomputed(tmp_path):
+  mesh = ["--mesh=data:1,model:2", "--cpu_devices=2"]
+  _train(tmp_path / "none", *GPT, *mesh)
+  reference = _weights(tmp_path / "none")
+  for value in ("blocks", "attention"):
+    _train(tmp_path / value, *GPT, *mesh, f"--recompute={value}")
+    _assert_close(_weights(tmp_path / value), reference)
+
+
+@pytest.mark.slow
+def test_functional_model_every_k_equals_not_recomputed(tmp_path):
+  for setup in (["--strategy=one_device"],
+                ["--strategy=mirrored", "--cpu_devices=2"]):
+    _train(tmp_path / "none", *MLP, *setup)
+    reference = _weights(tmp_path / "none")
+    _train(tmp_path / "every", *MLP, *setup, "--recompute=every:2")
+    _assert_close(_weights(tmp_path / "every"), reference)
+    for run in ("none", "every"):
+      for name in os.listdir(tmp_path / run):
+        path = tmp_path / run / name
+        if path.is_file():
+          path.unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,fragment", [
+    (MLP + ["--recompute=every:0"], "every:0"),
+    (MLP + ["--recompute=every:x"], "every:x"),
+    (MLP + ["--recompute=blocks"], "recompute=blocks"),
+    (GPT + ["--recompute=every:2", "--mesh=data:1,model:2",
+            "--cpu_devices=2"], "recompute=every:2"),
+])
+def test_a_bad_value_is_one_line_and_leaves_the_model_dir(tmp_path, args,
+                                                          fragment):
+  model_dir = tmp_path / "run"
+  model_dir.mkdir()
+  (model_dir / "keep.txt").write_text("mine")
+  before = helpers.snapshot(str(model_dir))
+  proc = _train(model_dir, *args, check=False)
+  helpers.assert_one_line_error(proc, "train.py", fragment, unchanged=before)
+
+
+@pytest.mark.slow
+def test_resume_across_on_and_off_equals_an_uninterrupted_run(tmp_path):
+  longer = [a for a in GPT if not a.startswith("--train_steps")]
+  _train(tmp_path / "straight", *longer, "--train_steps=4")
+  _train(tmp_path / "mixed", *longer, "--train_steps=2",
+         "--recompute=blocks")
+  _train(tmp_path / "mixed", *longer, "--train_steps=4")
+  _assert_close(_weights(tmp_path / "mixed"), _weights(tmp_path / "straight"))
