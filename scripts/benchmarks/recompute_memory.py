@@ -1,0 +1,118 @@
+"""Peak activation memory and time per step of the GPT per `--recompute`.
+
+    python scripts/benchmarks/recompute_memory.py --json=/tmp/recompute.json
+
+Each setting runs in a fresh process (`--one=VALUE`): build the GPT and
+its optimizer, note the process's peak resident memory (`ru_maxrss`), run
+1 + `--steps` train steps, note the peak again. The difference is what the
+steps held at their peak beyond the built model: the traced function,
+gradients and slots (alike for every setting) and the activations kept for
+the backward pass (what recomputation changes). CPU devices keep no
+allocator statistics: `tf.config.experimental.get_memory_info("CPU:0")`
+returns zeros for CPU in TensorFlow 2.21, hence the peak RSS.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+flags.DEFINE_list("settings", ["none", "blocks", "attention", "every:2"],
+                  "--recompute values to compare.")
+flags.DEFINE_string("one", None, "Measure this one value (a child run).")
+flags.DEFINE_integer("width", 256, "Model width.")
+flags.DEFINE_integer("sequence_length", 512, "Tokens per example.")
+flags.DEFINE_integer("num_layers", 4, "Blocks.")
+flags.DEFINE_integer("num_heads", 4, "Heads.")
+flags.DEFINE_integer("batch", 4, "Sequences per step.")
+flags.DEFINE_integer("steps", 3, "Timed steps after the first.")
+flags.DEFINE_string("json", "", "Write the results here too.")
+FLAGS = flags.FLAGS
+
+
+def _peak_mib():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(value):
+  """{peak_mib, step_s} of one setting, in this process."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel import recompute  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  with recompute.policy(value) as declared:
+    model = models.build_model(
+        "gpt", (FLAGS.sequence_length,), 256, num_layers=FLAGS.num_layers,
+        num_heads=FLAGS.num_heads, model_width=FLAGS.width)
+  recompute.apply(model, value, declared)
+  optimizer = keras.optimizers.Adam(1e-4)
+  optimizer.build(model.trainable_variables)
+  built = _peak_mib()
+  tokens = np.random.RandomState(0).randint(
+      0, 256, (FLAGS.batch, FLAGS.sequence_length + 1)).astype("int32")
+  x, y = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      logits = model(x, training=True)
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+          y, logits, from_logits=True))
+    optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                    model.trainable_variables)
+    return loss
+
+  step().numpy()  # trace and first step
+  before = _peak_mib()
+  start = time.perf_counter()
+  for _ in range(FLAGS.steps):
+    step().numpy()
+  seconds = (time.perf_counter() - start) / FLAGS.steps
+  del before
+  return {"recompute": value, "peak_rss_mib": round(_peak_mib(), 1),
+          "built_rss_mib": round(built, 1),
+          "steps_peak_mib": round(_peak_mib() - built, 1),
+          "step_s": round(seconds, 3)}
+
+
+def main(argv):
+  del argv
+  if FLAGS.one is not None:
+    print(json.dumps(measure(FLAGS.one)))
+    return
+  rows = []
+  shared = [f"--{n}={FLAGS[n].value}" for n in
+            ("width", "sequence_length", "num_layers", "num_heads", "batch",
+             "steps")]
+  for value in FLAGS.settings:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__),
+                          f"--one={value}", *shared], check=True,
+                         capture_output=True, text=True).stdout
+    rows.append(json.loads(out.strip().splitlines()[-1]))
+  base = rows[0]["peak_rss_mib"]
+  print("| --recompute | peak RSS (MiB) | vs the first | steps' peak over "
+        "the built model (MiB) | time per step (s) |")
+  print("|---|---|---|---|---|")
+  for row in rows:
+    print(f"| {row['recompute']} | {row['peak_rss_mib']:.0f} | "
+          f"{row['peak_rss_mib'] - base:+.0f} | {row['steps_peak_mib']:.0f} | "
+          f"{row['step_s']:.3f} |")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump({"config": {n: FLAGS[n].value for n in (
+          "width", "sequence_length", "num_layers", "num_heads", "batch",
+          "steps")}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
