@@ -4,7 +4,7 @@
 
 Each setting runs in a fresh process (`--one=VALUE`): build the GPT and
 its optimizer, note the process's peak resident memory (`ru_maxrss`), run
-1 + `--steps` train steps, note the peak again. The difference is what the
+1 + `--timed_steps` train steps, note the peak again. The difference is what the
 steps held at their peak beyond the built model: the traced function,
 gradients and slots (alike for every setting) and the activations kept for
 the backward pass (what recomputation changes). CPU devices keep no
@@ -25,15 +25,18 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from framework.settings import default  # pylint: disable=g-import-not-at-top,wrong-import-position
+from models.options import ModelOptions  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 flags.DEFINE_list("settings", ["none", "blocks", "attention", "every:2"],
                   "--recompute values to compare.")
 flags.DEFINE_string("one", None, "Measure this one value (a child run).")
 flags.DEFINE_integer("width", 256, "Model width.")
 flags.DEFINE_integer("sequence_length", 512, "Tokens per example.")
 flags.DEFINE_integer("num_layers", 4, "Blocks.")
-flags.DEFINE_integer("num_heads", 4, "Heads.")
+flags.DEFINE_integer("num_heads", default(ModelOptions, "num_heads"), "Heads.")
 flags.DEFINE_integer("batch", 4, "Sequences per step.")
-flags.DEFINE_integer("steps", 3, "Timed steps after the first.")
+flags.DEFINE_integer("timed_steps", 3, "Timed steps after the first.")
 flags.DEFINE_string("json", "", "Write the results here too.")
 FLAGS = flags.FLAGS
 
@@ -75,9 +78,9 @@ def measure(value):
   step().numpy()  # trace and first step
   before = _peak_mib()
   start = time.perf_counter()
-  for _ in range(FLAGS.steps):
+  for _ in range(FLAGS.timed_steps):
     step().numpy()
-  seconds = (time.perf_counter() - start) / FLAGS.steps
+  seconds = (time.perf_counter() - start) / FLAGS.timed_steps
   del before
   return {"recompute": value, "peak_rss_mib": round(_peak_mib(), 1),
           "built_rss_mib": round(built, 1),
@@ -93,7 +96,7 @@ def main(argv):
   rows = []
   shared = [f"--{n}={FLAGS[n].value}" for n in
             ("width", "sequence_length", "num_layers", "num_heads", "batch",
-             "steps")]
+             "timed_steps")]
   for value in FLAGS.settings:
     out = subprocess.run([sys.executable, os.path.abspath(__file__),
                           f"--one={value}", *shared], check=True,
@@ -111,7 +114,7 @@ def main(argv):
     with open(FLAGS.json, "w") as f:
       json.dump({"config": {n: FLAGS[n].value for n in (
           "width", "sequence_length", "num_layers", "num_heads", "batch",
-          "steps")}, "rows": rows}, f, indent=1)
+          "timed_steps")}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
