@@ -14,7 +14,7 @@ from tests import helpers
 
 # A size and seed of this file's own.
 GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=6",
-       "--sequence_length=12", "--model_width=24", "--num_heads=3",
+       "--sequence_length=12", "--model_width=24", "--num_heads=2",
        "--num_layers=3", "--seed=1357", "--train_steps=3",
        "--optimizer=adam", "--learning_rate=0.01"]
 MLP = ["--model=mlp", "--dataset=synthetic", "--hidden_units=24,20,16",
