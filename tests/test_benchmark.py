@@ -316,3 +316,20 @@ def test_goodput_relaunch_benchmark_adds_up(tmp_path):
   [rollback] = record["spike_batches"]["rollbacks"]
   assert rollback["batches"] == list(range(100, 130))
   assert "over 2 launch(es)" in record["goodput_line"]
+
+
+@pytest.mark.slow
+def test_recompute_benchmark_reports_memory_and_alternated_time(tmp_path):
+  output = tmp_path / "recompute.json"
+  proc = run("benchmarks/recompute_memory.py", "--width=16",
+             "--sequence_length=8", "--num_layers=2", "--num_heads=2",
+             "--settings=none,blocks", "--timed_steps=1", "--warmup_steps=1",
+             "--rounds=2", f"--json={output}", timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "load average" in proc.stdout and "| blocks |" in proc.stdout
+  result = json.loads(output.read_text())
+  assert result["host"]["load_before"].startswith("load average")
+  none, blocks = result["rows"]
+  assert (none["recompute"], blocks["recompute"]) == ("none", "blocks")
+  assert none["time_vs_first"] == 1.0 and blocks["step_s"] > 0
+  assert none["steps_peak_mib"] > 0 and blocks["steps_peak_mib"] > 0
