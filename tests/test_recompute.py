@@ -16,7 +16,7 @@ from tests import helpers
 GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=6",
        "--sequence_length=12", "--model_width=24", "--num_heads=2",
        "--num_layers=3", "--seed=1357", "--train_steps=3",
-       "--optimizer=adam", "--learning_rate=0.01"]
+       "--optimizer=momentum", "--learning_rate=0.05"]
 MLP = ["--model=mlp", "--dataset=synthetic", "--hidden_units=24,20,16",
        "--global_batch_size=12", "--seed=1357", "--train_steps=3",
        "--optimizer=momentum", "--learning_rate=0.05"]
@@ -173,3 +173,53 @@ def test_resume_across_on_and_off_equals_an_uninterrupted_run(tmp_path):
          "--recompute=blocks")
   _train(tmp_path / "mixed", *longer, "--train_steps=4")
   _assert_close(_weights(tmp_path / "mixed"), _weights(tmp_path / "straight"))
+
+
+# train.py whose GPT run kills itself (-9) inside step KILL_AT_STEP + 1.
+KILLED_GPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import tensorflow as tf
+from absl import app
+from framework.tasks.language_model import LanguageModelTrainer
+from scripts import cli, train
+
+KILL_AT = int(os.environ.get("KILL_AT_STEP", "-1"))
+
+def kill_at(step):
+  if step == KILL_AT:
+    os.kill(os.getpid(), signal.SIGKILL)
+  return step
+
+class Killed(LanguageModelTrainer):
+  def compute_gradients(self, batch):
+    grads, metrics = super().compute_gradients(batch)
+    step = tf.numpy_function(kill_at, [self.global_step], tf.int64)
+    with tf.control_dependencies([step]):
+      return [tf.identity(g) for g in grads], metrics
+
+app.run(cli.main_running(lambda: train.run_main(Killed)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("relaunch", ["blocks", "none"])
+def test_kill_9_with_recompute_then_relaunch_equals_an_uninterrupted_run(
+    tmp_path, relaunch):
+  """Killed mid-run with --recompute=attention; relaunched with it (or with
+  another value) from checkpoint 2: the uninterrupted run's weights."""
+  script = tmp_path / "killed_gpt.py"
+  script.write_text(KILLED_GPT.format(root=helpers.ROOT))
+  longer = [a for a in GPT if not a.startswith("--train_steps")]
+  longer += ["--train_steps=5", "--checkpoint_every=2", "--steps_per_loop=1"]
+  _train(tmp_path / "straight", *longer)
+  run = f"--model_dir={tmp_path / 'run'}"
+  killed = helpers.run_script(str(script), run, *longer,
+                              "--recompute=attention", check=False,
+                              env={"KILL_AT_STEP": "3"})
+  assert killed.returncode in (-9, 137), killed.stderr[-2000:]
+  assert not (tmp_path / "run" / "model.weights.h5").exists()
+  done = helpers.run_script(str(script), run, *longer,
+                            f"--recompute={relaunch}")
+  assert "Restored checkpoint" in done.stderr
+  _assert_close(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))

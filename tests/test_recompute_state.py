@@ -28,10 +28,18 @@ class DropoutBlock(keras.layers.Layer):
                                 training=training), x)
 
 
-def _model(value):
-  """Dropout, BatchNorm and residual adds, top level and inside blocks."""
+def _model(value, sequential=False):
+  """Dropout, BatchNorm and residual adds, top level and inside blocks (or
+  a Sequential chain of Dense, BatchNorm and Dropout)."""
   keras.utils.set_random_seed(2468)
   with recompute.policy(value) as declared:
+    if sequential:
+      model = keras.Sequential([
+          keras.Input((9,)), keras.layers.Dense(12, activation="relu"),
+          keras.layers.BatchNormalization(), keras.layers.Dropout(0.3),
+          keras.layers.Dense(12, activation="relu"),
+          keras.layers.Dropout(0.2), keras.layers.Dense(3)])
+      return recompute.apply(model, value, declared)
     x = keras.Input((9,))
     h = keras.layers.Dense(12, activation="relu")(x)
     h = keras.layers.BatchNormalization()(h)
@@ -44,11 +52,11 @@ def _model(value):
   return recompute.apply(model, value, declared)
 
 
-def _train(value, strategy, steps=3):
+def _train(value, strategy, steps=3, sequential=False):
   """Every variable (weights, BatchNorm statistics, dropout seed states)
   after `steps` SGD steps on the global batch under `strategy`."""
   with strategy.scope():
-    model = _model(value)
+    model = _model(value, sequential)
     optimizer = keras.optimizers.SGD(0.05)
   x = np.random.RandomState(3).randn(16, 9).astype("float32")
   y = np.random.RandomState(4).randn(16, 3).astype("float32")
@@ -73,13 +81,15 @@ def _train(value, strategy, steps=3):
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("value", ["blocks", "every:1", "every:2", "every:3"])
-def test_dropout_and_batch_norm_recomputed_equal_not_recomputed(replicas,
-                                                                 value):
+@pytest.mark.parametrize("value,sequential", [
+    ("blocks", False), ("every:1", False), ("every:2", False),
+    ("every:3", False), ("every:2", True)])
+def test_dropout_and_batch_norm_recomputed_equal_not_recomputed(
+    replicas, value, sequential):
   strategy = (shared_strategy.mirrored() if replicas == 2
               else tf.distribute.get_strategy())
-  reference = _train(False, strategy)
-  recomputed = _train(value, strategy)
+  reference = _train(False, strategy, sequential=sequential)
+  recomputed = _train(value, strategy, sequential=sequential)
   # The same variables: the seed states and statistics included.
   assert len(recomputed) == len(reference)
   for (name, want), got in zip(reference.items(), recomputed.values()):

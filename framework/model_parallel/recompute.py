@@ -27,6 +27,7 @@ those of the run without recomputation.
 import contextlib
 import threading
 
+import keras
 import tensorflow as tf
 
 from framework.errors import ConfigError
@@ -118,6 +119,26 @@ def recompute_graph(model, every):
   """
   # A function-level import: pipeline loads the flops counter.
   from framework.model_parallel import pipeline  # pylint: disable=g-import-not-at-top
+  if isinstance(model, keras.Sequential):
+    # A chain: runs of K layers, each one's output the next one's input.
+    chains = [model.layers[i:i + every]
+              for i in range(0, len(model.layers), every)]
+
+    def run_chains(inputs, training=None, mask=None):
+      del mask  # as the functional call below
+      x = tf.nest.flatten(inputs)[0]
+      for chain in chains:
+
+        def run(x, chain=chain):
+          for layer in chain:
+            x = pipeline.call_layer(layer, (x,), {}, training)
+          return x
+
+        x = recomputed(run, chain)(x)
+      return x
+
+    model.call = run_chains
+    return model
   if not pipeline.is_functional(model):
     raise ConfigError(
         f"recompute=every:{every} runs a functional keras.Model's top-level "
