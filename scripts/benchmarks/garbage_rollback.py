@@ -14,7 +14,7 @@ top-level *.py files, every 10th file the test split) in `--work_dir`:
             `--train_steps` steps read: in each such group
             `--garbage_fraction` of its files are replaced by garbage of
             the same length, alternately uniform random bytes and the
-            file's own bytes shuffled (seed `--seed`).
+            file's own bytes shuffled (seed `--garbage_seed`).
 
 Then trains three runs with the same flags: `clean` and `garbage` with
 `--spike_policy=none`, `rollback` on the garbage corpus with
@@ -57,7 +57,7 @@ flags.DEFINE_list("garbage_groups", ["300", "550"], "Steps whose shuffle "
                   "group is made garbage (one group per step named).")
 flags.DEFINE_float("garbage_fraction", 0.75, "The share of a garbage "
                    "group's files replaced.")
-flags.DEFINE_integer("seed", 0, "The garbage's seed.")
+flags.DEFINE_integer("garbage_seed", 0, "The garbage's seed.")
 flags.DEFINE_list("model_flags", [
     "--model=gpt", "--model_width=64", "--num_heads=4", "--num_layers=2",
     "--optimizer=adam", "--learning_rate=3e-3", "--lr_schedule=cosine",
@@ -120,7 +120,7 @@ def batch_files(folder, files, steps):
 
 def build_garbage(folder, files, steps_files):
   """The garbage corpus; (garbage file indices, what each holds)."""
-  rng = np.random.default_rng(FLAGS.seed)
+  rng = np.random.default_rng(FLAGS.garbage_seed)
   chosen, kinds = [], {}
   for n, step in enumerate(int(s) for s in FLAGS.garbage_groups):
     first = set(steps_files[step])

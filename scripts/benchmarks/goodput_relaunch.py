@@ -43,13 +43,17 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
+from framework.settings import default  # pylint: disable=g-import-not-at-top
 from scripts.benchmarks import host  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer("examples", 80000, "Training examples (more than "
                      "--train_steps global batches: one epoch, so the "
                      "poisoned example comes once).")
 flags.DEFINE_integer("features", 64, "Features per example.")
-flags.DEFINE_integer("global_batch_size", 128, "--global_batch_size.")
+flags.DEFINE_integer("global_batch_size",
+                     default(ExperimentConfig, "global_batch_size"),
+                     "--global_batch_size.")
 flags.DEFINE_string("hidden_units", "512,512", "--hidden_units.")
 flags.DEFINE_integer("train_steps", 600, "--train_steps.")
 flags.DEFINE_integer("checkpoint_every", 100, "--checkpoint_every.")
