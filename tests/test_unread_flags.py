@@ -37,7 +37,8 @@ READ_BY_EVERY_CHOICE = {
     "best_metric", "best_min_delta", "best_mode", "early_stopping_patience",
     "early_stopping_start_step", "eval_sets", "eval_steps",
     "init_checkpoint", "init_exclude", "init_skip_mismatch", "jit_compile",
-    "restore_best_on_stop", "shard_optimizer_state", "mesh"}
+    "restore_best_on_stop", "shard_optimizer_state", "mesh",
+    "shard_gradients"}
 
 
 def _unread(*args):

@@ -21,7 +21,8 @@ import re
 from framework.core.config import (PRECISION_CHOICES, RESTORE_POLICIES,
                                    AllReduceConfig, LoopConfig,
                                    OptimizerConfig, TrainerConfig)
-from framework.core.config import StopCondition, parse_metric
+from framework.core.config import (StopCondition, check_gradient_sharding,
+                                   parse_metric)
 from framework.data.config import AUGMENTATIONS, DatasetOptions, InputConfig
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
@@ -230,6 +231,7 @@ class ExperimentConfig:
       "Keras path (e.g. mlp/dense_2/kernel) it matches keep their fresh "
       "values.")
   shard_optimizer_state: bool = same_as(TrainerConfig, "shard_optimizer_state")
+  shard_gradients: bool = same_as(TrainerConfig, "shard_gradients")
   weight_decay_exclude: str | None = same_as(TrainerConfig,
                                              "weight_decay_exclude")
   eval_sets: tuple[str, ...] = setting(
@@ -292,6 +294,8 @@ class ExperimentConfig:
         self.model_options.get("num_layers", builtin.num_layers))
     if self.shard_optimizer_state:
       self._check_sharding()
+    if self.shard_gradients:
+      self._check_gradient_sharding()
     self._check_eval_splits()
     if self.dataset == "mix" and self.strategy == "parameter_server":
       # Asynchronous workers have no global step to position the mixture.
@@ -328,6 +332,21 @@ class ExperimentConfig:
         f"shard_optimizer_state=True shards the optimizer state over a data "
         f"axis; {where} has none (use a mesh with one, e.g. "
         f"--mesh=data:2,{mesh}, or turn shard_optimizer_state off)")
+
+  def _check_gradient_sharding(self):
+    """`shard_gradients` (ZeRO-2) shards the gradients of ZeRO-1's update
+    over replicas: with shard_optimizer_state, the default all-reduce
+    options and no model split."""
+    if self.model_parallel.mode != "none":
+      where = (f"mesh={self.model_parallel.mesh}" if self.model_parallel.mesh
+               else f"model_parallel={self.model_parallel.mode}")
+      raise ConfigError(
+          f"shard_gradients=True is not supported with {where} (a split's "
+          f"copies all-reduce each stage's gradients whole); turn "
+          f"shard_gradients off (shard_optimizer_state alone shards the "
+          f"slots over the data axis)")
+    check_gradient_sharding(True, self.shard_optimizer_state,
+                            self.all_reduce)
 
   def _check_checkpoint_sharding(self):
     """`checkpoint_sharding=by_task` needs a model whose variables one

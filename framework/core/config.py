@@ -416,6 +416,7 @@ class TrainerConfig:
     all_reduce: the gradient all-reduce's `AllReduceConfig`.
     jit_compile: compile the replica step with XLA where it can.
     shard_optimizer_state: ZeRO-1 over the replicas.
+    shard_gradients: ZeRO-2 over the replicas (with shard_optimizer_state).
     weight_decay_exclude: a regular expression: the optimizer's weight
       decay leaves out the variables whose path it matches; None: the
       default groups (`framework.core.weight_decay`).
@@ -474,6 +475,13 @@ class TrainerConfig:
       "and multi_worker_mirrored, sgd/momentum/adam/adamw); checkpoints hold "
       "the whole slots, so a run resumes with it on or off and on another "
       "replica count.")
+  shard_gradients: bool = setting(
+      False, "With --shard_optimizer_state: each replica also keeps only its "
+      "1/N of the reduced gradient (ZeRO-2): the gradients are "
+      "reduce-scattered, under --grad_accum_steps each micro-batch's, so "
+      "that only the 1/N is accumulated. Needs the default --all_reduce_* "
+      "options and no model split; checkpoints are unchanged (a run resumes "
+      "with it on or off).")
   weight_decay_exclude: str | None = setting(
       None, "Weight decay (adamw) leaves out the variables whose path "
       "(block_0/mlp/fc/bias) matches this regular expression. Unset: it "
@@ -526,6 +534,30 @@ class TrainerConfig:
     e.g. an `ExperimentConfig`)."""
     return cls(**{f.name: getattr(config, f.name)
                   for f in dataclasses.fields(cls)})
+
+
+def check_gradient_sharding(shard_gradients, shard_optimizer_state,
+                            all_reduce):
+  """ConfigError unless `shard_gradients` (ZeRO-2) can go with the other
+  settings: it shards the gradients of ZeRO-1's sharded update, and its
+  reduce-scatter sums as the default all-reduce does (`all_reduce`: an
+  `AllReduceConfig` or None)."""
+  if not shard_gradients:
+    return
+  if not shard_optimizer_state:
+    raise ConfigError(
+        "shard_gradients=True needs shard_optimizer_state=True (it shards "
+        "the gradients of the sharded optimizer update, ZeRO-2 over ZeRO-1); "
+        "add shard_optimizer_state or turn shard_gradients off")
+  if all_reduce is not None and not all_reduce.is_default:
+    changed = ", ".join(
+        f"{f.metadata.get('flag') or f.name}={getattr(all_reduce, f.name)}"
+        for f in dataclasses.fields(all_reduce)
+        if getattr(all_reduce, f.name) != f.default)
+    raise ConfigError(
+        f"shard_gradients=True reduce-scatters the gradients, which {changed} "
+        f"does not apply to; keep the default all_reduce options or turn "
+        f"shard_gradients off")
 
 
 # Early-stopping conditions: `SPLIT/METRIC OP VALUE` (TensorFlow-free, so

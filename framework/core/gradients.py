@@ -46,23 +46,43 @@ class GradientPipeline:
   collective_wait_seconds = None
   _local_replicas = 1
 
-  def accumulate_gradients(self, batch):
+  def accumulate_gradients(self, batch, reduce=None):
     """`compute_gradients` summed over `grad_accum_steps` micro-batches.
 
     Shares are already divided by the global batch size, so their sum over
     micro-batches is this replica's share of the whole batch; micro-batches
     run one after another, so only one micro-batch's activations are live.
+    `reduce`: applied to each micro-batch's gradients before they are
+    summed (ZeRO-2: `reduce_gradients`, a reduce-scatter, so that the sum
+    holds only this replica's slices); None: the shares as computed.
     """
     k = self.grad_accum_steps
     if k == 1:
-      return self.compute_gradients(batch)
+      grads, metrics = self.compute_gradients(batch)
+      return (grads if reduce is None else reduce(grads)), metrics
     micro = tf.nest.map_structure(
         lambda t: tf.reshape(t, [k, -1] + t.shape[1:].as_list()), batch)
     micro_batch = lambda i: tf.nest.map_structure(lambda t: t[i], micro)
     grads, metrics = self.compute_gradients(micro_batch(0))
+    if reduce is not None:
+      return self._accumulate_reduced(micro_batch, reduce, reduce(grads),
+                                      metrics)
     for i in tf.range(1, k):
       more_grads, more_metrics = self.compute_gradients(micro_batch(i))
       grads = [g + h for g, h in zip(grads, more_grads)]
+      metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
+    return grads, metrics
+
+  def _accumulate_reduced(self, micro_batch, reduce, grads, metrics):
+    """`accumulate_gradients` with `reduce`, from micro-batch 0's reduced
+    `grads` and its `metrics`. The micro-batches are unrolled (the CPU
+    all-to-all of a reduce-scatter hangs inside a `tf.while_loop`), each
+    computed only once the previous one is reduced, so that one
+    micro-batch's activations and whole gradient are live at a time."""
+    for i in range(1, self.grad_accum_steps):
+      with tf.control_dependencies(tf.nest.flatten(grads)):
+        more_grads, more_metrics = self.compute_gradients(micro_batch(i))
+      grads = [g + h for g, h in zip(grads, reduce(more_grads))]
       metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
     return grads, metrics
 

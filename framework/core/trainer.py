@@ -50,7 +50,7 @@ from framework import _tf_internal
 from framework.core import (evaluation, layer_norms, optimizer_sharding,
                             spikes, summaries, updates, weight_decay)
 from framework.core.checkpoints import manager as checkpoint_manager
-from framework.core.config import TrainerConfig
+from framework.core.config import TrainerConfig, check_gradient_sharding
 from framework.core.evaluation import Evaluating, masked_sum, real_rows
 from framework.core.gradients import GradientPipeline
 from framework.core.optimizers import WeightAverage
@@ -490,6 +490,10 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     shard_optimizer_state: each replica keeps and updates 1/N of the
       optimizer's slots (`framework.core.optimizer_sharding`, ZeRO-1) under
       (multi-worker) mirrored strategies; one replica: no change.
+    shard_gradients: with `shard_optimizer_state`, each replica also holds
+      only its 1/N of the reduced gradient, and under `grad_accum_steps`
+      accumulates only that (ZeRO-2, `updates.ShardedGradientsUpdate`);
+      needs the default `all_reduce` options.
     weight_decay_exclude: the optimizer's weight decay (AdamW's, or any
       Keras optimizer's `weight_decay`) leaves out the variables whose path
       matches this pattern; None: those of fewer than 2 dimensions (biases,
@@ -519,6 +523,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
                jit_compile: bool = _default("jit_compile"),
                shard_optimizer_state: bool = _default(
                    "shard_optimizer_state"),
+               shard_gradients: bool = _default("shard_gradients"),
                weight_decay_exclude: str | None = _default(
                    "weight_decay_exclude"),
                log_layer_norms: bool = _default("log_layer_norms")) -> None:
@@ -530,6 +535,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         spike_factor=spike_factor, spike_window=spike_window,
         weight_decay_exclude=weight_decay_exclude)
     replicas = strategy.num_replicas_in_sync
+    check_gradient_sharding(shard_gradients, shard_optimizer_state,
+                            all_reduce)
     check_batch_split(global_batch_size, strategy)
     if (global_batch_size // replicas) % grad_accum_steps:
       raise ConfigError(
@@ -549,6 +556,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     self.max_skipped_steps = max_skipped_steps
     self.spike_policy = spike_policy
     self.log_layer_norms = log_layer_norms
+    self.shard_gradients = shard_gradients
     self.eval_tta = evaluation.check_tta(eval_tta)
     self.communication = all_reduce  # an AllReduceConfig, or None
     self.ema = None if ema_decay is None else WeightAverage(
@@ -780,7 +788,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
     communication = self.communication
     return updates.choose(self.strategy, sharding=self.optimizer_sharding,
                           scatter=communication is None
-                          or communication.is_default, **parts)
+                          or communication.is_default,
+                          shard_gradients=self.shard_gradients, **parts)
 
   @property
   def trainable_variables(self) -> list[Any]:
@@ -838,14 +847,21 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
       (use `average` for per-example values, `replica_share` for values that
       are already equal on every replica, such as a reduced gradient norm).
     """
-    # This replica's share of the gradient (micro-batch by micro-batch).
-    grads, metrics = self.accumulate_gradients(batch)
+    # ZeRO-1: each replica receives only its slice of the sum.
+    scattered = self.scatters_gradients()
     # One SUM over replicas turns the shares into the gradient of the mean;
     # undo the float16 loss scale only after it (the scale is the same
     # everywhere, and the reduced gradient decides the skip on overflow).
-    # ZeRO-1: each replica receives only its slice of the sum.
-    scattered = self.scatters_gradients()
-    grads = self.unscale(self.reduce_gradients(grads))
+    if scattered and self.updater.scatters_micro_batches:
+      # ZeRO-2: each micro-batch's gradient reduce-scattered as it comes,
+      # only this replica's slices accumulated.
+      grads, metrics = self.accumulate_gradients(
+          batch, reduce=self.reduce_gradients)
+    else:
+      # This replica's share of the gradient (micro-batch by micro-batch).
+      grads, metrics = self.accumulate_gradients(batch)
+      grads = self.reduce_gradients(grads)
+    grads = self.unscale(grads)
     # Clip the global gradient; clipping shares would clip something else.
     grads, grad_norm = self.clip_by_global_norm(grads, scattered=scattered)
     with (layer_norms.recorded(grads, self.trainable_variables,

@@ -26,6 +26,11 @@ The kinds, and where each is used:
                            scattered, each replica updates its 1/N shard of
                            every variable, then one all-gather of the
                            weights is assigned as the update
+    ShardedGradientsUpdate ZeRO-2 over replicas: `ShardedUpdate` whose
+                           gradients are always reduce-scattered, under
+                           gradient accumulation each micro-batch's, so
+                           that a replica holds and accumulates only its
+                           1/N slice of the gradient
     CopyShardedUpdate      ZeRO-1 over a split's copies on a mesh's data axis
                            (`optimizer_sharding.CopyShardedState`)
 
@@ -134,6 +139,11 @@ class MergeCallUpdate:
     return grads if self.loss_scale is None else self.loss_scale.unscale(grads)
 
   # --- The reduction. --------------------------------------------------------
+
+  # Whether the step reduces each micro-batch's gradients as it comes (where
+  # `scatters()`), accumulating only the reduced slices (ZeRO-2), instead
+  # of reducing the accumulated sum once.
+  scatters_micro_batches = False
 
   def scatters(self) -> bool:
     """Whether the step reduce-scatters the gradients for this kind (in
@@ -366,6 +376,25 @@ class ShardedUpdate(MergeCallUpdate):
                           update_all, spike and spike[0])
 
 
+class ShardedGradientsUpdate(ShardedUpdate):
+  """ZeRO-2 over replicas: ZeRO-1's update (`ShardedUpdate`) on gradients
+  that each replica holds only 1/N of. The gradients are always
+  reduce-scattered, and under gradient accumulation each micro-batch's as
+  soon as it is computed, so the accumulator holds [L]-element slices
+  (1/N of the gradient) instead of the whole gradient: K reduce-scatters
+  per step instead of one, each half an all-reduce's bytes.
+
+  Args:
+    sharding: the trainer's `optimizer_sharding.ShardedOptimizerState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  scatters_micro_batches = True
+
+  def __init__(self, strategy, *, sharding, **kwargs):
+    super().__init__(strategy, sharding=sharding, scatter=True, **kwargs)
+
+
 class CopyShardedUpdate(MergeCallUpdate):
   """ZeRO-1 over the R copies of a split (one replica): copy r updates
   slice r of each of its variables, then every copy's variables are joined
@@ -406,13 +435,17 @@ class CopyShardedUpdate(MergeCallUpdate):
 
 
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
-           scatter: bool = True, **kwargs: Any) -> MergeCallUpdate:
+           scatter: bool = True, shard_gradients: bool = False,
+           **kwargs: Any) -> MergeCallUpdate:
   """The update kind for `strategy`: `ParameterServerUpdate` under a
-  parameter-server strategy, `ShardedUpdate` with `sharding` (a
-  `ShardedOptimizerState`; `scatter`: it reduce-scatters the gradients),
-  else `MergeCallUpdate`; `kwargs`: `MergeCallUpdate`'s."""
+  parameter-server strategy, with `sharding` (a `ShardedOptimizerState`)
+  `ShardedGradientsUpdate` if `shard_gradients` else `ShardedUpdate`
+  (`scatter`: it reduce-scatters the gradients), else `MergeCallUpdate`;
+  `kwargs`: `MergeCallUpdate`'s."""
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     return ParameterServerUpdate(strategy, **kwargs)
+  if sharding is not None and shard_gradients:
+    return ShardedGradientsUpdate(strategy, sharding=sharding, **kwargs)
   if sharding is not None:
     return ShardedUpdate(strategy, sharding=sharding, scatter=scatter,
                          **kwargs)

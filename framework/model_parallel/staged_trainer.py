@@ -343,6 +343,12 @@ class StagedTrainer(PipelineCopies, Trainer):
                                              "shard_optimizer_state"),
                **kwargs):
     check_positive("num_microbatches", num_microbatches)
+    if kwargs.pop("shard_gradients", False):
+      raise ConfigError(
+          "shard_gradients=True is not supported with a model split (its "
+          "copies all-reduce each stage's gradients whole); turn "
+          "shard_gradients off (shard_optimizer_state alone shards the "
+          "slots over the copies)")
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
           f"model parallelism needs a strategy with one replica (default or "
