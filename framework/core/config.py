@@ -12,7 +12,8 @@ import re
 from typing import Mapping, Optional
 
 from framework.errors import ConfigError
-from framework.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
+from framework.settings import (NON_NEGATIVE, POSITIVE, check_settings,
+                                flag_name, setting)
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -551,7 +552,7 @@ def check_gradient_sharding(shard_gradients, shard_optimizer_state,
         "add shard_optimizer_state or turn shard_gradients off")
   if all_reduce is not None and not all_reduce.is_default:
     changed = ", ".join(
-        f"{f.metadata.get('flag') or f.name}={getattr(all_reduce, f.name)}"
+        f"{flag_name(f) or f.name}={getattr(all_reduce, f.name)}"
         for f in dataclasses.fields(all_reduce)
         if getattr(all_reduce, f.name) != f.default)
     raise ConfigError(
