@@ -609,6 +609,16 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         consecutive_skips=self.consecutive_skips, nan_policy=nan_policy,
         loss_scale=loss_scale, ema=self.ema, spikes=self.spikes,
         on_assign=self._note_applied)
+    if self.updater.scatters_micro_batches:
+      sharding = self.optimizer_sharding
+      logging.info(
+          "shard_gradients: each replica accumulates and updates with %d of "
+          "the gradient's %d bytes (ZeRO-2 over %d replicas)",
+          sum(s.shape[0] * tf.as_dtype(s.dtype).size
+              for s in sharding.shards),
+          sum(tf.TensorShape(v.shape).num_elements()
+              * tf.as_dtype(v.dtype).size for v in sharding.variables),
+          replicas)
     self._check_step_features()
     # Set by `apply_gradients` while a step is traced (see `_one_step`).
     self._applied_in_trace = False
