@@ -98,7 +98,8 @@ def test_kill_9_and_relaunch_equals_uninterrupted(tmp_path):
   steps = 3 * STEPS
   flags = ["--grad_accum_steps=2", *ZERO2]
   reference = str(tmp_path / "reference")
-  _launch(reference, f"--train_steps={steps}", *flags)
+  proc = _launch(reference, f"--train_steps={steps}", *flags)
+  assert len(_gradient_bytes(proc.stdout)) == 2
   model_dir = str(tmp_path / "run")
   cluster = launcher.local_cluster(2)
   args = MLP + ["--strategy=multi_worker_mirrored", "--train_steps=100000",
