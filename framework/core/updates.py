@@ -435,7 +435,8 @@ class CopyShardedUpdate(MergeCallUpdate):
 
 
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
-           scatter: bool = True, shard_gradients: bool = False,
+           scatter: bool = True,
+           shard_gradients: bool = default(TrainerConfig, "shard_gradients"),
            **kwargs: Any) -> MergeCallUpdate:
   """The update kind for `strategy`: `ParameterServerUpdate` under a
   parameter-server strategy, with `sharding` (a `ShardedOptimizerState`)

@@ -343,7 +343,8 @@ class StagedTrainer(PipelineCopies, Trainer):
                                              "shard_optimizer_state"),
                **kwargs):
     check_positive("num_microbatches", num_microbatches)
-    if kwargs.pop("shard_gradients", False):
+    if kwargs.pop("shard_gradients",
+                  default(TrainerConfig, "shard_gradients")):
       raise ConfigError(
           "shard_gradients=True is not supported with a model split (its "
           "copies all-reduce each stage's gradients whole); turn "
