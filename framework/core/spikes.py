@@ -146,11 +146,11 @@ class RollbackRecord:
     self.rollbacks = self._read()
 
   def _read(self):
-    if not tf.io.gfile.exists(self.path):
-      return []
     try:
-      with tf.io.gfile.GFile(self.path) as f:
-        record = json.load(f)
+      # read_json refuses a FIFO, a device, a huge file, a directory.
+      record = run_files.read_json(self.path, object_only=True)
+      if record is None:
+        return []
       rollbacks = record["rollbacks"]
       for r in rollbacks:
         if not (_index(r["checkpoint_step"]) and _index(r["spike_step"])
@@ -158,7 +158,8 @@ class RollbackRecord:
                 and all(_index(i) for i in r["batches"])):
           raise ValueError("not step and batch indices from 0 to 2**62, "
                            "checkpoint_step <= spike_step")
-    except (ValueError, KeyError, TypeError, tf.errors.OpError) as e:
+    except (ValueError, KeyError, TypeError, tf.errors.OpError,
+            CheckpointError) as e:
       raise CheckpointError(
           f"{self.path} is not a spike_batches record "
           f"({(str(e).splitlines() or [type(e).__name__])[0]}); restore or "

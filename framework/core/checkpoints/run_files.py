@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 
 from absl import logging
 import tensorflow as tf
@@ -90,6 +91,27 @@ def write_atomically(path, write):
 MAX_JSON_BYTES = 64 << 20
 
 
+def _check_local_file(path, remedy):
+  """A local run record must be a file (or a directory, refused when read):
+  opening a FIFO put in its place would block forever, a device reads
+  without end, and a symlink to nothing would read as no record at all."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    if os.path.islink(path):
+      raise CheckpointError(
+          f"{path} is a symlink to {os.readlink(path)!r}, which does not "
+          f"exist{remedy}") from None
+    return
+  except OSError as e:
+    raise CheckpointError(f"cannot read {path} ({_reason(e)}){remedy}"
+                          ) from None
+  if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    raise CheckpointError(
+        f"{path} is not a regular file (a FIFO, socket or device in its "
+        f"place){remedy}")
+
+
 def read_json(path, remedy="", *, object_only=False):
   """The JSON at `path`, or None when there is no such file.
 
@@ -99,6 +121,8 @@ def read_json(path, remedy="", *, object_only=False):
   `object_only`, holds no JSON object (`[]`, `null`: a file the run wrote
   always holds one).
   """
+  if "://" not in path:
+    _check_local_file(path, remedy)
   if not tf.io.gfile.exists(path):
     return None
   try:
