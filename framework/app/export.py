@@ -24,6 +24,7 @@ import json
 import os
 from typing import Callable, Optional, Sequence
 
+import keras
 import numpy as np
 from absl import logging
 import tensorflow as tf
@@ -240,6 +241,17 @@ def build_inference_model(
     registry.check_outputs(name, model, len(info["class_names"]),
                            info.get("dataset"))
   return model
+
+
+def output_shape(model, info):
+  """`model`'s output shape; a subclassed model, which has none (and may
+  have no weights yet), is called once on a symbolic input of `info`'s."""
+  try:
+    return tuple(model.output_shape)
+  except AttributeError:
+    dtype = "int32" if info.get("task") == "language_model" else "float32"
+    return tuple(model(keras.Input(tuple(info["input_shape"]), dtype=dtype),
+                       training=False).shape)
 
 
 def recorded_scale(info):

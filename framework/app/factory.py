@@ -121,6 +121,7 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
           model = registry.call_builder(build_model, dataset.input_shape,
                                         dataset.num_classes, options,
                                         name=config.model, **scale)
+        _build_weights(model, dataset)
       except ConfigError:
         raise  # the builder's own check, already one line
       except ValueError as e:
@@ -143,6 +144,18 @@ def build_model_and_optimizer(config, strategy, dataset, build_model=None, *,
   finally:
     keras.mixed_precision.set_global_policy(policy)
   return model, optimizer, loop
+
+
+def _build_weights(model, dataset):
+  """Makes the weights of a model that makes them at its first call (a
+  subclassed keras.Model): the optimizer's slots and a checkpoint's restore
+  need them before the first step, and a step cannot make them."""
+  if model.built:
+    return
+  # Tokens stay integers; every other feature reaches the model as float32.
+  dtype = ("int32" if language_model.is_language_model(dataset)
+           else "float32")
+  model(keras.Input(tuple(dataset.input_shape), dtype=dtype), training=False)
 
 
 def trainer_options(config, strategy):

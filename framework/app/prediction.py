@@ -119,9 +119,10 @@ def load_model(
   (`trust_model_code`: see `export.build_inference_model`)."""
   check_predictable(info)
   model = build_inference_model(info, trust_model_code=trust_model_code)
-  if len(model.output_shape) != 2 and info.get("task") != "language_model":
+  shape = export.output_shape(model, info)
+  if len(shape) != 2 and info.get("task") != "language_model":
     raise ConfigError(f"model={info['model']} predicts per-pixel classes "
-                      f"(output shape {model.output_shape}); predict "
+                      f"(output shape {shape}); predict "
                       "classifies whole images")
   _check_readable(weights)
   try:

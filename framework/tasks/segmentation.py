@@ -64,13 +64,13 @@ class ConfusionTrainer(Trainer):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self.num_classes = int(self.model.output_shape[-1])
     self.last_confusion = None
 
   def eval_sums(self, labels, logits, mask=None):
     sums = super().eval_sums(labels, logits, mask=mask)
-    sums["confusion"] = confusion_matrix(labels, logits, self.num_classes,
-                                         mask)
+    # The logits' static last axis: a subclassed model has no output_shape.
+    sums["confusion"] = confusion_matrix(labels, logits,
+                                         int(logits.shape[-1]), mask)
     return sums
 
   def eval_results(self, totals):
