@@ -36,7 +36,7 @@ from absl import logging
 
 import models
 from models import input_scale
-from framework.core import optimizers, protocols
+from framework.core import optimizers, protocols, spikes
 from framework.core.checkpoints import manager, warm_start
 from framework.core.checkpoints.run_config import compare as compare_run_config  # pylint: disable=unused-import
 from framework.errors import ConfigError
@@ -186,6 +186,17 @@ def config_changes(previous, controller, config, split_entry=None):
         "%s now describes the changed configuration (%s) and records the "
         "change at step %d under config_changes", MODEL_INFO_FILE,
         ", ".join(entry), step)
+  rollbacks = getattr(controller, "rollbacks", None)
+  if "global_batch_size" in entry and rollbacks and rollbacks.skipped:
+    # The record holds batch indices, not examples: the same indices now
+    # name other examples, so the examples the rollbacks dropped are
+    # trained on and others are skipped.
+    logging.warning(
+        "%s skips batches %s, indices counted in batches of "
+        "global_batch_size=%s; at %s they are other examples (remove the "
+        "file to skip none)", rollbacks.path,
+        spikes.batches_text(rollbacks.skipped),
+        entry["global_batch_size"]["was"], entry["global_batch_size"]["now"])
   was, now = previous.get("train_steps"), controller.config.train_steps
   schedule = config.optimizer.schedule
   if (step and was and was != now and step < now
