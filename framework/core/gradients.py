@@ -310,10 +310,9 @@ def all_reduce_sum(context, values, config=None):
   """SUM of `values` (a nest of tensors) over the replicas of `context` (a
   `tf.distribute.ReplicaContext`), in one all-reduce call, as `config`
   says (None: TensorFlow's defaults)."""
-  sum_op = tf.distribute.ReduceOp.SUM
-  if config is None or config.is_default:
-    return context.all_reduce(sum_op, values)
   flat = tf.nest.flatten(values)
+  if config is None or config.is_default:
+    return tf.nest.pack_sequence_as(values, _all_reduce_by_dtype(context, flat))
   if config.dtype == "bfloat16":
     wire = [tf.cast(v, tf.bfloat16) if v.dtype == tf.float32 else v
             for v in flat]
@@ -322,11 +321,29 @@ def all_reduce_sum(context, values, config=None):
   if config.overlap:
     reduced = _bucketed_all_reduce(context, wire, config)
   else:
-    reduced = context.all_reduce(sum_op, wire,
-                                 options=communication_options(config))
+    reduced = _all_reduce_by_dtype(context, wire,
+                                   options=communication_options(config))
   reduced = [tf.cast(r, v.dtype) if r.dtype != v.dtype else r
              for r, v in zip(reduced, flat)]
   return tf.nest.pack_sequence_as(values, reduced)
+
+
+def _all_reduce_by_dtype(context, values, options=None):
+  """SUM of the tensors `values` over the replicas of `context`: one
+  all-reduce call per dtype, in order of first appearance (one call where
+  all share a dtype). TensorFlow's collective all-reduce concatenates a
+  call's tensors, so a model with float16 or float64 variables beside
+  float32 ones would fail in one call."""
+  groups = {}
+  for i, value in enumerate(values):
+    groups.setdefault(value.dtype, []).append(i)
+  reduced = [None] * len(values)
+  for indices in groups.values():
+    sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                              [values[i] for i in indices], options=options)
+    for i, value in zip(indices, sums):
+      reduced[i] = value
+  return reduced
 
 
 def _bucketed_all_reduce(context, values, config):
@@ -336,8 +353,8 @@ def _bucketed_all_reduce(context, values, config):
   reduced = [None] * len(values)
   for bucket in gradient_buckets(
       values, config.bytes_per_pack or OVERLAP_BUCKET_BYTES):
-    sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                              [values[i] for i in bucket], options=options)
+    sums = _all_reduce_by_dtype(context, [values[i] for i in bucket],
+                                options=options)
     for i, value in zip(bucket, sums):
       reduced[i] = value
   return reduced
