@@ -143,7 +143,7 @@ class GradientPipeline:
     where `scatters_gradients()`); the norm is still the whole gradient's
     (one scalar all-reduce of the slices' squares)."""
     norm = (scattered_global_norm(grads) if scattered
-            else tf.linalg.global_norm(grads))
+            else updates.global_norm(grads))
     if self.clip_norm is None:
       return grads, norm
     clipped, _ = tf.clip_by_global_norm(grads, self.clip_norm, use_norm=norm)

@@ -167,7 +167,7 @@ class MergeCallUpdate:
     if scattered_norm is not None:
       raise ValueError(f"{type(self).__name__} takes whole gradients, "
                        "not reduce-scattered slices")
-    finite = tf.math.is_finite(tf.linalg.global_norm(grads))
+    finite = tf.math.is_finite(global_norm(grads))
     return self._apply(grads, variables, finite, signals)
 
   def _apply(self, grads, variables, finite, signals):
@@ -420,7 +420,7 @@ class CopyShardedUpdate(MergeCallUpdate):
     count = len(self.sharding.variables[0])
     per_copy = lambda values: [values[i:i + count]
                                for i in range(0, len(values), count)]
-    finite = tf.math.is_finite(tf.linalg.global_norm(grads[:count]))
+    finite = tf.math.is_finite(global_norm(grads[:count]))
     learning_rate = self.optimizer.learning_rate
 
     def update():
@@ -432,6 +432,16 @@ class CopyShardedUpdate(MergeCallUpdate):
     self.if_finite(finite, update)
     weights = self.sharding.gather(per_copy(variables))
     return self.assign(weights, variables, finite)
+
+
+def global_norm(tensors: Sequence[Any]) -> tf.Tensor:
+  """`tf.linalg.global_norm` of `tensors`, also where their dtypes differ
+  (a float16 or float64 layer beside float32 ones: measured in float32;
+  TensorFlow's stacks the per-tensor norms, which needs one dtype)."""
+  if len({t.dtype for t in tensors if t is not None}) > 1:
+    tensors = [None if t is None else tf.cast(t, tf.float32)
+               for t in tensors]
+  return tf.linalg.global_norm(tensors)
 
 
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
