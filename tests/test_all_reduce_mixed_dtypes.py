@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from framework.core import gradients
 from framework.core.config import AllReduceConfig
+from tests import shared_strategy
 
 DTYPES = (tf.float32, tf.float64, tf.float16, tf.float32)
 CONFIGS = (None, AllReduceConfig(), AllReduceConfig(dtype="bfloat16"),
@@ -14,9 +15,9 @@ CONFIGS = (None, AllReduceConfig(), AllReduceConfig(dtype="bfloat16"),
 
 
 def test_gradients_of_several_dtypes_are_summed_each_in_its_dtype():
-  # One strategy and one function for every option: a process's
-  # MirroredStrategies number their collectives alike and would clash.
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  # The process's one MirroredStrategy (tests/shared_strategy.py): two
+  # number their collectives alike and would clash.
+  strategy = shared_strategy.mirrored()
 
   @tf.function
   def step():
