@@ -109,10 +109,14 @@ def segment(layer, unit, fn, *args):
   return fn(*args)
 
 
-def recompute_graph(model, every):
+def recompute_graph(model, every, wrap=recomputed, purpose=None):
   """Makes the functional `model` run its top-level layers in runs of
   `every`, each recomputed. The model object, its layers and variables
   stay the same (checkpoints unchanged).
+
+  `wrap(run, layers)`: what each run of layers becomes (`recomputed`; ZeRO-3
+  wraps its weight gathering around it); `purpose`: the setting named in
+  errors (`recompute=every:K`).
 
   Raises:
     ConfigError: not a functional model of one input and one output.
@@ -134,19 +138,20 @@ def recompute_graph(model, every):
             x = pipeline.call_layer(layer, (x,), {}, training)
           return x
 
-        x = recomputed(run, chain)(x)
+        x = wrap(run, chain)(x)
       return x
 
     model.call = run_chains
     return model
+  purpose = purpose or f"recompute=every:{every}"
   if not pipeline.is_functional(model):
     raise ConfigError(
-        f"recompute=every:{every} runs a functional keras.Model's top-level "
+        f"{purpose} runs a functional keras.Model's top-level "
         f"layers in runs of {every}; {type(model).__name__} {model.name!r} "
         "has no layer graph (use a functional or Sequential model)")
   if len(model.inputs) != 1 or len(model.outputs) != 1:
     raise ConfigError(
-        f"recompute=every:{every} needs a model with one input and one "
+        f"{purpose} needs a model with one input and one "
         f"output; {model.name} has {len(model.inputs)} and "
         f"{len(model.outputs)}")
   nodes = pipeline.graph_nodes(model, once=False)
@@ -181,7 +186,7 @@ def recompute_graph(model, every):
         return [local[k] for k in makes]
 
       layers = [n.operation for n in group]
-      outputs = recomputed(run, layers)(*[env[k] for k in reads])
+      outputs = wrap(run, layers)(*[env[k] for k in reads])
       env.update(zip(makes, outputs))
     return env[output_key]
 
