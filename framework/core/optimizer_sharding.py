@@ -256,6 +256,18 @@ class ShardedOptimizerState:
         shards[i] = shard
     return shards
 
+  def reduce_scatter_one(self, grad, index):
+    """This replica's [L] slice of the SUM over replicas of `grad`, the
+    whole gradient of variable `index` (replica context)."""
+    if self._scatter is None:
+      self._scatter = collectives.ReduceScatter(self.strategy)
+    shard, variable = self.shards[index], self.variables[index]
+    chunks = tf.reshape(
+        padded(tf.reshape(tf.convert_to_tensor(grad), variable.shape),
+               shard.shape[0], self.num_shards),
+        [self.num_shards, shard.shape[0]])
+    return self._scatter(chunks)
+
   def gather_weights(self, context):
     """The full weights from every replica's updated shard (replica
     context): one all-gather of all shards."""

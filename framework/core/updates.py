@@ -395,6 +395,57 @@ class ShardedGradientsUpdate(ShardedUpdate):
     super().__init__(strategy, sharding=sharding, scatter=True, **kwargs)
 
 
+class ShardedParametersUpdate(ShardedGradientsUpdate):
+  """ZeRO-3 over replicas: the shards are the weights
+  (`framework.model_parallel.parameter_sharding`). The gradients arrive
+  reduce-scattered from the backward pass (the gather's gradient), so
+  `reduce_scatter` passes them on; each replica updates its shards in
+  place, and nothing is gathered after the update (the next forward pass
+  gathers each unit's weights).
+
+  Args:
+    sharding: the trainer's `optimizer_sharding.ShardedOptimizerState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  def reduce_scatter(self, grads):
+    return list(grads)  # this replica's slices already
+
+  def state_variables(self):
+    return super().state_variables() + list(self.sharding.shards)
+
+  def _apply(self, grads, variables, finite, signals, scattered=False):
+    sharding = self.sharding
+    if not scattered or sharding.optimizer is not self.optimizer:
+      raise ValueError("shard_parameters: apply_gradients takes the "
+                       "reduce-scattered gradients of the default step")
+    context = tf.distribute.get_replica_context()
+    context.merge_call(self._update_shards, args=(
+        sharding, list(grads), None, finite), kwargs={"signals": signals})
+    # The step count, the skip counters and the loss scale, as every kind.
+    return self.assign([], [], finite, signals)
+
+  def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
+                     finite, signals=()):
+    if weight_shards is not None:
+      return super()._update_shards(strategy, sharding, grad_shards,
+                                    weight_shards, finite, signals)
+    optimizer = self.optimizer
+
+    def update_all():
+      lr = optimizer.learning_rate
+      for grad, shard in zip(grad_shards, sharding.shards):
+        strategy.extended.update(
+            shard.value,
+            lambda s, g: self.update_variable(g, s, tf.cast(lr, s.dtype)),
+            args=(grad,), group=False)
+      return tf.constant(True)
+
+    spike = self._spike(strategy, signals)
+    return self.if_finite(strategy.experimental_local_results(finite)[0],
+                          update_all, spike and spike[0])
+
+
 class CopyShardedUpdate(MergeCallUpdate):
   """ZeRO-1 over the R copies of a split (one replica): copy r updates
   slice r of each of its variables, then every copy's variables are joined
@@ -447,14 +498,18 @@ def global_norm(tensors: Sequence[Any]) -> tf.Tensor:
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
            scatter: bool = True,
            shard_gradients: bool = default(TrainerConfig, "shard_gradients"),
+           shard_parameters: bool = False,
            **kwargs: Any) -> MergeCallUpdate:
   """The update kind for `strategy`: `ParameterServerUpdate` under a
   parameter-server strategy, with `sharding` (a `ShardedOptimizerState`)
+  `ShardedParametersUpdate` if `shard_parameters` (ZeRO-3),
   `ShardedGradientsUpdate` if `shard_gradients` else `ShardedUpdate`
   (`scatter`: it reduce-scatters the gradients), else `MergeCallUpdate`;
   `kwargs`: `MergeCallUpdate`'s."""
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     return ParameterServerUpdate(strategy, **kwargs)
+  if sharding is not None and shard_parameters:
+    return ShardedParametersUpdate(strategy, sharding=sharding, **kwargs)
   if sharding is not None and shard_gradients:
     return ShardedGradientsUpdate(strategy, sharding=sharding, **kwargs)
   if sharding is not None:
