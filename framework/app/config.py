@@ -26,7 +26,7 @@ from framework.core.config import (StopCondition, check_gradient_sharding,
 from framework.data.config import AUGMENTATIONS, DatasetOptions, InputConfig
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
-from framework.model_parallel.config import ModelParallelConfig
+from framework.model_parallel.config import ModelParallelConfig, layers_per_unit
 from framework.settings import (POSITIVE, all_but, check_settings, default,
                                 same_as, setting)
 # The built-in models' options live beside the models (no TensorFlow:
@@ -232,6 +232,19 @@ class ExperimentConfig:
       "values.")
   shard_optimizer_state: bool = same_as(TrainerConfig, "shard_optimizer_state")
   shard_gradients: bool = same_as(TrainerConfig, "shard_gradients")
+  shard_parameters: bool = setting(
+      False, "With --shard_optimizer_state --shard_gradients: each replica "
+      "also keeps only its 1/N of every weight (ZeRO-3): the model's "
+      "top-level layers run in units (one layer, or K with "
+      "--recompute=every:K) that all-gather their weights before their "
+      "forward pass and again for their backward pass (each unit is "
+      "recomputed), whose gradient is reduce-scattered. Mirrored and "
+      "multi_worker_mirrored with 2 or more replicas, functional or "
+      "Sequential models, no model split, --ema_decay, --log_layer_norms or "
+      "--jit_compile. The model's variables keep the whole weights for "
+      "checkpoints, evaluation and export, written from the shards after "
+      "every --steps_per_loop steps; checkpoints are unchanged (a run "
+      "resumes with it on or off and on another replica count).")
   weight_decay_exclude: str | None = same_as(TrainerConfig,
                                              "weight_decay_exclude")
   eval_sets: tuple[str, ...] = setting(
@@ -296,6 +309,8 @@ class ExperimentConfig:
       self._check_sharding()
     if self.shard_gradients:
       self._check_gradient_sharding()
+    if self.shard_parameters:
+      self._check_parameter_sharding()
     self._check_eval_splits()
     if self.dataset == "mix" and self.strategy == "parameter_server":
       # Asynchronous workers have no global step to position the mixture.
@@ -347,6 +362,31 @@ class ExperimentConfig:
           f"slots over the data axis)")
     check_gradient_sharding(True, self.shard_optimizer_state,
                             self.all_reduce)
+
+  def _check_parameter_sharding(self):
+    """`shard_parameters` (ZeRO-3) extends ZeRO-1 and 2 over (multi-worker)
+    mirrored replicas of an unsplit model, whose step reads no whole
+    weight."""
+    for name in ("shard_optimizer_state", "shard_gradients"):
+      if not getattr(self, name):
+        raise ConfigError(
+            f"shard_parameters=True needs {name}=True (ZeRO-3 shards the "
+            f"weights of ZeRO-1 and 2's sharded update); add --{name}")
+    if self.strategy not in ("mirrored", "multi_worker_mirrored"):
+      raise ConfigError(
+          f"shard_parameters=True shards the weights over the replicas of "
+          f"mirrored or multi_worker_mirrored, not strategy={self.strategy}")
+    for name, value, what in (
+        ("ema_decay", self.ema_decay, "an EMA of the whole weights"),
+        ("log_layer_norms", self.log_layer_norms,
+         "per-layer norms of the whole weights"),
+        ("jit_compile", self.jit_compile,
+         "XLA around the gathering collectives")):
+      if value not in (None, False):
+        raise ConfigError(
+            f"shard_parameters=True does not support {name}={value} ({what} "
+            f"inside the step); turn {name} off")
+    layers_per_unit(self.model_parallel.recompute)
 
   def _check_checkpoint_sharding(self):
     """`checkpoint_sharding=by_task` needs a model whose variables one

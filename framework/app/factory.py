@@ -31,7 +31,9 @@ from framework.core.trainer import Trainer, smoothed_sparse_categorical_loss
 from framework.data import datasets, inputs
 from framework.data import preprocessing
 from framework.distribute import strategies
+from framework.model_parallel import parameter_sharding
 from framework.model_parallel import recompute
+from framework.model_parallel.config import layers_per_unit
 from framework.errors import ConfigError, DistloopError
 from framework.perf import flops, throughput
 from framework.tasks import language_model, segmentation
@@ -235,7 +237,8 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
     model, optimizer, loop = build_model_and_optimizer(
         config, strategy, dataset, build_model,
         compute_precision=compute_precision, task=task, **scale)
-    recompute.apply(model, config.model_parallel.recompute, declared)
+    if not config.shard_parameters:  # its units are recomputed already
+      recompute.apply(model, config.model_parallel.recompute, declared)
     if adapt_on is not None:
       # Before a split or a trainer sees the model: one unsplit state.
       with strategy.scope():
@@ -246,6 +249,10 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       split = split and config.model_parallel.mode != "none"
       make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                       if split else trainer_cls)
+      if config.shard_parameters:
+        make_trainer = parameter_sharding.sharded_trainer(
+            make_trainer,
+            layers_per_unit(config.model_parallel.recompute))
     trainer = make_trainer(model, optimizer, strategy,
                            **trainer_options(config, strategy))
   return trainer, loop

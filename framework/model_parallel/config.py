@@ -162,6 +162,26 @@ def cluster_groups(text, sizes, names):
   return groups
 
 
+def layers_per_unit(value):
+  """Top-level layers per unit of `--shard_parameters` (ZeRO-3) for a
+  `--recompute` value: none: 1, every:K: K (each unit is recomputed).
+
+  Raises:
+    ConfigError: blocks, attention or true.
+  """
+  value = parse_recompute(value)
+  if value is False:
+    return 1
+  if isinstance(value, str) and value.startswith("every:"):
+    return int(value.split(":")[1])
+  raise ConfigError(
+      f"shard_parameters=True recomputes each unit of top-level layers (it "
+      f"gathers their weights again for the backward pass); "
+      f"recompute={'true' if value is True else value} is not such a unit: "
+      "use --recompute=none (one layer a unit) or --recompute=every:K (K "
+      "layers a unit)")
+
+
 def parse_recompute(value):
   """A `--recompute` value as the config holds it.
 

@@ -47,23 +47,7 @@ from framework.core import optimizer_sharding
 from framework.core import updates
 from framework.errors import ConfigError
 from framework.model_parallel import recompute
-from framework.model_parallel.config import parse_recompute
 from framework.model_parallel.staged_trainer import state_variables
-
-
-def units_of(value):
-  """Top-level layers per unit for a `--recompute` value (none: 1,
-  every:K: K); ConfigError for blocks/attention/true."""
-  value = parse_recompute(value)
-  if value is False:
-    return 1
-  if isinstance(value, str) and value.startswith("every:"):
-    return int(value.split(":")[1])
-  raise ConfigError(
-      f"shard_parameters=True recomputes every unit of top-level layers "
-      f"(its weights are gathered again for the backward pass); "
-      f"recompute={value} is not one of its units: use --recompute=none "
-      "(one layer a unit) or --recompute=every:K (K layers a unit)")
 
 
 class ShardedParameters:
