@@ -256,6 +256,22 @@ class ShardedOptimizerState:
         shards[i] = shard
     return shards
 
+  @property
+  def replica_ids(self):
+    """The global replica id of each of this process's copies of a shard."""
+    return list(self._replica_ids)
+
+  def index_of(self, variable):
+    """The index of `variable` (a model variable) in `variables`, or None."""
+    for i, v in enumerate(self.variables):
+      if v is variable:
+        return i
+    return None
+
+  def local_shard(self, index):
+    """This replica's copy of shard `index`, read (replica context)."""
+    return self._read_local([self.shards[index]])[0]
+
   def reduce_scatter_one(self, grad, index):
     """This replica's [L] slice of the SUM over replicas of `grad`, the
     whole gradient of variable `index` (replica context)."""

@@ -43,6 +43,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.core import optimizer_sharding
 from framework.core import updates
 from framework.errors import ConfigError
@@ -67,12 +68,20 @@ class ShardedParameters:
     self.strategy = state.strategy
     self.num_shards = state.num_shards
     self.model = model
-    self._index = {id(optimizer_sharding._local(v)): i  # pylint: disable=protected-access
-                   for i, v in enumerate(state.variables)}
     self._inside_step = 0
     self._lock = threading.Lock()
     self._store_fn = None
     _check_model(model)
+    if tf.distribute.has_strategy():
+      raise ConfigError(
+          "shard_parameters=True: make the trainer outside strategy.scope() "
+          "(it places the model's whole weights outside the replicas)")
+    # The model's whole weights: one copy per process on its host, not one
+    # per replica (the replicas' devices hold the shards); the copy is
+    # what checkpoints, evaluation and export read.
+    with tf.device("CPU:0"):
+      for variable in state.variables:
+        _tf_internal.initialize_variable(variable, tf.identity(variable.value))
     recompute.recompute_graph(model, layers_per_unit, wrap=self._unit,
                               purpose="shard_parameters=True")
 
@@ -95,10 +104,6 @@ class ShardedParameters:
 
   # --- The step. -------------------------------------------------------------
 
-  def _local_shard(self, index):
-    """This replica's shard of variable `index`, read (replica context)."""
-    return self.state._read_local([self.state.shards[index]])[0]  # pylint: disable=protected-access
-
   def _gathered(self, index, local):
     """Variable `index`'s whole value from every replica's shard (`local`:
     this replica's); its gradient is the reduce-scatter of the whole
@@ -120,7 +125,7 @@ class ShardedParameters:
     weights, indices = [], []
     for layer in layers:
       for w in layer.trainable_variables:
-        index = self._index.get(id(optimizer_sharding._local(w)))  # pylint: disable=protected-access
+        index = self.state.index_of(w)
         if index is not None and index not in indices:
           weights.append(w)
           indices.append(index)
@@ -152,7 +157,7 @@ class ShardedParameters:
     def unit(*tensors):
       if not self._inside_step:
         return run(*tensors)  # evaluation, export: the model's variables
-      return recomputed(*tensors, *[self._local_shard(i) for i in indices])
+      return recomputed(*tensors, *[self.state.local_shard(i) for i in indices])
 
     return unit
 
@@ -167,7 +172,7 @@ class ShardedParameters:
       flat = tf.reshape(optimizer_sharding.padded(
           variable.value, length, self.num_shards), [self.num_shards, length])
       for replica, copy in zip(
-          state._replica_ids,  # pylint: disable=protected-access
+          state.replica_ids,
           self.strategy.experimental_local_results(shard.value)):
         copy.assign(flat[replica])
 
@@ -180,11 +185,10 @@ class ShardedParameters:
 
   def _store(self):
     state = self.state
-    for variable, shard in zip(state.variables, state.shards):
-      def gather(shard=shard):
+    for index, variable in enumerate(state.variables):
+      def gather(index=index):
         context = tf.distribute.get_replica_context()
-        return context.all_gather(
-            state._read_local([shard])[0], axis=0)  # pylint: disable=protected-access
+        return context.all_gather(state.local_shard(index), axis=0)
       gathered = self.strategy.run(gather)
       whole = self.strategy.experimental_local_results(gathered)[0]
       variable.assign(optimizer_sharding.unshard(whole, variable))
@@ -192,7 +196,7 @@ class ShardedParameters:
 
 def _check_model(model):
   """ConfigError for what reads whole weights inside the step."""
-  for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+  for layer in _tf_internal.flatten_layers(model):
     for name in ("kernel_regularizer", "bias_regularizer",
                  "embeddings_regularizer", "depthwise_regularizer",
                  "pointwise_regularizer", "gamma_regularizer",
