@@ -381,7 +381,9 @@ class ExperimentConfig:
         ("log_layer_norms", self.log_layer_norms,
          "per-layer norms of the whole weights"),
         ("jit_compile", self.jit_compile,
-         "XLA around the gathering collectives")):
+         "XLA around the gathering collectives"),
+        ("check_distribution", self.check_distribution,
+         "a probe optimizer over the whole weights")):
       if value not in (None, False):
         raise ConfigError(
             f"shard_parameters=True does not support {name}={value} ({what} "

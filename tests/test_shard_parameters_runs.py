@@ -1,0 +1,137 @@
+"""`train.py --shard_parameters` (ZeRO-3) end to end: 2 MWMS worker
+processes end with the unsharded run's weights and slots (momentum; AdamW
+with accumulation); the GPT (tied embedding: gathered by two units) on 2 mirrored
+replicas as unsharded; a run resumes with it on after an unsharded start
+and off after a sharded one, on other replica counts; a worker killed with
+kill -9 and the cluster relaunched ends as never interrupted; bad
+combinations are one line before anything is built."""
+
+import pytest
+
+from framework.distribute import launcher
+from tests import cluster_utils as cu
+
+STEPS = 6
+# A size of its own (13 hidden units: odd, so halves are padded).
+MLP = cu.MLP + ["--hidden_units=13", "--checkpoint_every=3",
+                "--clip_norm=0.5", "--steps_per_loop=2"]
+ZERO3 = ["--shard_optimizer_state", "--shard_gradients", "--shard_parameters"]
+
+
+def _train(model_dir, *flags, base=MLP):
+  proc = cu.run_train(base + [f"--model_dir={model_dir}", *flags],
+                      timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def _launch(model_dir, *flags):
+  proc = cu.launch(MLP + ["--strategy=multi_worker_mirrored",
+                          f"--model_dir={model_dir}", *flags])
+  assert proc.returncode == 0, proc.stdout[-4000:]
+  return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,accum", [("momentum", 1), ("adamw", 2)])
+def test_two_workers_sharded_parameters_equal_unsharded(tmp_path, optimizer,
+                                                        accum):
+  flags = [f"--optimizer={optimizer}", f"--train_steps={STEPS}",
+           f"--grad_accum_steps={accum}"]
+  plain, sharded = str(tmp_path / "plain"), str(tmp_path / "zero3")
+  _launch(plain, *flags)
+  _launch(sharded, *flags, *ZERO3)
+  assert cu.global_step(sharded) == STEPS
+  # Weights and every slot (checkpoints hold whole tensors, same keys).
+  difference = cu.max_weight_difference(plain, sharded)
+  print(f"{optimizer}: 2 workers ZeRO-3 vs unsharded: max |diff| "
+        f"{difference:.3g}")
+  assert difference <= 1e-5
+
+
+@pytest.mark.slow
+def test_gpt_equals_unsharded(tmp_path):
+  gpt = ["--model=gpt", "--dataset=text", "--sequence_length=16",
+         "--model_options=num_layers=2,model_width=16,num_heads=2,"
+         "tie_embeddings=true", "--global_batch_size=8", "--optimizer=adamw",
+         "--strategy=mirrored", "--cpu_devices=2", f"--train_steps={STEPS}",
+         "--steps_per_loop=3", "--eval_steps=2"]
+  plain, sharded = str(tmp_path / "plain"), str(tmp_path / "zero3")
+  _train(plain, base=gpt)
+  _train(sharded, *ZERO3, base=gpt)
+  difference = cu.max_weight_difference(plain, sharded)
+  print(f"GPT: ZeRO-3 vs unsharded: max |diff| {difference:.3g}")
+  assert difference <= 1e-5
+
+
+@pytest.mark.slow
+def test_resumes_with_it_toggled_and_on_another_replica_count(tmp_path):
+  reference = str(tmp_path / "reference")
+  _train(reference, "--strategy=mirrored", "--cpu_devices=2",
+         f"--train_steps={2 * STEPS}")
+  # ZeRO-3 over 2 replicas, then unsharded on one device.
+  on_off = str(tmp_path / "on_then_off")
+  _train(on_off, "--strategy=mirrored", "--cpu_devices=2", *ZERO3,
+         f"--train_steps={STEPS}")
+  proc = _train(on_off, "--strategy=one_device", f"--train_steps={2 * STEPS}")
+  assert f"Restored checkpoint {on_off}/ckpt-{STEPS}" in proc.stderr
+  # Unsharded over 2 replicas, then ZeRO-3 over 4.
+  off_on = str(tmp_path / "off_then_on")
+  _train(off_on, "--strategy=mirrored", "--cpu_devices=2",
+         f"--train_steps={STEPS}")
+  proc = _train(off_on, "--strategy=mirrored", "--cpu_devices=4", *ZERO3,
+                f"--train_steps={2 * STEPS}")
+  assert f"Restored checkpoint {off_on}/ckpt-{STEPS}" in proc.stderr
+  for resumed in (on_off, off_on):
+    assert cu.global_step(resumed) == 2 * STEPS
+    # Another replica count sums in another order: float32 round-off only.
+    difference = cu.max_weight_difference(reference, resumed)
+    print(f"{resumed}: max |diff| {difference:.3g}")
+    assert difference <= 1e-5
+
+
+@pytest.mark.slow
+def test_kill_9_and_relaunch_equals_uninterrupted(tmp_path):
+  steps = 3 * STEPS
+  reference = str(tmp_path / "reference")
+  _launch(reference, f"--train_steps={steps}", *ZERO3)
+  model_dir = str(tmp_path / "run")
+  cluster = launcher.local_cluster(2)
+  args = MLP + ["--strategy=multi_worker_mirrored", "--train_steps=100000",
+                f"--model_dir={model_dir}", *ZERO3]
+  processes = [cu.start_task(cluster, "worker", i, args,
+                             str(tmp_path / f"worker{i}.log"))
+               for i in range(2)]
+  try:
+    killed_after = cu.wait_for_checkpoint(model_dir, 3, processes)
+    processes[1].kill()  # SIGKILL
+    cu.wait_exit(processes[0], timeout=600)
+  finally:
+    cu.stop_all(processes)
+  assert 0 < cu.checkpoint_step(model_dir) < steps
+  relaunch = _launch(model_dir, f"--train_steps={steps}", *ZERO3)
+  assert "Restored checkpoint" in relaunch.stdout
+  assert cu.global_step(model_dir) == steps
+  print(f"killed after checkpoint {killed_after}")
+  assert cu.max_weight_difference(reference, model_dir) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,named", [
+    (["--shard_parameters"], "shard_optimizer_state"),
+    (["--shard_optimizer_state", "--shard_parameters"], "shard_gradients"),
+    (ZERO3 + ["--strategy=parameter_server"], "parameter_server"),
+    (ZERO3 + ["--strategy=mirrored", "--cpu_devices=2",
+              "--recompute=blocks"], "recompute=blocks"),
+    (ZERO3 + ["--strategy=mirrored", "--cpu_devices=2", "--ema_decay=0.9"],
+     "ema_decay"),
+])
+def test_bad_combinations_are_one_line(tmp_path, flags, named):
+  model_dir = tmp_path / "run"
+  proc = cu.run_train(MLP + [f"--model_dir={model_dir}", "--train_steps=2",
+                             *flags], timeout=300)
+  assert proc.returncode != 0
+  lines = cu.error_lines(proc.stderr)
+  assert len(lines) == 1 and named in lines[0], proc.stderr[-2000:]
+  assert lines[0].startswith("train.py: error: ")
+  assert not model_dir.exists()
