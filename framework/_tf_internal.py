@@ -264,6 +264,13 @@ def flatten_layers(model):
   return list(model._flatten_layers(include_self=False))
 
 
+def variable_handle(variable):
+  """The resource tensor of a Keras variable's tf.Variable, as a
+  `tf.function` captures it when it reads the variable. Missing publicly:
+  a variable's handle."""
+  return variable.value.handle
+
+
 def initialize_variable(variable, value):
   """(Re)creates a Keras variable's backing tf.Variable from `value` under
   the current device scope (to place it). Missing publicly: placing an

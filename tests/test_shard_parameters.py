@@ -204,3 +204,51 @@ def test_a_weight_regulariser_is_refused():
   with pytest.raises(ConfigError, match="kernel_regularizer"):
     cls(model, opt, strategy, global_batch_size=BATCH,
         shard_optimizer_state=True, shard_gradients=True)
+
+
+class ReadsAnother(keras.layers.Layer):
+  """Reads a weight of another top-level layer, not through itself."""
+
+  def __init__(self, source, **kwargs):
+    super().__init__(**kwargs)
+    self._source = lambda: source  # a function: Keras does not track it
+
+  def call(self, x):
+    return x @ keras.ops.transpose(self._source().kernel)
+
+
+class AddsLoss(keras.layers.Layer):
+
+  def call(self, x):
+    self.add_loss(keras.ops.mean(x ** 2))
+    return x
+
+
+def _train_built(build):
+  strategy = mirrored()
+  with strategy.scope():
+    model = build()
+    opt = keras.optimizers.SGD(0.1)
+  cls = parameter_sharding.sharded_trainer(framework.Trainer)
+  trainer = cls(model, opt, strategy, global_batch_size=BATCH,
+                shard_optimizer_state=True, shard_gradients=True)
+  trainer.train(batches(trainer), 1)
+
+
+def test_a_weight_read_outside_its_layer_is_refused():
+  def build():
+    x = keras.Input((FEATURES,))
+    first = keras.layers.Dense(FEATURES)
+    return keras.Model(x, ReadsAnother(first)(first(x)))
+
+  with pytest.raises(ConfigError, match="outside the top-level layer"):
+    _train_built(build)
+
+
+def test_a_layer_loss_is_refused():
+  def build():
+    x = keras.Input((FEATURES,))
+    return keras.Model(x, keras.layers.Dense(CLASSES)(AddsLoss()(x)))
+
+  with pytest.raises(ConfigError, match="add losses"):
+    _train_built(build)

@@ -69,6 +69,9 @@ class ShardedParameters:
     self.num_shards = state.num_shards
     self.model = model
     self._inside_step = 0
+    # Set while a step is traced if a unit's layers add losses in their
+    # call (`add_loss`, activity regularisers): not differentiated here.
+    self.layer_losses = False
     self._lock = threading.Lock()
     self._store_fn = None
     _check_model(model)
@@ -137,8 +140,11 @@ class ShardedParameters:
       with tf.control_dependencies(
           [t for t in tensors if tf.is_tensor(t)]):
         whole = [self._gathered(i, s) for i, s in zip(indices, shards)]
-      with keras.StatelessScope(list(zip(weights, whole))) as scope:
+      with keras.StatelessScope(list(zip(weights, whole)),
+                                collect_losses=True) as scope:
         outputs = run(*tensors)
+      if scope.losses:  # Keras drops them unless collected: refused
+        self.layer_losses = True
       # What the layers wrote (BatchNorm statistics, seed counters), as
       # Keras writes it outside a stateless scope.
       writes = []
@@ -245,16 +251,58 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
           loss, metrics = self.loss_share(batch)
         scaled_loss = self.scale_loss(loss)
       grads = tape.gradient(scaled_loss, shards)
+      self._check_traced(grads)
       grads = [tf.zeros_like(s) if g is None else g
                for g, s in zip(grads, shards)]
       return grads, {"loss": loss, **metrics}
 
+    def _check_traced(self, grads):
+      """What the trace shows ZeRO-3 would get wrong (raised by `train`)."""
+      if self._trace_error:
+        return
+      if self.model.losses or self.parameter_sharding.layer_losses:
+        # Made inside a recomputed unit, outside what its gradient covers.
+        self._trace_error = (
+            "shard_parameters=True: the model's layers add losses in their "
+            "call (add_loss, activity_regularizer), which its recomputed "
+            "units do not differentiate; turn shard_parameters off")
+        return
+      variables = self.optimizer_sharding.variables
+      missing = [v for v, g in zip(variables, grads) if g is None]
+      if missing:
+        self._trace_error = (
+            f"shard_parameters=True: no gradient reaches "
+            f"{missing[0].path!r} ({len(missing)} of {len(variables)} "
+            "weights): it is gathered only for the top-level layer that "
+            "owns it, and this model reads it elsewhere or not at all; "
+            "turn shard_parameters off")
+
     def train(self, iterator, num_steps):
+      self._check_whole_weights_unread(iterator, num_steps)
       self.parameter_sharding.load()
       try:
         return super().train(iterator, num_steps)
       finally:
         self.parameter_sharding.store()
+
+    def _check_whole_weights_unread(self, iterator, num_steps):
+      """ConfigError if the traced loop reads a whole weight (the host
+      copy, stale inside a loop and outside the gradient): a layer that
+      reads another top-level layer's weight not through its own."""
+      traced = self._train_loop.get_concrete_function(
+          iterator, tf.constant(num_steps, tf.int32))
+      if self._trace_error:
+        return  # `train` raises it
+      handles = {id(_tf_internal.variable_handle(v)): v
+                 for v in self.optimizer_sharding.variables}
+      for external, _ in traced.graph.captures:
+        variable = handles.get(id(external))
+        if variable is not None:
+          raise ConfigError(
+              f"shard_parameters=True: the step reads {variable.path!r} "
+              "whole, outside the top-level layer that owns it (weights "
+              "are gathered per top-level layer); turn shard_parameters "
+              "off")
 
     def step_variables(self):
       return super().step_variables() + list(self.parameter_sharding.shards)
