@@ -318,7 +318,8 @@ NEW_DEFAULTS = {"loop.stop_when": None, "all_reduce.overlap": False,
                 "optimizer.decay_shape": "linear",
                 "weight_decay_exclude": None,
                 "loop.checkpoint_sharding": "gathered",
-                "log_layer_norms": False, "shard_gradients": False}
+                "log_layer_norms": False, "shard_gradients": False,
+                "shard_parameters": False}
 
 
 def _flat(value, prefix=""):
