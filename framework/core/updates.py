@@ -498,18 +498,14 @@ def global_norm(tensors: Sequence[Any]) -> tf.Tensor:
 def choose(strategy: tf.distribute.Strategy, *, sharding: Any = None,
            scatter: bool = True,
            shard_gradients: bool = default(TrainerConfig, "shard_gradients"),
-           shard_parameters: bool = False,
            **kwargs: Any) -> MergeCallUpdate:
   """The update kind for `strategy`: `ParameterServerUpdate` under a
   parameter-server strategy, with `sharding` (a `ShardedOptimizerState`)
-  `ShardedParametersUpdate` if `shard_parameters` (ZeRO-3),
   `ShardedGradientsUpdate` if `shard_gradients` else `ShardedUpdate`
   (`scatter`: it reduce-scatters the gradients), else `MergeCallUpdate`;
   `kwargs`: `MergeCallUpdate`'s."""
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     return ParameterServerUpdate(strategy, **kwargs)
-  if sharding is not None and shard_parameters:
-    return ShardedParametersUpdate(strategy, sharding=sharding, **kwargs)
   if sharding is not None and shard_gradients:
     return ShardedGradientsUpdate(strategy, sharding=sharding, **kwargs)
   if sharding is not None:

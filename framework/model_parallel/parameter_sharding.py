@@ -232,9 +232,8 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
           self.optimizer_sharding, model, layers_per_unit)
 
     def _make_updater(self, **parts):
-      return updates.choose(self.strategy, sharding=self.optimizer_sharding,
-                            shard_gradients=True, shard_parameters=True,
-                            **parts)
+      return updates.ShardedParametersUpdate(
+          self.strategy, sharding=self.optimizer_sharding, **parts)
 
     def compute_gradients(self, batch):
       """(d loss_share / d each shard, metric shares): the gradients are
