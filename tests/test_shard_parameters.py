@@ -114,13 +114,31 @@ def test_each_device_holds_its_half():
       assert copy.shape == ((count + 1) // 2,)
       per_device[copy.device] = per_device.get(copy.device, 0) + 4 * (
           (count + 1) // 2)
-  slots = trainer.optimizer_sharding.slot_variables()
-  assert slots and all(len(s.shape) == 1 for s in slots)
   # Weights by hand: the parameters (+1 padding per odd-sized variable),
   # halved.
   odd = sum(int(np.prod(v.shape)) % 2 for v in trainer.model.trainable_variables)
-  assert sorted(per_device.values()) == [(model_bytes + 4 * odd) // 2] * 2
+  half = (model_bytes + 4 * odd) // 2
+  assert sorted(per_device.values()) == [half] * 2
   assert host_bytes == model_bytes
+  # Adam's two slots per weight: on each device, twice its half.
+  slot_bytes = {}
+  for slot in trainer.optimizer_sharding.slot_variables():
+    for copy in trainer.strategy.experimental_local_results(slot.value):
+      slot_bytes[copy.device] = slot_bytes.get(copy.device, 0) + 4 * int(
+          np.prod(copy.shape))
+  assert sorted(slot_bytes.values()) == [2 * half] * 2
+  # The gradients the update receives: shard-shaped, a half each.
+  shapes = []
+  apply = trainer.updater._apply  # pylint: disable=protected-access
+
+  def recording(grads, *args, **kwargs):
+    shapes.append([tuple(g.shape) for g in grads])
+    return apply(grads, *args, **kwargs)
+
+  trainer.updater._apply = recording  # pylint: disable=protected-access
+  trainer.train(batches(trainer), 1)
+  assert shapes and all(
+      4 * sum(int(np.prod(s)) for s in traced) == half for traced in shapes)
 
 
 def _collectives(trainer):
