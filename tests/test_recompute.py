@@ -46,7 +46,8 @@ def test_the_boolean_spellings_keep_their_meaning():
   assert ModelParallelConfig(recompute="blocks").recompute == "blocks"
 
 
-@pytest.mark.parametrize("value", ["every:0", "every:x", "every:", "all"])
+@pytest.mark.parametrize("value", ["every:0", "every:x", "every:", "all",
+                                   "every:\u0663"])  # an Arabic-Indic 3
 def test_a_bad_value_names_it(value):
   with pytest.raises(ConfigError, match="recompute="):
     parse_recompute(value)

@@ -202,7 +202,8 @@ def parse_recompute(value):
     return {"true": True, "false": False, "none": False}.get(text, text)
   if text.startswith("every:"):
     count = text.split(":", 1)[1]
-    if count.isdigit() and int(count) >= 1:
+    # ASCII digits only: str.isdigit accepts other scripts' digits.
+    if count.isascii() and count.isdigit() and int(count) >= 1:
       return f"every:{int(count)}"
   raise ConfigError(
       f"recompute={value!r} is not valid; choose one of: none, blocks, "
