@@ -530,8 +530,12 @@ def _distributed(strategy, dataset, batch, split, steps):
   if split == "train" or steps is not None:
     if hasattr(dataset, "eval_dataset_fn"):  # streamed from files
       fn = dataset.eval_dataset_fn(batch)
+      # A pipeline's elements are per-replica batches, one per replica it
+      # feeds at each step: `steps` global batches are that many times more.
       return evaluation.Distributed(strategy.distribute_datasets_from_function(
-          lambda context: fn(context).take(steps)), steps)
+          lambda context: fn(context).take(
+              steps * (context.num_replicas_in_sync //
+                       context.num_input_pipelines))), steps)
     if hasattr(dataset, "eval_dataset"):
       return dataset.eval_dataset(batch)
     x, y = ((dataset.train_x, dataset.train_y) if split == "train"
