@@ -270,3 +270,17 @@ def test_a_layer_loss_is_refused():
 
   with pytest.raises(ConfigError, match="add losses"):
     _train_built(build)
+
+
+@pytest.mark.slow
+def test_bfloat16_compute_equals_unsharded():
+  """Layers computing in bfloat16 read the shards in float32 (a shard is
+  gathered inside the layer call, where Keras would autocast it)."""
+  policy = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    plain = trained(make(False, "adam"))
+    sharded = trained(make(True, "adam"))
+  finally:
+    keras.mixed_precision.set_global_policy(policy)
+  assert max_diff(plain, sharded) < 1e-5

@@ -215,7 +215,10 @@ class ShardedOptimizerState:
       self.shards = [
           keras.Variable(tf.zeros([shard_length(v, self.num_shards)],
                                   v.dtype), trainable=False,
-                         name=f"{v.name}_shard")
+                         name=f"{v.name}_shard",
+                         # Read in its own dtype inside a mixed-precision
+                         # layer call too (ZeRO-3 gathers it there).
+                         autocast=False)
           for v in self.variables]
       optimizer.build(self.shards)
     self._replica_ids = self._local_replica_ids()
