@@ -200,6 +200,20 @@ def test_bad_settings_are_one_config_error(kwargs, named):
     cls(model, opt, strategy, **options)
 
 
+@pytest.mark.parametrize("trainer_cls,units", [
+    ("Trainer", 0), ("Trainer", -1), ("Trainer", 1.5), ("Trainer", "2"),
+    ("Trainer", None), ("Trainer", True), (object, 1), ("sharded", 1)])
+def test_a_bad_unit_size_or_class_is_one_config_error(trainer_cls, units):
+  """sharded_trainer's own arguments: K >= 1 layers a unit, of a Trainer
+  not sharded already (0 was a raw range() error, -1 trained silently)."""
+  if trainer_cls == "Trainer":
+    trainer_cls = framework.Trainer
+  elif trainer_cls == "sharded":
+    trainer_cls = parameter_sharding.sharded_trainer(framework.Trainer)
+  with pytest.raises(ConfigError, match="sharded_trainer"):
+    parameter_sharding.sharded_trainer(trainer_cls, units)
+
+
 def test_one_replica_is_refused():
   strategy = framework.make_strategy("one_device")
   with strategy.scope():

@@ -221,9 +221,25 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
   `shard_optimizer_state=True` and `shard_gradients=True` (ZeRO-1 and 2,
   which it extends) under a (multi-worker) mirrored strategy of 2 or more
   replicas."""
+  from framework.core.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+    raise ConfigError(
+        f"sharded_trainer: trainer_cls={trainer_cls!r} is not a subclass "
+        "of framework.Trainer")
+  if getattr(trainer_cls, "_shards_parameters", False):
+    raise ConfigError(
+        f"sharded_trainer: {trainer_cls.__name__} shards its weights "
+        "already (made by sharded_trainer); wrap the unsharded class once")
+  if (isinstance(layers_per_unit, bool)
+      or not isinstance(layers_per_unit, int) or layers_per_unit < 1):
+    raise ConfigError(
+        f"sharded_trainer: layers_per_unit={layers_per_unit!r} is not an "
+        "integer >= 1 (the top-level layers a unit runs, --recompute=every:K)")
 
   class ShardedParametersTrainer(trainer_cls):
     """ZeRO-3 over the replicas (`framework.model_parallel.parameter_sharding`)."""
+
+    _shards_parameters = True
 
     def __init__(self, model, optimizer, strategy, **kwargs):
       _check_options(strategy, kwargs)
