@@ -298,3 +298,50 @@ def test_bfloat16_compute_equals_unsharded():
   finally:
     keras.mixed_precision.set_global_policy(policy)
   assert max_diff(plain, sharded) < 1e-5
+
+
+@pytest.mark.slow
+def test_gpt_equals_unsharded():
+  """The GPT: its tied embedding is gathered by two units (the input
+  embedding and the output head) and gets both gradients."""
+  import models  # pylint: disable=g-import-not-at-top
+
+  def gpt():
+    return models.build_model("gpt", (8,), 32, num_layers=2, model_width=16,
+                              num_heads=2, tie_embeddings=True)
+
+  def run(sharded):
+    trainer = make(sharded, "adamw", gpt)
+    rng = np.random.default_rng(SEED)
+    tokens = rng.integers(0, 32, (STEPS * BATCH, 9)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices(
+        (tokens[:, :-1], tokens[:, 1:])).batch(BATCH).repeat()
+    trainer.train(iter(trainer.strategy.experimental_distribute_dataset(
+        data)), STEPS)
+    return [v.numpy() for v in trainer.model.variables]
+
+  assert max_diff(run(False), run(True)) < 1e-5
+
+
+@pytest.mark.parametrize("flags,named", [
+    (dict(shard_optimizer_state=False, shard_gradients=False),
+     "shard_optimizer_state"),
+    (dict(shard_gradients=False), "shard_gradients"),
+    (dict(strategy="parameter_server"), "parameter_server"),
+    (dict(strategy="central_storage"), "central_storage"),
+    (dict(model_parallel=dict(recompute="blocks")), "recompute=blocks"),
+    (dict(ema_decay=0.9), "ema_decay"),
+    (dict(check_distribution=True), "check_distribution"),
+    (dict(jit_compile=True), "jit_compile"),
+])
+def test_bad_combinations_are_one_config_error(flags, named):
+  from framework.app.config import ExperimentConfig  # pylint: disable=g-import-not-at-top
+  from framework.model_parallel.config import ModelParallelConfig  # pylint: disable=g-import-not-at-top
+  options = dict(train_steps=2, shard_optimizer_state=True,
+                 shard_gradients=True, shard_parameters=True,
+                 strategy="mirrored")
+  options.update(flags)
+  if "model_parallel" in options:
+    options["model_parallel"] = ModelParallelConfig(**options["model_parallel"])
+  with pytest.raises(ConfigError, match=named):
+    ExperimentConfig(**options)
