@@ -45,3 +45,18 @@ def test_a_file_that_holds_no_object_is_one_line(tmp_path, text):
     export.read_model_info(str(tmp_path))
   assert "\n" not in str(error.value)
   assert "not a JSON object" in str(error.value)
+
+
+def test_a_relaunch_over_a_damaged_file_says_so_in_one_warning(tmp_path):
+  """train.py writes model_info.json again from its own settings; what only
+  the damaged file recorded is lost, which one warning line says."""
+  from tests.helpers import run_script  # pylint: disable=g-import-not-at-top
+  args = ["--model=mlp", "--dataset=synthetic", "--global_batch_size=8",
+          f"--model_dir={tmp_path}"]
+  run_script("train.py", *args, "--train_steps=1", timeout=300)
+  (tmp_path / export.MODEL_INFO_FILE).write_text("{garbage")
+  proc = run_script("train.py", *args, "--train_steps=2", timeout=300)
+  warnings = [line for line in proc.stderr.splitlines()
+              if export.MODEL_INFO_FILE in line and "written again" in line]
+  assert len(warnings) == 1, proc.stderr[-2000:]
+  assert export.read_model_info(str(tmp_path))["model"] == "mlp"

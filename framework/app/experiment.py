@@ -117,7 +117,8 @@ def run(config: ExperimentConfig, trainer_cls: Optional[type] = None,
     # so that a side-car evaluator can rebuild the model.
     info = resume.resume(
         plan, trainer, controller,
-        previous=export.read_model_info_quietly(config.model_dir),
+        previous=export.read_model_info_quietly(config.model_dir,
+                                                warn=plan.chief),
         describe=lambda: dict(
             export.model_info(config, plan.dataset, task=plan.task,
                               trainer_cls=trainer_cls),

@@ -192,12 +192,17 @@ def read_model_info(model_dir):
   return info
 
 
-def read_model_info_quietly(model_dir):
+def read_model_info_quietly(model_dir, warn=False):
   """`read_model_info`, or None if it is missing or damaged (for a writer
-  about to replace it)."""
+  about to replace it); `warn`: a damaged one is one warning line (what it
+  recorded, e.g. the input scale a resumed run was trained with, is lost)."""
   try:
     return read_model_info(model_dir)
-  except CheckpointError:
+  except CheckpointError as e:
+    if warn:
+      logging.warning("%s; it is written again from this launch's settings "
+                      "(what only it recorded is lost)",
+                      str(e).splitlines()[0])
     return None
 
 
