@@ -5,9 +5,12 @@ hand from the parameter count."""
 
 import json
 
+import pytest
+
 import helpers
 
 
+@pytest.mark.slow  # traces 3 GPT steps on 2 replicas: 20-90 s
 def test_counted_bytes_per_device_equal_the_counts_by_hand(tmp_path):
   path = tmp_path / "check.json"
   proc = helpers.run_script("benchmarks/memory_table.py", "--check",
