@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCHMARKS = ("suite", "fit_vs_trainer", "variants", "breakdown",
               "multi_worker", "model_parallel", "large_dataset", "network",
-              "matmul_peak", "xla", "optimizer_sharding", "mesh")
+              "matmul_peak", "xla", "optimizer_sharding", "mesh",
+              "memory_table")
 
 
 def run(script, *args, timeout=120):
