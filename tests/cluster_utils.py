@@ -118,6 +118,28 @@ def wait_for_checkpoint(model_dir, min_step, processes, timeout=600):
   raise AssertionError(f"no checkpoint >= {min_step} in {timeout}s")
 
 
+def kill_9_a_worker_after_checkpoint(tmp_path, args, min_step, workers=2):
+  """Starts `workers` MWMS tasks running train.py `args` (logs in
+  `tmp_path`), SIGKILLs the last one once a checkpoint >= `min_step` exists
+  in args' --model_dir, and waits for the others to end; returns the step
+  of the checkpoint it waited for."""
+  from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
+  model_dir = [a.split("=", 1)[1] for a in args
+               if a.startswith("--model_dir=")][-1]
+  cluster = launcher.local_cluster(workers)
+  processes = [start_task(cluster, "worker", i, args,
+                          str(tmp_path / f"worker{i}.log"))
+               for i in range(workers)]
+  try:
+    killed_after = wait_for_checkpoint(model_dir, min_step, processes)
+    processes[-1].kill()  # SIGKILL
+    for process in processes[:-1]:
+      wait_exit(process, timeout=600)
+  finally:
+    stop_all(processes)
+  return killed_after
+
+
 def wait_exit(process, timeout):
   """Its exit code, or AssertionError if still running after `timeout` s."""
   try:

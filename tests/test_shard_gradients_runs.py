@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from framework.distribute import launcher
 from tests import cluster_utils as cu
 
 STEPS = 8
@@ -101,18 +100,9 @@ def test_kill_9_and_relaunch_equals_uninterrupted(tmp_path):
   proc = _launch(reference, f"--train_steps={steps}", *flags)
   assert len(_gradient_bytes(proc.stdout)) == 2
   model_dir = str(tmp_path / "run")
-  cluster = launcher.local_cluster(2)
   args = MLP + ["--strategy=multi_worker_mirrored", "--train_steps=100000",
                 f"--model_dir={model_dir}", *flags]
-  processes = [cu.start_task(cluster, "worker", i, args,
-                             str(tmp_path / f"worker{i}.log"))
-               for i in range(2)]
-  try:
-    killed_after = cu.wait_for_checkpoint(model_dir, 4, processes)
-    processes[1].kill()  # SIGKILL
-    cu.wait_exit(processes[0], timeout=600)
-  finally:
-    cu.stop_all(processes)
+  killed_after = cu.kill_9_a_worker_after_checkpoint(tmp_path, args, 4)
   assert 0 < cu.checkpoint_step(model_dir) < steps
   relaunch = _launch(model_dir, f"--train_steps={steps}", *flags)
   assert "Restored checkpoint" in relaunch.stdout

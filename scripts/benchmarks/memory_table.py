@@ -80,7 +80,8 @@ CONFIGS = {
     "data parallel": [],
     "ZeRO-1": ["--shard_optimizer_state"],
     "ZeRO-2": ["--shard_optimizer_state", "--shard_gradients"],
-    "ZeRO-3": ["--shard_parameters"],
+    "ZeRO-3": ["--shard_optimizer_state", "--shard_gradients",
+               "--shard_parameters"],
     "mesh data:2 x model:2": ["--mesh=data:2,model:2", "--cpu_devices=4",
                               "--grad_accum_steps=1",
                               "--strategy=default"],
@@ -127,12 +128,11 @@ def parameters(size):
       model_width=s["model_width"])
   sizes = [v.shape.num_elements() if hasattr(v.shape, "num_elements")
            else math.prod(v.shape) for v in model.trainable_variables]
-  layers = {}
-  for v, n in zip(model.trainable_variables, sizes):
-    layer = v.path.rsplit("/", 1)[0]
-    layers[layer] = layers.get(layer, 0) + n
+  # ZeRO-3 gathers the weights of one top-level layer (a unit) at a time.
+  units = [sum(math.prod(v.shape) for v in layer.trainable_variables)
+           for layer in model.layers]
   return {"P": sum(sizes), "sharded": sum(-(-n // N) for n in sizes),
-          "largest_layer": max(layers.values())}
+          "largest_layer": max(units)}
 
 
 def by_hand(config, p):
@@ -141,13 +141,18 @@ def by_hand(config, p):
   Data parallel: 4P, 4P, 8P. ZeRO-1 shards the slots (8P/N), ZeRO-2 the
   gradient too (4P/N), ZeRO-3 the weights as well (4P/N, plus the largest
   layer gathered whole while it computes); a sharded variable is padded to
-  a multiple of N. The tensor split halves every weight (2 shards on the
+  a multiple of N; ZeRO-3's weights are its shards at rest (one top-level
+  layer's whole weights are gathered while it runs, and the process keeps
+  a whole copy on its host for checkpoints and evaluation). The tensor
+  split halves every weight (2 shards on the
   model axis) only ideally: the replicated parts show as a difference.
   """
   whole, shard = 4 * p["P"], 4 * p["sharded"]
   if config == MESH:
     return {"weights": whole // 2, "gradients": whole // 2, "slots": whole}
-  weights = shard + 4 * p["largest_layer"] if config == "ZeRO-3" else whole
+  # ZeRO-3's at rest: the shards (the unit gathered while it runs and the
+  # host's whole copy are reported beside the table).
+  weights = shard if config == "ZeRO-3" else whole
   gradients = shard if config in ("ZeRO-2", "ZeRO-3") else whole
   slots = 2 * (whole if config == "data parallel" else shard)
   return {"weights": weights, "gradients": gradients, "slots": slots}
@@ -265,7 +270,12 @@ class Recorder:
     slots = (sharding.slot_variables() if sharding is not None else
              # The slots: its step counter and learning rate are scalars.
              [v for v in trainer.optimizer.variables if len(v.shape)])
-    weights = _device_bytes(trainer.model.trainable_variables, strategy)
+    parameters_sharded = getattr(trainer, "parameter_sharding", None)
+    # ZeRO-3: the replica's weights are its shards (the model's variables
+    # are the host's whole copy, outside the replicas).
+    weights = _device_bytes(
+        parameters_sharded.shards if parameters_sharded is not None
+        else trainer.model.trainable_variables, strategy)
     devices = sorted(weights)
     # Replica i's trace saw replica i's gradient (in the devices' order).
     traced = self.accumulated[-len(devices):]
@@ -465,9 +475,14 @@ def check():
           num_layers=s["num_layers"], num_heads=s["num_heads"],
           model_width=s["model_width"])
       optimizer = optimizers.make_optimizer(OptimizerConfig(name="adam"))
-    trainer = language_model.LanguageModelTrainer(
+    options = trainer_options(config)
+    trainer_cls = language_model.LanguageModelTrainer
+    if options.pop("shard_parameters", False):
+      from framework.model_parallel import parameter_sharding  # pylint: disable=g-import-not-at-top
+      trainer_cls = parameter_sharding.sharded_trainer(trainer_cls)
+    trainer = trainer_cls(
         model, optimizer, strategy, global_batch_size=s["global_batch_size"],
-        **trainer_options(config))
+        **options)
     recorder.instrument(trainer)
     trainer.train(iter(strategy.experimental_distribute_dataset(
         data.repeat())), 1)
