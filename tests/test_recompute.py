@@ -122,7 +122,12 @@ def _assert_close(a, b):
 def test_gpt_recomputed_equals_not_recomputed(tmp_path, setup):
   _train(tmp_path / "none", *GPT, *FAST, *setup, "--recompute=none")
   reference = _weights(tmp_path / "none")
-  for value in ("blocks", "attention", "every:2"):
+  # Every value on one device; on 2 replicas the blocks only: attention is
+  # the same segment code one layer down, and every:K on 2 replicas is
+  # test_functional_model_every_k_equals_not_recomputed's.
+  values = (("blocks", "attention", "every:2")
+            if "--strategy=one_device" in setup else ("blocks",))
+  for value in values:
     _train(tmp_path / value, *GPT, *FAST, *setup, f"--recompute={value}")
     _assert_close(_weights(tmp_path / value), reference)
 
