@@ -142,8 +142,11 @@ def _stop_worker_1_and_relaunch(log, job, model_dir, error_pattern):
   return pid, line, code, open(log).read()
 
 
+# Three workers: worker:1 stopped among two that go on (the two-worker case,
+# one survivor, is the frozen-worker benchmark's test; the heartbeats, the
+# watchdog, the relaunch and the resume are the same code for both).
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3])
 def test_a_stopped_multi_worker_peer_is_one_line_and_a_restart_resumes(
     tmp_path, workers):
   model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")
@@ -190,8 +193,11 @@ _MESH = ["--model=gpt", "--dataset=text", "--sequence_length=16",
 _TIMEOUT = 20
 
 
+# Two worker tasks and the chief: worker:1 stopped beside worker:0 and the
+# chief, who go on. A third copy (data:3) runs the same watchdog, restart
+# and resume code.
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2])
 def test_a_stopped_mesh_worker_is_one_line_and_a_restart_finishes(
     tmp_path, workers):
   model_dir, log = str(tmp_path / "run"), str(tmp_path / "launch.log")

@@ -5,6 +5,7 @@ on one device."""
 import os
 import re
 
+import numpy as np
 import pytest
 
 from framework.errors import ConfigError
@@ -116,22 +117,39 @@ def _evaluate_loss(proc):
   return float(found[-1])
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """train/ and test/ text of a few kilobytes: both evaluations read the
+  whole test split (the built-in corpus has tens of thousands of test
+  windows)."""
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(7)
+  words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+  for split, size in (("train", 600), ("test", 120)):
+    os.makedirs(root / split)
+    (root / split / f"{split}.txt").write_text(
+        " ".join(rng.choice(words, size=size)) + "\n")
+  return str(root)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, devices, piece", [
     ("data:2,model:2", 4, "2-way"),
     ("data:2,model:2,pipeline:2", 8, "4-way"),  # 2 stages of 2 shards
 ])
 def test_a_mesh_checkpoint_evaluates_the_same_on_one_device(
-    tmp_path, mesh, devices, piece):
+    tmp_path, corpus, mesh, devices, piece):
   model_dir = str(tmp_path / "mesh")
   # One GPT block where no pipeline axis needs two (one per stage): each
   # process traces its model in a third less time.
   layers = 2 if "pipeline" in mesh else 1
   train = helpers.run_script("train.py", *GPT, f"--num_layers={layers}",
                              f"--model_dir={model_dir}",
+                             f"--data_dir={corpus}",
                              "--train_steps=4", "--steps_per_loop=2",
                              f"--mesh={mesh}", f"--cpu_devices={devices}",
-                             timeout=900)
+                             # evaluate.py reads the checkpoint.
+                             "--export_saved_model=false", timeout=900)
   assert f"data x tensor: 2 copies of a {piece} tensor split" in train.stderr
   assert os.path.exists(os.path.join(model_dir, "ckpt-4.index"))
   # From another folder, no mesh, one device: the unsplit GPT restores the

@@ -17,6 +17,11 @@ GPT = ["--model=gpt", "--dataset=text", "--global_batch_size=6",
        "--sequence_length=12", "--model_width=24", "--num_heads=2",
        "--num_layers=3", "--seed=1357", "--train_steps=3",
        "--optimizer=momentum", "--learning_rate=0.05"]
+# The GPT runs compare weights: two evaluation batches (a mirrored GPT's
+# --eval_steps=1 ends its eval with an OutOfRangeError) and no SavedModel
+# (evaluating the whole text test set and exporting were ~20 s of a
+# one-device run's ~25 s; a failing export is only a warning anyway).
+FAST = ["--eval_steps=2", "--export_saved_model=false"]
 MLP = ["--model=mlp", "--dataset=synthetic", "--hidden_units=24,20,16",
        "--global_batch_size=12", "--seed=1357", "--train_steps=3",
        "--optimizer=momentum", "--learning_rate=0.05"]
@@ -116,20 +121,25 @@ def _assert_close(a, b):
     ["--strategy=mirrored", "--cpu_devices=2"],
 ])
 def test_gpt_recomputed_equals_not_recomputed(tmp_path, setup):
-  _train(tmp_path / "none", *GPT, *setup, "--recompute=none")
+  _train(tmp_path / "none", *GPT, *FAST, *setup, "--recompute=none")
   reference = _weights(tmp_path / "none")
-  for value in ("blocks", "attention", "every:2"):
-    _train(tmp_path / value, *GPT, *setup, f"--recompute={value}")
+  # Every value on one device; on 2 replicas the blocks only: attention is
+  # the same segment code one layer down, and every:K on 2 replicas is
+  # test_functional_model_every_k_equals_not_recomputed's.
+  values = (("blocks", "attention", "every:2")
+            if "--strategy=one_device" in setup else ("blocks",))
+  for value in values:
+    _train(tmp_path / value, *GPT, *FAST, *setup, f"--recompute={value}")
     _assert_close(_weights(tmp_path / value), reference)
 
 
 @pytest.mark.slow
 def test_gpt_on_a_mesh_recomputed_equals_not_recomputed(tmp_path):
   mesh = ["--mesh=data:1,model:2", "--cpu_devices=2"]
-  _train(tmp_path / "none", *GPT, *mesh)
+  _train(tmp_path / "none", *GPT, *FAST, *mesh)
   reference = _weights(tmp_path / "none")
   for value in ("blocks", "attention"):
-    _train(tmp_path / value, *GPT, *mesh, f"--recompute={value}")
+    _train(tmp_path / value, *GPT, *FAST, *mesh, f"--recompute={value}")
     _assert_close(_weights(tmp_path / value), reference)
 
 
@@ -166,14 +176,27 @@ def test_a_bad_value_is_one_line_and_leaves_the_model_dir(tmp_path, args,
   helpers.assert_one_line_error(proc, "train.py", fragment, unchanged=before)
 
 
+# Five steps with checkpoints at 2 and 4; the runs below resume from one of
+# them and end at the weights of one uninterrupted run of these.
+LONGER = [a for a in GPT if not a.startswith("--train_steps")] + FAST + [
+    "--train_steps=5", "--checkpoint_every=2", "--steps_per_loop=1"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The weights of the uninterrupted LONGER run (not recomputed)."""
+  model_dir = tmp_path_factory.mktemp("straight")
+  _train(model_dir, *LONGER)
+  return _weights(model_dir)
+
+
 @pytest.mark.slow
-def test_resume_across_on_and_off_equals_an_uninterrupted_run(tmp_path):
-  longer = [a for a in GPT if not a.startswith("--train_steps")]
-  _train(tmp_path / "straight", *longer, "--train_steps=4")
-  _train(tmp_path / "mixed", *longer, "--train_steps=2",
+def test_resume_across_on_and_off_equals_an_uninterrupted_run(tmp_path,
+                                                              straight):
+  _train(tmp_path / "mixed", *LONGER, "--train_steps=2",
          "--recompute=blocks")
-  _train(tmp_path / "mixed", *longer, "--train_steps=4")
-  _assert_close(_weights(tmp_path / "mixed"), _weights(tmp_path / "straight"))
+  _train(tmp_path / "mixed", *LONGER)
+  _assert_close(_weights(tmp_path / "mixed"), straight)
 
 
 # train.py whose GPT run kills itself (-9) inside step KILL_AT_STEP + 1.
@@ -206,21 +229,18 @@ app.run(cli.main_running(lambda: train.run_main(Killed)))
 @pytest.mark.slow
 @pytest.mark.parametrize("relaunch", ["blocks", "none"])
 def test_kill_9_with_recompute_then_relaunch_equals_an_uninterrupted_run(
-    tmp_path, relaunch):
+    tmp_path, relaunch, straight):
   """Killed mid-run with --recompute=attention; relaunched with it (or with
   another value) from checkpoint 2: the uninterrupted run's weights."""
   script = tmp_path / "killed_gpt.py"
   script.write_text(KILLED_GPT.format(root=helpers.ROOT))
-  longer = [a for a in GPT if not a.startswith("--train_steps")]
-  longer += ["--train_steps=5", "--checkpoint_every=2", "--steps_per_loop=1"]
-  _train(tmp_path / "straight", *longer)
   run = f"--model_dir={tmp_path / 'run'}"
-  killed = helpers.run_script(str(script), run, *longer,
+  killed = helpers.run_script(str(script), run, *LONGER,
                               "--recompute=attention", check=False,
                               env={"KILL_AT_STEP": "3"})
   assert killed.returncode in (-9, 137), killed.stderr[-2000:]
   assert not (tmp_path / "run" / "model.weights.h5").exists()
-  done = helpers.run_script(str(script), run, *longer,
+  done = helpers.run_script(str(script), run, *LONGER,
                             f"--recompute={relaunch}")
   assert "Restored checkpoint" in done.stderr
-  _assert_close(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))
+  _assert_close(_weights(tmp_path / "run"), straight)
