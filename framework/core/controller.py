@@ -237,7 +237,7 @@ class Controller:
   def save(self, step: int) -> Optional[str]:
     """Checkpoints at `step` (every worker must call it); returns the path,
     or None without saving when the last loop's loss was not finite."""
-    if not self.loss_finite:
+    if not self.saves_after_loop:
       logging.warning("Not saving a checkpoint at step %d: %s", step,
                       self.non_finite_text())
       return None
@@ -265,6 +265,14 @@ class Controller:
   def loss_finite(self) -> bool:
     """Whether the last loop's watched metrics were finite."""
     return self.report.finite
+
+  @property
+  def saves_after_loop(self) -> bool:
+    """Whether the weights after the last loop may be saved: its loss was
+    finite, or under nan_policy=skip (a step whose loss or gradient is not
+    finite changed nothing: the loop's mean loss counts the skipped steps'
+    NaN, the weights do not)."""
+    return self.loss_finite or self.parts.nan_policy == "skip"
 
   def non_finite_text(self, name_checkpoint: bool = True) -> str:
     """What was not finite in the last loop (and the latest checkpoint)."""
@@ -355,7 +363,7 @@ class Controller:
       # A window past the last step, or a run that stopped inside it.
       self.report_profile(self.profiler.maybe_stop(self.step, force=True),
                           self.step)
-    if not self.loss_finite:
+    if not self.saves_after_loop:
       raise NonFiniteLossError(
           f"{self.non_finite_text()}; the run ended without saving a final "
           "checkpoint or weights: lower learning_rate, set clip_norm, or "
@@ -519,7 +527,7 @@ class Controller:
         fn(step)
       if due(c.checkpoint_every, step):
         self.save(step)  # skipped with a warning after a non-finite loss
-        last_saved = step if self.loss_finite else last_saved
+        last_saved = step if self.saves_after_loop else last_saved
       if (due(c.eval_every, step) and step != c.train_steps
           and step >= c.eval_start_step):
         self.evaluate()
