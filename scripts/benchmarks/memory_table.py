@@ -477,7 +477,7 @@ def check():
       optimizer = optimizers.make_optimizer(OptimizerConfig(name="adam"))
     options = trainer_options(config)
     trainer_cls = language_model.LanguageModelTrainer
-    if options.pop("shard_parameters", False):
+    if options.pop("shard_parameters", None):  # the row sets it or not
       from framework.model_parallel import parameter_sharding  # pylint: disable=g-import-not-at-top
       trainer_cls = parameter_sharding.sharded_trainer(trainer_cls)
     trainer = trainer_cls(
