@@ -38,7 +38,7 @@ READ_BY_EVERY_CHOICE = {
     "early_stopping_start_step", "eval_sets", "eval_steps",
     "init_checkpoint", "init_exclude", "init_skip_mismatch", "jit_compile",
     "restore_best_on_stop", "shard_optimizer_state", "mesh",
-    "shard_gradients"}
+    "shard_gradients", "shard_parameters"}
 
 
 def _unread(*args):

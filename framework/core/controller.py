@@ -269,10 +269,15 @@ class Controller:
   @property
   def saves_after_loop(self) -> bool:
     """Whether the weights after the last loop may be saved: its loss was
-    finite, or under nan_policy=skip (a step whose loss or gradient is not
-    finite changed nothing: the loop's mean loss counts the skipped steps'
-    NaN, the weights do not)."""
-    return self.loss_finite or self.parts.nan_policy == "skip"
+    finite, or under nan_policy=skip its last step was applied (a skipped
+    step changed nothing, so the loop's mean loss counts its NaN and the
+    weights do not; a loop that ends in skipped steps may end a diverged
+    model's run: not saved)."""
+    if self.loss_finite:
+      return True
+    parts = self.parts
+    return (parts.nan_policy == "skip" and parts.consecutive_skips is not None
+            and parts.consecutive_skips() == 0)
 
   def non_finite_text(self, name_checkpoint: bool = True) -> str:
     """What was not finite in the last loop (and the latest checkpoint)."""

@@ -215,6 +215,10 @@ def _check_model(model):
             "shard_parameters off")
 
 
+class ShardsParameters:
+  """What every class `sharded_trainer` makes is (a marker)."""
+
+
 def sharded_trainer(trainer_cls, layers_per_unit=1):
   """`trainer_cls` with its trainable weights sharded over the replicas
   (ZeRO-3). It takes `trainer_cls`'s arguments and needs
@@ -226,7 +230,7 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
     raise ConfigError(
         f"sharded_trainer: trainer_cls={trainer_cls!r} is not a subclass "
         "of framework.Trainer")
-  if getattr(trainer_cls, "_shards_parameters", False):
+  if issubclass(trainer_cls, ShardsParameters):
     raise ConfigError(
         f"sharded_trainer: {trainer_cls.__name__} shards its weights "
         "already (made by sharded_trainer); wrap the unsharded class once")
@@ -236,10 +240,8 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
         f"sharded_trainer: layers_per_unit={layers_per_unit!r} is not an "
         "integer >= 1 (the top-level layers a unit runs, --recompute=every:K)")
 
-  class ShardedParametersTrainer(trainer_cls):
+  class ShardedParametersTrainer(trainer_cls, ShardsParameters):
     """ZeRO-3 over the replicas (`framework.model_parallel.parameter_sharding`)."""
-
-    _shards_parameters = True
 
     def __init__(self, model, optimizer, strategy, **kwargs):
       _check_options(strategy, kwargs)
