@@ -355,20 +355,22 @@ class ShardedUpdate(MergeCallUpdate):
   def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
                      finite, signals=()):
     """Cross-replica: each copy of each shard variable is set to its
-    replica's slice of the weights and updated with its gradient slice."""
+    replica's slice of the weights (none: the shards are the weights, as
+    under ZeRO-3) and updated with its gradient slice."""
     optimizer = self.optimizer
 
     def update_all():
       lr = optimizer.learning_rate
 
-      def update_one(shard, grad, weight):
-        with tf.control_dependencies([shard.assign(weight)]):
+      def update_one(shard, grad, weight=None):
+        assigned = [] if weight is None else [shard.assign(weight)]
+        with tf.control_dependencies(assigned):
           return self.update_variable(grad, shard, tf.cast(lr, shard.dtype))
 
-      for grad, weight, shard in zip(grad_shards, weight_shards,
-                                     sharding.shards):
-        strategy.extended.update(shard.value, update_one,
-                                 args=(grad, weight), group=False)
+      for i, (grad, shard) in enumerate(zip(grad_shards, sharding.shards)):
+        args = (grad,) if weight_shards is None else (grad, weight_shards[i])
+        strategy.extended.update(shard.value, update_one, args=args,
+                                 group=False)
       return tf.constant(True)
 
     spike = self._spike(strategy, signals)
@@ -424,26 +426,6 @@ class ShardedParametersUpdate(ShardedGradientsUpdate):
         sharding, list(grads), None, finite), kwargs={"signals": signals})
     # The step count, the skip counters and the loss scale, as every kind.
     return self.assign([], [], finite, signals)
-
-  def _update_shards(self, strategy, sharding, grad_shards, weight_shards,
-                     finite, signals=()):
-    if weight_shards is not None:
-      return super()._update_shards(strategy, sharding, grad_shards,
-                                    weight_shards, finite, signals)
-    optimizer = self.optimizer
-
-    def update_all():
-      lr = optimizer.learning_rate
-      for grad, shard in zip(grad_shards, sharding.shards):
-        strategy.extended.update(
-            shard.value,
-            lambda s, g: self.update_variable(g, s, tf.cast(lr, s.dtype)),
-            args=(grad,), group=False)
-      return tf.constant(True)
-
-    spike = self._spike(strategy, signals)
-    return self.if_finite(strategy.experimental_local_results(finite)[0],
-                          update_all, spike and spike[0])
 
 
 class CopyShardedUpdate(MergeCallUpdate):

@@ -135,7 +135,8 @@ class ShardedParameters:
     state = state_variables(layers)
 
     def body(*tensors):
-      tensors, shards = tensors[:-len(indices) or None], tensors[len(tensors) - len(indices):]
+      split = len(tensors) - len(indices)  # the unit's inputs, its shards
+      tensors, shards = tensors[:split], tensors[split:]
       # Gathered once the unit's inputs exist: one unit's weights at a time.
       with tf.control_dependencies(
           [t for t in tensors if tf.is_tensor(t)]):
@@ -320,9 +321,6 @@ def sharded_trainer(trainer_cls, layers_per_unit=1):
               "whole, outside the top-level layer that owns it (weights "
               "are gathered per top-level layer); turn shard_parameters "
               "off")
-
-    def step_variables(self):
-      return super().step_variables() + list(self.parameter_sharding.shards)
 
   ShardedParametersTrainer.__name__ = f"ShardedParameters{trainer_cls.__name__}"
   ShardedParametersTrainer.__qualname__ = ShardedParametersTrainer.__name__
