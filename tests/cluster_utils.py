@@ -140,6 +140,30 @@ def kill_9_a_worker_after_checkpoint(tmp_path, args, min_step, workers=2):
   return killed_after
 
 
+def kill_9_and_relaunch(tmp_path, args, steps, min_step):
+  """(max |diff| of all weights and slots against an uninterrupted run,
+  that run's launch output): train.py `args` on 2 MWMS workers for `steps`
+  steps uninterrupted, and again with the last worker SIGKILLed once a
+  checkpoint >= `min_step` exists, the cluster then relaunched to `steps`."""
+  args = list(args) + ["--strategy=multi_worker_mirrored"]
+  reference = str(tmp_path / "reference")
+  uninterrupted = launch(args + [f"--model_dir={reference}",
+                                 f"--train_steps={steps}"])
+  assert uninterrupted.returncode == 0, uninterrupted.stdout[-4000:]
+  model_dir = str(tmp_path / "run")
+  killed_after = kill_9_a_worker_after_checkpoint(
+      tmp_path, args + [f"--model_dir={model_dir}", "--train_steps=100000"],
+      min_step)
+  assert 0 < checkpoint_step(model_dir) < steps
+  relaunch = launch(args + [f"--model_dir={model_dir}",
+                            f"--train_steps={steps}"])
+  assert relaunch.returncode == 0, relaunch.stdout[-4000:]
+  assert "Restored checkpoint" in relaunch.stdout
+  assert global_step(model_dir) == steps
+  print(f"killed after checkpoint {killed_after}")
+  return max_weight_difference(reference, model_dir), uninterrupted
+
+
 def wait_exit(process, timeout):
   """Its exit code, or AssertionError if still running after `timeout` s."""
   try:

@@ -94,21 +94,11 @@ def test_resumes_with_it_toggled_and_on_another_replica_count(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_and_relaunch_equals_uninterrupted(tmp_path):
-  steps = 3 * STEPS
-  flags = ["--grad_accum_steps=2", *ZERO2]
-  reference = str(tmp_path / "reference")
-  proc = _launch(reference, f"--train_steps={steps}", *flags)
-  assert len(_gradient_bytes(proc.stdout)) == 2
-  model_dir = str(tmp_path / "run")
-  args = MLP + ["--strategy=multi_worker_mirrored", "--train_steps=100000",
-                f"--model_dir={model_dir}", *flags]
-  killed_after = cu.kill_9_a_worker_after_checkpoint(tmp_path, args, 4)
-  assert 0 < cu.checkpoint_step(model_dir) < steps
-  relaunch = _launch(model_dir, f"--train_steps={steps}", *flags)
-  assert "Restored checkpoint" in relaunch.stdout
-  assert cu.global_step(model_dir) == steps
-  print(f"killed after checkpoint {killed_after}")
-  assert cu.max_weight_difference(reference, model_dir) <= 1e-6
+  difference, uninterrupted = cu.kill_9_and_relaunch(
+      tmp_path, MLP + ["--grad_accum_steps=2", *ZERO2], steps=3 * STEPS,
+      min_step=4)
+  assert len(_gradient_bytes(uninterrupted.stdout)) == 2
+  assert difference <= 1e-6
 
 
 @pytest.mark.slow
