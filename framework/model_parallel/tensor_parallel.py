@@ -41,7 +41,6 @@ import functools
 
 from absl import logging
 import keras
-import numpy as np
 import tensorflow as tf
 
 from framework.core.trainer import Trainer
@@ -52,6 +51,7 @@ from framework.model_parallel.devices import (cluster_devices,
                                               model_parallel_devices,
                                               short_device, variable_device)
 from framework.model_parallel.parallel_layers import (
+    ColumnParallelLinear, RowParallelLinear,
     sharded_sparse_categorical_loss, unsplit_view,
     vocab_parallel_statistics)
 from framework.model_parallel.pipeline import PipelineTrainer, model_layers
@@ -60,90 +60,40 @@ from framework.model_parallel.staged_trainer import (ParallelStage, Stage,
 from framework.settings import default
 
 
-class BiasActivation(keras.layers.Layer):
-  """`activation(x + bias)`: what is left of a Dense after its matmul."""
-
-  def __init__(self, activation=None, **kwargs):
-    super().__init__(**kwargs)
-    self.activation = keras.activations.get(activation)
-
-  def build(self, input_shape):
-    self.bias = self.add_weight(shape=(input_shape[-1],), name="bias",
-                                initializer="zeros")
-
-  def call(self, x):
-    return self.activation(x + self.bias)
-
-
-class ColumnParallelDense(keras.layers.Layer):
-  """A Dense whose output units are split across `devices`.
+class ColumnParallelDense(ColumnParallelLinear):
+  """A Dense whose output units are split across `devices`: the
+  `ColumnParallelLinear` of a Dense pair split.
 
   `call(x)` returns the list of D shards `[B, units / D]`, shard d computed
-  on devices[d] with the variables that live there.
+  on devices[d] with the variables that live there. Its weights are made
+  and checkpointed as one Dense layer per shard (`shards/<d>/kernel`,
+  `shards/<d>/bias`).
   """
 
-  def __init__(self, units, devices, activation=None, **kwargs):
-    super().__init__(**kwargs)
-    check_positive("units", units)
-    if units % len(devices):
-      raise ConfigError(f"a Dense layer of {units} units cannot be split "
-                        f"evenly across {len(devices)} devices")
-    self.units = units
-    self.devices = list(devices)
-    self.shards = []
-    for d, device in enumerate(self.devices):
-      with tf.device(device):
-        self.shards.append(keras.layers.Dense(
-            units // len(devices), activation=activation, name=f"shard_{d}"))
+  by_shard = True
 
-  def build(self, input_shape):
-    for shard, device in zip(self.shards, self.devices):
-      with tf.device(device):
-        shard.build(input_shape)
-
-  def call(self, x):
-    outputs = []
-    for shard, device in zip(self.shards, self.devices):
-      with tf.device(device):
-        outputs.append(shard(x))
-    return outputs
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # As the Dense pair always checkpointed it: its variables only through
+    # the optimizer (`optimizer/_trainable_variables/<i>`).
+    return {}
 
 
-class RowParallelDense(keras.layers.Layer):
-  """A Dense whose input units arrive as shards, one per device.
+class RowParallelDense(RowParallelLinear):
+  """A Dense whose input units arrive as shards, one per device: the
+  `RowParallelLinear` of a Dense pair split.
 
   Shard d's partial product `h_d W[d]` runs on devices[d]; the sum, bias and
-  activation run on `output_device`.
+  activation run on `output_device`. Checkpointed as one Dense layer per
+  shard without a bias (`shards/<d>/kernel`) and the bias
+  (`output_layer/bias`).
   """
 
-  def __init__(self, units, devices, activation=None, output_device=None,
-               **kwargs):
-    super().__init__(**kwargs)
-    self.units = units
-    self.devices = list(devices)
-    self.output_device = output_device or self.devices[0]
-    self.shards = []
-    for d, device in enumerate(self.devices):
-      with tf.device(device):
-        self.shards.append(keras.layers.Dense(units, use_bias=False,
-                                              name=f"shard_{d}"))
-    with tf.device(self.output_device):
-      self.output_layer = BiasActivation(activation, name="bias")
+  by_shard = True
 
-  def build(self, input_shapes):
-    for shard, device, shape in zip(self.shards, self.devices, input_shapes):
-      with tf.device(device):
-        shard.build(shape)
-    with tf.device(self.output_device):
-      self.output_layer.build((None, self.units))
-
-  def call(self, inputs):
-    partials = []
-    for shard, device, x in zip(self.shards, self.devices, inputs):
-      with tf.device(device):
-        partials.append(shard(x))
-    with tf.device(self.output_device):
-      return self.output_layer(tf.add_n(partials))
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # As the Dense pair always checkpointed it (the shards' kernels only
+    # through the optimizer).
+    return {"output_layer": self.output_layer}
 
 
 class TensorParallelModel(keras.Model):
@@ -217,9 +167,6 @@ def split_dense_pair(model, index, devices):
   host = devices[0]
   kernel, bias = dense.get_weights()
   consumer_kernel, consumer_bias = consumer.get_weights()
-  shard_units = dense.units // len(devices)
-  cuts = [slice(d * shard_units, (d + 1) * shard_units)
-          for d in range(len(devices))]
 
   def copy(layer):
     return type(layer).from_config(layer.get_config())
@@ -242,7 +189,7 @@ def split_dense_pair(model, index, devices):
       for layer in before:
         x = layer(x)
     column.build(x.shape)
-    row.build([(None, shard_units)] * len(devices))
+    row.build((None, dense.units))
     y = keras.Input(shape=(consumer.units,))
     with tf.device(host):
       for layer in after:
@@ -250,10 +197,10 @@ def split_dense_pair(model, index, devices):
     placed(keras.Input(shape=model.input_shape[1:]))  # all built: no new vars
   for old, new in zip(layers[:index] + layers[index + 2:], before + after):
     new.set_weights(old.get_weights())
-  for d, cut in enumerate(cuts):
-    column.shards[d].set_weights([kernel[:, cut], bias[cut]])
-    row.shards[d].set_weights([consumer_kernel[cut, :]])
-  row.output_layer.set_weights([consumer_bias])
+  column.kernel.assign(kernel)
+  column.bias.assign(bias)
+  row.kernel.assign(consumer_kernel)
+  row.bias.assign(consumer_bias)
   return placed
 
 
@@ -264,12 +211,8 @@ def merge_dense_pair(placed, model, index):
   for old, new in zip(layers[:index] + layers[index + 2:],
                       placed.before + placed.after):
     old.set_weights(new.get_weights())
-  kernels, biases = zip(*(shard.get_weights() for shard in column.shards))
-  layers[index].set_weights([np.concatenate(kernels, axis=1),
-                             np.concatenate(biases)])
-  row_kernels = [shard.get_weights()[0] for shard in row.shards]
-  layers[index + 1].set_weights([np.concatenate(row_kernels, axis=0),
-                                 row.output_layer.get_weights()[0]])
+  layers[index].set_weights([column.kernel.numpy(), column.bias.numpy()])
+  layers[index + 1].set_weights([row.kernel.numpy(), row.bias.numpy()])
   return model
 
 
