@@ -324,11 +324,6 @@ def _cut_by_shard(specs, devices):
           for shards, spec in zip(cut, specs)]
 
 
-def symbolic(shape, dtype):
-  """A symbolic tensor of `shape` (what a stage's activation count reads)."""
-  return keras.KerasTensor(tuple(shape), dtype=dtype)
-
-
 class ShardPart(CheckpointNode):
   """One device's part of a column- or row-parallel layer, callable as a
   layer of a device-pinned `Stage` (`fn(x)`, its variables); checkpointed
@@ -337,26 +332,21 @@ class ShardPart(CheckpointNode):
   Args:
     fn: `x -> y`, the part's math (e.g. `layer.shard(d, .)`).
     weights: {name: variable} of the part, in order.
-    input_shape, output_shape: per example shapes with the batch axis
-      (`(None, n)`), for the activation count of its stage.
+    units: its output units.
     dtype: the compute dtype (the input is cast to it, as a Keras layer
       does).
+
+  It has no symbolic `input`: a stage of parts counts no activations
+  (`Stage.activation_bytes`), as the Dense shards' stages never did.
   """
 
-  def __init__(self, fn, weights, input_shape, output_shape, dtype):
+  def __init__(self, fn, weights, units, dtype):
     self.fn = fn
     self.named_weights = dict(weights)
+    self.units = units
     self.dtype = dtype
-    self.input = symbolic(input_shape, dtype)
-    self.output = symbolic(output_shape, dtype)
-    self.units = int(output_shape[-1])
-
-  def __getattr__(self, name):
-    # `kernel`, `bias`: the part's weights by name.
-    weights = self.__dict__.get("named_weights", {})
-    if name in weights:
-      return weights[name]
-    raise AttributeError(name)
+    self.kernel = self.named_weights.get("kernel")
+    self.bias = self.named_weights.get("bias")
 
   def __call__(self, x, training=False):
     del training  # no dropout or statistics in a matmul and a bias
@@ -403,7 +393,6 @@ class ColumnParallelLinear(keras.layers.Layer):
 
   def build(self, input_shape):
     inputs = int(input_shape[-1])
-    self.input_units = inputs
     specs = [("kernel", (inputs, self.units), 1, "glorot_uniform"),
              ("bias", (self.units,), 0, "zeros")]
     if self.by_shard:
@@ -427,8 +416,7 @@ class ColumnParallelLinear(keras.layers.Layer):
     size = self.units // len(self.devices)
     return [ShardPart(lambda x, d=d: self.shard(d, x),
                       {"kernel": self.kernel_shards[d],
-                       "bias": self.bias_shards[d]},
-                      (None, self.input_units), (None, size),
+                       "bias": self.bias_shards[d]}, size,
                       self.compute_dtype)
             for d in range(len(self.devices))]
 
@@ -470,7 +458,6 @@ class RowParallelLinear(keras.layers.Layer):
   def build(self, input_shape):
     inputs = int(input_shape[-1])
     check_divides(len(self.devices), **{f"{self.name} inputs": inputs})
-    self.input_units = inputs
     spec = ("kernel", (inputs, self.units), 0, "glorot_uniform")
     if self.by_shard:
       [(self.kernel_shards, self._kernel)] = _cut_by_shard(
@@ -494,17 +481,16 @@ class RowParallelLinear(keras.layers.Layer):
   @functools.cached_property  # one object per part: checkpoint nodes
   def shards(self):
     """Shard d's partial product as a layer (`ShardPart`)."""
-    size = self.input_units // len(self.devices)
     return [ShardPart(lambda x, d=d: self.partial(d, x),
-                      {"kernel": self.kernel_shards[d]}, (None, size),
-                      (None, self.units), self.compute_dtype)
+                      {"kernel": self.kernel_shards[d]}, self.units,
+                      self.compute_dtype)
             for d in range(len(self.devices))]
 
   @functools.cached_property
   def output_layer(self):
     """`add_bias` as a layer (`ShardPart`), on `output_device`."""
-    return ShardPart(self.add_bias, {"bias": self.bias}, (None, self.units),
-                     (None, self.units), self.compute_dtype)
+    return ShardPart(self.add_bias, {"bias": self.bias}, self.units,
+                     self.compute_dtype)
 
   def partial(self, d, x):
     kernel = tf.cast(self.kernel_shards[d], x.dtype)
