@@ -719,6 +719,25 @@ def unsplit_view(optimizer, unsplit_variables, split_weights, *,
   return _Node({name: children[name] for name in theirs})
 
 
+def checkpoint_mirror(obj, replace):
+  """`obj`'s checkpoint tree (e.g. an unsplit model's) with each variable
+  whose id is in `replace` swapped for its value there (a split's variable
+  or `ShardedWeight`): a checkpoint of it has `obj`'s keys."""
+  memo = {}
+
+  def mirror(node):
+    if _is_variable(node):
+      return replace.get(id(node), node)
+    if id(node) not in memo:
+      memo[id(node)] = _Node({})
+      memo[id(node)].children = {
+          name: mirror(child) for name, child in
+          _tf_internal.trackable_children(node).items()}
+    return memo[id(node)]
+
+  return mirror(obj)
+
+
 class _Node(CheckpointNode):
   """A checkpoint node with the given children, in order (a list's are
   named `0`, `1`, ..., as Keras's tracked lists name theirs)."""
