@@ -62,9 +62,12 @@ def resume(plan, trainer, controller, *, previous, describe):
   """
   config = plan.config
   # A checkpoint this split cannot read: one line, before the restore.
-  check_resume(plan, previous, trainer, controller.checkpoints)
+  own_keys = check_resume(plan, previous, trainer, controller.checkpoints)
   # Restore (or fail on a mismatched checkpoint) before writing anything.
-  controller.restore()
+  if own_keys:
+    restore_own_keys(trainer, controller)
+  else:
+    controller.restore()
   # Only when the run has no checkpoint of its own.
   init = warm_start.warm_start(
       controller, config.init_checkpoint,
@@ -275,7 +278,8 @@ def _own_keys(record, whole_split):
   return (record or {}).get("mode") == "tensor" and not whole_split
 
 
-def check_split_change(previous_info, record, *, model, whole_split):
+def check_split_change(previous_info, record, *, model, whole_split,
+                       own_keys=None):
   """Raises ConfigError when the run resumes a checkpoint written under
   another split that cannot restore into this one.
 
@@ -284,20 +288,26 @@ def check_split_change(previous_info, record, *, model, whole_split):
     record: this run's run_plan `model_parallel` record.
     model: the model's name (for the message).
     whole_split: whether the model has a whole-model split (`gpt`).
+    own_keys: whether the checkpoint holds a Dense pair split under its own
+      keys (`tensor_parallel.own_keys_checkpoint`; None: guessed from the
+      records, as a split of one Dense pair once always saved).
   """
   was = ((previous_info or {}).get("run_plan") or {}).get("model_parallel")
   if was is None:
     return
   changes = changed_flags(was, record)
-  if not changes or not (_own_keys(was, whole_split)
-                         or _own_keys(record, whole_split)):
+  if own_keys is None:
+    own_keys = (_own_keys(was, whole_split)
+                or _own_keys(record, whole_split))
+  if not changes or not own_keys:
     return
   what = "; ".join(f"{flag} was {_show(old)}, now {_show(new)}"
                    for flag, old, new in changes)
   raise ConfigError(
       f"resuming on another model split is not supported for model={model} "
-      f"({what}): its tensor split of one Dense pair checkpoints the shards "
-      f"under their own keys; resume with {describe(was)} or use another "
+      f"({what}): its checkpoint holds a tensor split of one Dense pair "
+      f"under the shards' own keys; resume with {describe(was)} once (its "
+      "next checkpoints have the unsplit model's keys) or use another "
       "model_dir")
 
 
@@ -311,6 +321,10 @@ def check_resume(plan, previous_info, trainer, checkpoints):
     previous_info: the model_dir's model_info.json (None: a new run).
     trainer: the run's trainer.
     checkpoints: its `CheckpointManager`.
+
+  Returns:
+    True when the checkpoint holds this Dense pair split under its own
+    keys (`restore_own_keys` reads it).
   """
   path = checkpoints.latest
   record = plan.record()["model_parallel"]
@@ -319,11 +333,15 @@ def check_resume(plan, previous_info, trainer, checkpoints):
     return  # only a tensor split's checkpoint keys can be its own (or older)
   # pylint: disable=g-import-not-at-top
   from framework.model_parallel.parallel_layers import split_for
+  from framework.model_parallel.tensor_parallel import own_keys_checkpoint
   # pylint: enable=g-import-not-at-top
   unsplit = protocols.unsplit_model(trainer)
   whole_split = split_for(unsplit) is not None
+  own_keys = not whole_split and own_keys_checkpoint(path)
   check_split_change(previous_info, record, model=plan.config.model,
-                     whole_split=whole_split)
+                     whole_split=whole_split, own_keys=own_keys)
+  if own_keys:
+    return True
   if whole_split and saved_before_cross_mesh(
       previous_info, manager.read_run_config(checkpoints.model_dir),
       model_fingerprint(unsplit)):
@@ -333,6 +351,27 @@ def check_resume(plan, previous_info, trainer, checkpoints):
         f"{describe(previous_info['run_plan']['model_parallel'])}): migrate "
         f"it once with python {MIGRATE_SCRIPT} and that run's flags, then "
         "relaunch; or use another model_dir")
+
+
+def restore_own_keys(trainer, controller):
+  """`controller.restore()` of a checkpoint that holds a Dense pair split
+  under its own keys (as distloop saved one before it saved the unsplit
+  model's keys): read as such, against the split model's fingerprint (what
+  such a run recorded in run_config.json). The next checkpoints have the
+  unsplit model's keys."""
+  checkpoints = controller.checkpoints
+  recorded = checkpoints.run_config
+  if recorded is not None:
+    checkpoints.run_config = dict(
+        recorded, model_fingerprint=model_fingerprint(trainer.model))
+  trainer.read_own_keys(True)
+  try:
+    controller.restore()
+  finally:
+    trainer.read_own_keys(False)
+    checkpoints.run_config = recorded
+  logging.info("read %s as a Dense pair split's own keys; its next "
+               "checkpoints have the unsplit model's", checkpoints.latest)
 
 
 def saved_before_cross_mesh(previous_info, saved_run_config,

@@ -39,7 +39,10 @@ just gets the sum of its per-device gradients. One transformer sub-layer
 Megatron's f/g pair does.
 
 A layer's shard methods (`shard`, `partial`, `lookup`, `logits`) compute
-one device's part; the caller runs them under `on_device`. Each cut weight
+one device's part; the caller runs them under `on_device` (the GPT), or
+takes the column and row layers' `shards[d]` (and the row's
+`output_layer`) as the layers of device-pinned stages (a Dense pair,
+`tensor_parallel`). Each cut weight
 is a `ShardedWeight`: one checkpoint entry, the whole tensor, under the
 path the unsplit layer's weight has, so a checkpoint of a split model
 restores into the unsplit one (and into other splits), and back.
@@ -61,6 +64,7 @@ and the optimizer state with it.
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -68,7 +72,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core.checkpoints import sharding
-from framework.errors import ConfigError
+from framework.errors import ConfigError, check_positive
 # split_for: app/experiment.py's import; its home is config.py (import it
 # from there, and this line goes).
 from framework.model_parallel.config import split_for  # pylint: disable=unused-import
@@ -296,57 +300,176 @@ def _cut_weights(layer, name, shape, axis, devices, initializer):
   return shards, ShardedWeight(shards, axis)
 
 
+def _cut_by_shard(specs, devices):
+  """As `_cut_weights` for several weights, made shard by shard, each
+  shard's as a Keras Dense's would be (`<layer path>/shard_<d>/<name>`).
+  The caller tracks them (assigns them to the layer) in that order.
+
+  Args:
+    specs: [(name, shape, axis, initializer)].
+  Returns:
+    [(shards, ShardedWeight)], one per spec.
+  """
+  cut = [[] for _ in specs]
+  for d, device in enumerate(devices):
+    # Made by a layer of the shard's name (not kept): the variables' paths.
+    part = keras.layers.Layer(name=f"shard_{d}")
+    with tf.device(device):
+      for shards, (name, shape, axis, initializer) in zip(cut, specs):
+        shard_shape = list(shape)
+        shard_shape[axis] //= len(devices)
+        shards.append(part.add_weight(shape=tuple(shard_shape),
+                                      initializer=initializer, name=name))
+  return [(shards, ShardedWeight(shards, spec[2]))
+          for shards, spec in zip(cut, specs)]
+
+
+class ShardPart(CheckpointNode):
+  """One device's part of a column- or row-parallel layer, callable as a
+  layer of a device-pinned `Stage` (`fn(x)`, its variables); checkpointed
+  as a Dense layer with `weights` (name -> variable) would be.
+
+  Args:
+    fn: `x -> y`, the part's math (e.g. `layer.shard(d, .)`).
+    weights: {name: variable} of the part, in order.
+    units: its output units.
+    dtype: the compute dtype (the input is cast to it, as a Keras layer
+      does).
+
+  It has no symbolic `input`: a stage of parts counts no activations
+  (`Stage.activation_bytes`), as the Dense shards' stages never did.
+  """
+
+  def __init__(self, fn, weights, units, dtype):
+    self.fn = fn
+    self.named_weights = dict(weights)
+    self.units = units
+    self.dtype = dtype
+    self.kernel = self.named_weights.get("kernel")
+    self.bias = self.named_weights.get("bias")
+
+  def __call__(self, x, training=False):
+    del training  # no dropout or statistics in a matmul and a bias
+    return self.fn(tf.cast(x, self.dtype))
+
+  @property
+  def trainable_variables(self):
+    return list(self.named_weights.values())
+
+  weights = trainable_variables
+  non_trainable_variables = ()
+
+  def get_weights(self):
+    return [np.asarray(v.numpy()) for v in self.weights]
+
+  def set_weights(self, values):
+    for variable, value in zip(self.weights, values):
+      variable.assign(value)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    return dict(self.named_weights)
+
+
 class ColumnParallelLinear(keras.layers.Layer):
   """A Dense cut by output units: shard d has `units / D` of them.
 
-  `shard(d, x)` is `activation(x W[:, d] + b[d])` (run it on devices[d]).
+  `shard(d, x)` is `activation(x W[:, d] + b[d])` (run it on devices[d]);
+  `call(x)` the list of the D shards' outputs `[.., units / D]`, shard d
+  computed on devices[d]; `shards[d]` shard d as a layer of its own (a
+  `ShardPart`, for a device-pinned stage).
   """
+
+  # Weights made shard by shard under `shard_<d>/` (`ColumnParallelDense`)
+  # instead of all kernel shards, then all bias shards.
+  by_shard = False
 
   def __init__(self, units, devices, activation=None, **kwargs):
     super().__init__(**kwargs)
     self.devices = tuple(devices)
+    check_positive("units", units)
     check_divides(len(self.devices), **{f"{self.name} units": units})
     self.units = units
     self.activation = keras.activations.get(activation)
 
   def build(self, input_shape):
-    self.kernel_shards, self._kernel = _cut_weights(
-        self, "kernel", (input_shape[-1], self.units), 1, self.devices,
-        "glorot_uniform")
-    self.bias_shards, self.bias = _cut_weights(
-        self, "bias", (self.units,), 0, self.devices, "zeros")
+    inputs = int(input_shape[-1])
+    specs = [("kernel", (inputs, self.units), 1, "glorot_uniform"),
+             ("bias", (self.units,), 0, "zeros")]
+    if self.by_shard:
+      cut = _cut_by_shard(specs, self.devices)
+      # Tracked shard by shard: the layer's variable order.
+      self.shard_weights = [v for pair in zip(cut[0][0], cut[1][0])
+                            for v in pair]
+    else:
+      cut = [_cut_weights(self, *spec[:3], self.devices, spec[3])
+             for spec in specs]
+    (self.kernel_shards, self._kernel), (self.bias_shards, self.bias) = cut
 
   @property
   def kernel(self):
     """The whole kernel, as its shards (a `ShardedWeight`)."""
     return self._kernel
 
+  @functools.cached_property  # one object per part: checkpoint nodes
+  def shards(self):
+    """Shard d as a layer (`ShardPart`): `shard(d, .)` and its weights."""
+    size = self.units // len(self.devices)
+    return [ShardPart(lambda x, d=d: self.shard(d, x),
+                      {"kernel": self.kernel_shards[d],
+                       "bias": self.bias_shards[d]}, size,
+                      self.compute_dtype)
+            for d in range(len(self.devices))]
+
   def shard(self, d, x):
     kernel = tf.cast(self.kernel_shards[d], x.dtype)
     y = dense_product(x, kernel)
     return self.activation(y + tf.cast(self.bias_shards[d], x.dtype))
+
+  def call(self, x):
+    outputs = []
+    for d, device in enumerate(self.devices):
+      with tf.device(device):
+        outputs.append(self.shard(d, x))
+    return outputs
 
 
 class RowParallelLinear(keras.layers.Layer):
   """A Dense cut by input units: shard d holds rows `d * k/D ...`.
 
   `partial(d, x_d)` is shard d's partial product (on devices[d]);
-  `add_bias(s)` the bias added to their all-reduced sum, on every device
-  (one bias variable, on devices[0]).
+  `add_bias(s)` the bias (and `activation`) added to their sum, on every
+  device for a summed copy there (the bias one variable, on
+  `output_device`, default devices[0]). `call(xs)` takes the D shards'
+  inputs and sums the partial products on `output_device`; `shards[d]`
+  and `output_layer` are those pieces as layers (`ShardPart`s).
   """
 
-  def __init__(self, units, devices, **kwargs):
+  by_shard = False  # as `ColumnParallelLinear.by_shard`
+
+  def __init__(self, units, devices, activation=None, output_device=None,
+               **kwargs):
     super().__init__(**kwargs)
     self.devices = tuple(devices)
+    check_positive("units", units)
     self.units = units
+    self.activation = keras.activations.get(activation)
+    self.output_device = output_device or self.devices[0]
 
   def build(self, input_shape):
-    check_divides(len(self.devices),
-                  **{f"{self.name} inputs": int(input_shape[-1])})
+    inputs = int(input_shape[-1])
+    check_divides(len(self.devices), **{f"{self.name} inputs": inputs})
+    spec = ("kernel", (inputs, self.units), 0, "glorot_uniform")
+    if self.by_shard:
+      [(self.kernel_shards, self._kernel)] = _cut_by_shard(
+          [spec], self.devices)
+      with tf.device(self.output_device):
+        # A Dense pair's bias layer's path (`<layer path>/bias/bias`).
+        self.bias = keras.layers.Layer(name="bias").add_weight(
+            shape=(self.units,), initializer="zeros", name="bias")
+      return
     self.kernel_shards, self._kernel = _cut_weights(
-        self, "kernel", (input_shape[-1], self.units), 0, self.devices,
-        "glorot_uniform")
-    with tf.device(self.devices[0]):
+        self, *spec[:3], self.devices, spec[3])
+    with tf.device(self.output_device):
       self.bias = self.add_weight(shape=(self.units,), initializer="zeros",
                                   name="bias")
 
@@ -355,12 +478,34 @@ class RowParallelLinear(keras.layers.Layer):
     """The whole kernel, as its shards (a `ShardedWeight`)."""
     return self._kernel
 
+  @functools.cached_property  # one object per part: checkpoint nodes
+  def shards(self):
+    """Shard d's partial product as a layer (`ShardPart`)."""
+    return [ShardPart(lambda x, d=d: self.partial(d, x),
+                      {"kernel": self.kernel_shards[d]}, self.units,
+                      self.compute_dtype)
+            for d in range(len(self.devices))]
+
+  @functools.cached_property
+  def output_layer(self):
+    """`add_bias` as a layer (`ShardPart`), on `output_device`."""
+    return ShardPart(self.add_bias, {"bias": self.bias}, self.units,
+                     self.compute_dtype)
+
   def partial(self, d, x):
     kernel = tf.cast(self.kernel_shards[d], x.dtype)
     return dense_product(x, kernel)
 
   def add_bias(self, summed):
-    return summed + tf.cast(self.bias, summed.dtype)
+    return self.activation(summed + tf.cast(self.bias, summed.dtype))
+
+  def call(self, inputs):
+    partials = []
+    for d, (device, x) in enumerate(zip(self.devices, inputs)):
+      with tf.device(device):
+        partials.append(self.partial(d, x))
+    with tf.device(self.output_device):
+      return self.add_bias(tf.add_n(partials))
 
 
 class VocabParallelEmbedding(keras.layers.Layer):
@@ -572,6 +717,25 @@ def unsplit_view(optimizer, unsplit_variables, split_weights, *,
       children[name] = mine.get(name, child)
   # The shadow's order: a checkpoint keys each value by its first path.
   return _Node({name: children[name] for name in theirs})
+
+
+def checkpoint_mirror(obj, replace):
+  """`obj`'s checkpoint tree (e.g. an unsplit model's) with each variable
+  whose id is in `replace` swapped for its value there (a split's variable
+  or `ShardedWeight`): a checkpoint of it has `obj`'s keys."""
+  memo = {}
+
+  def mirror(node):
+    if _is_variable(node):
+      return replace.get(id(node), node)
+    if id(node) not in memo:
+      memo[id(node)] = _Node({})
+      memo[id(node)].children = {
+          name: mirror(child) for name, child in
+          _tf_internal.trackable_children(node).items()}
+    return memo[id(node)]
+
+  return mirror(obj)
 
 
 class _Node(CheckpointNode):

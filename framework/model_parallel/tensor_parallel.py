@@ -41,9 +41,9 @@ import functools
 
 from absl import logging
 import keras
-import numpy as np
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig, split_for
@@ -52,6 +52,7 @@ from framework.model_parallel.devices import (cluster_devices,
                                               model_parallel_devices,
                                               short_device, variable_device)
 from framework.model_parallel.parallel_layers import (
+    CheckpointNode, ColumnParallelLinear, checkpoint_mirror, RowParallelLinear,
     sharded_sparse_categorical_loss, unsplit_view,
     vocab_parallel_statistics)
 from framework.model_parallel.pipeline import PipelineTrainer, model_layers
@@ -60,94 +61,65 @@ from framework.model_parallel.staged_trainer import (ParallelStage, Stage,
 from framework.settings import default
 
 
-class BiasActivation(keras.layers.Layer):
-  """`activation(x + bias)`: what is left of a Dense after its matmul."""
-
-  def __init__(self, activation=None, **kwargs):
-    super().__init__(**kwargs)
-    self.activation = keras.activations.get(activation)
-
-  def build(self, input_shape):
-    self.bias = self.add_weight(shape=(input_shape[-1],), name="bias",
-                                initializer="zeros")
-
-  def call(self, x):
-    return self.activation(x + self.bias)
-
-
-class ColumnParallelDense(keras.layers.Layer):
-  """A Dense whose output units are split across `devices`.
+class ColumnParallelDense(ColumnParallelLinear):
+  """A Dense whose output units are split across `devices`: the
+  `ColumnParallelLinear` of a Dense pair split.
 
   `call(x)` returns the list of D shards `[B, units / D]`, shard d computed
-  on devices[d] with the variables that live there.
+  on devices[d] with the variables that live there. Its weights are made
+  and checkpointed as one Dense layer per shard (`shards/<d>/kernel`,
+  `shards/<d>/bias`).
   """
 
-  def __init__(self, units, devices, activation=None, **kwargs):
-    super().__init__(**kwargs)
-    check_positive("units", units)
-    if units % len(devices):
-      raise ConfigError(f"a Dense layer of {units} units cannot be split "
-                        f"evenly across {len(devices)} devices")
-    self.units = units
-    self.devices = list(devices)
-    self.shards = []
-    for d, device in enumerate(self.devices):
-      with tf.device(device):
-        self.shards.append(keras.layers.Dense(
-            units // len(devices), activation=activation, name=f"shard_{d}"))
+  by_shard = True
 
-  def build(self, input_shape):
-    for shard, device in zip(self.shards, self.devices):
-      with tf.device(device):
-        shard.build(input_shape)
-
-  def call(self, x):
-    outputs = []
-    for shard, device in zip(self.shards, self.devices):
-      with tf.device(device):
-        outputs.append(shard(x))
-    return outputs
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # As the Dense pair always checkpointed it: its variables only through
+    # the optimizer (`optimizer/_trainable_variables/<i>`).
+    return {}
 
 
-class RowParallelDense(keras.layers.Layer):
-  """A Dense whose input units arrive as shards, one per device.
+class RowParallelDense(RowParallelLinear):
+  """A Dense whose input units arrive as shards, one per device: the
+  `RowParallelLinear` of a Dense pair split.
 
   Shard d's partial product `h_d W[d]` runs on devices[d]; the sum, bias and
-  activation run on `output_device`.
+  activation run on `output_device`. Checkpointed as one Dense layer per
+  shard without a bias (`shards/<d>/kernel`) and the bias
+  (`output_layer/bias`).
   """
 
-  def __init__(self, units, devices, activation=None, output_device=None,
-               **kwargs):
-    super().__init__(**kwargs)
-    self.units = units
-    self.devices = list(devices)
-    self.output_device = output_device or self.devices[0]
-    self.shards = []
-    for d, device in enumerate(self.devices):
-      with tf.device(device):
-        self.shards.append(keras.layers.Dense(units, use_bias=False,
-                                              name=f"shard_{d}"))
-    with tf.device(self.output_device):
-      self.output_layer = BiasActivation(activation, name="bias")
+  by_shard = True
 
-  def build(self, input_shapes):
-    for shard, device, shape in zip(self.shards, self.devices, input_shapes):
-      with tf.device(device):
-        shard.build(shape)
-    with tf.device(self.output_device):
-      self.output_layer.build((None, self.units))
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # As the Dense pair always checkpointed it (the shards' kernels only
+    # through the optimizer).
+    return {"output_layer": self.output_layer}
 
-  def call(self, inputs):
-    partials = []
-    for shard, device, x in zip(self.shards, self.devices, inputs):
-      with tf.device(device):
-        partials.append(shard(x))
-    with tf.device(self.output_device):
-      return self.output_layer(tf.add_n(partials))
+
+class CheckpointLayout:
+  """Which keys a split model's checkpoint has (plain, untracked state).
+
+  Attributes:
+    children: the unsplit model's checkpoint tree over the split's weights
+      (`parallel_layers.checkpoint_mirror`), or None: the split's own keys.
+    weights: id(unsplit variable) -> the split's weight in its place.
+    own_keys: read (restore) the split's own keys, as a Dense pair split
+      saved them before it saved the unsplit model's (`read_own_keys`).
+  """
+
+  def __init__(self):
+    self.children = None
+    self.weights = {}
+    self.own_keys = False
 
 
 class TensorParallelModel(keras.Model):
-  """`before` layers, a column/row-parallel pair, `after` layers."""
+  """`before` layers, a column/row-parallel pair, `after` layers.
+
+  Checkpointed under the keys of the model it was split from
+  (`split_dense_pair` sets `layout`), else under its own.
+  """
 
   def __init__(self, before, column, row, after, device, **kwargs):
     super().__init__(**kwargs)
@@ -156,6 +128,18 @@ class TensorParallelModel(keras.Model):
     self.row = row
     self.after = list(after)
     self.host_device = device
+    self.layout = CheckpointLayout()
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    layout = self.layout
+    if layout.children is None or layout.own_keys:
+      return super()._trackable_children(save_type, **kwargs)
+    return dict(layout.children)
+
+  def checkpoint_weights(self, model):
+    """For each trainable variable of the unsplit `model`, in its order,
+    this split's weight in its place (a variable or `ShardedWeight`)."""
+    return [self.layout.weights[id(v)] for v in model.trainable_variables]
 
   def call(self, x, training=False):
     with tf.device(self.host_device):
@@ -217,9 +201,6 @@ def split_dense_pair(model, index, devices):
   host = devices[0]
   kernel, bias = dense.get_weights()
   consumer_kernel, consumer_bias = consumer.get_weights()
-  shard_units = dense.units // len(devices)
-  cuts = [slice(d * shard_units, (d + 1) * shard_units)
-          for d in range(len(devices))]
 
   def copy(layer):
     return type(layer).from_config(layer.get_config())
@@ -242,18 +223,27 @@ def split_dense_pair(model, index, devices):
       for layer in before:
         x = layer(x)
     column.build(x.shape)
-    row.build([(None, shard_units)] * len(devices))
+    row.build((None, dense.units))
     y = keras.Input(shape=(consumer.units,))
     with tf.device(host):
       for layer in after:
         y = layer(y)
     placed(keras.Input(shape=model.input_shape[1:]))  # all built: no new vars
+  weights = {}
   for old, new in zip(layers[:index] + layers[index + 2:], before + after):
     new.set_weights(old.get_weights())
-  for d, cut in enumerate(cuts):
-    column.shards[d].set_weights([kernel[:, cut], bias[cut]])
-    row.shards[d].set_weights([consumer_kernel[cut, :]])
-  row.output_layer.set_weights([consumer_bias])
+    weights.update((id(a), b) for a, b in zip(old.weights, new.weights))
+  column.kernel.assign(kernel)
+  column.bias.assign(bias)
+  row.kernel.assign(consumer_kernel)
+  row.bias.assign(consumer_bias)
+  weights.update({id(dense.kernel): column.kernel, id(dense.bias): column.bias,
+                  id(consumer.kernel): row.kernel,
+                  id(consumer.bias): row.bias})
+  # Checkpointed as the unsplit model: the cut weights whole, at its paths.
+  placed.layout.weights = weights
+  placed.layout.children = _tf_internal.trackable_children(
+      checkpoint_mirror(model, weights))
   return placed
 
 
@@ -264,13 +254,38 @@ def merge_dense_pair(placed, model, index):
   for old, new in zip(layers[:index] + layers[index + 2:],
                       placed.before + placed.after):
     old.set_weights(new.get_weights())
-  kernels, biases = zip(*(shard.get_weights() for shard in column.shards))
-  layers[index].set_weights([np.concatenate(kernels, axis=1),
-                             np.concatenate(biases)])
-  row_kernels = [shard.get_weights()[0] for shard in row.shards]
-  layers[index + 1].set_weights([np.concatenate(row_kernels, axis=0),
-                                 row.output_layer.get_weights()[0]])
+  layers[index].set_weights([column.kernel.numpy(), column.bias.numpy()])
+  layers[index + 1].set_weights([row.kernel.numpy(), row.bias.numpy()])
   return model
+
+
+class _LayoutSwitch(CheckpointNode):
+  """A Dense pair split's optimizer in checkpoints: as an unsplit run's
+  (`view`), or the `optimizer` itself while `layout.own_keys` (a restore
+  of the split's own keys)."""
+
+  def __init__(self, layout, optimizer, view):
+    self.layout, self.optimizer, self.view = layout, optimizer, view
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    source = self.optimizer if self.layout.own_keys else self.view
+    return _tf_internal.trackable_children(source)
+
+
+def own_keys_checkpoint(path):
+  """Whether checkpoint `path` holds a Dense pair split under its own keys
+  (the model's `column` and `row`, not the unsplit model's layers). Read
+  from the checkpoint's object graph; nothing in it runs."""
+  try:
+    reader = tf.train.load_checkpoint(path)
+    graph = _tf_internal.checkpoint_object_graph(reader)
+  except (tf.errors.OpError, ValueError):
+    return False  # damaged or foreign: the restore says so in one line
+  model = [c.node_id for c in graph.nodes[0].children
+           if c.local_name == "model"]
+  names = {c.local_name for node in model
+           for c in graph.nodes[node].children}
+  return {"column", "row"} <= names
 
 
 def check_groups(groups, num_shards):
@@ -443,6 +458,26 @@ class TensorParallelTrainer(StagedTrainer):
                                       *placed.after])]
     super().__init__(placed, optimizer, strategy, stages=stages,
                      num_microbatches=num_microbatches, **kwargs)
+    # Checkpoints hold the model and optimizer as an unsplit run's: any
+    # split (or none) resumes from them.
+    try:
+      view = unsplit_view(self.optimizer, model.trainable_variables,
+                          placed.checkpoint_weights(model))
+      self._unsplit_optimizer = _LayoutSwitch(placed.layout, self.optimizer,
+                                              view)
+    except (TypeError, ValueError, NotImplementedError) as e:
+      placed.layout.children = None  # its own keys, as the optimizer's
+      logging.warning(
+          "optimizer %s: the split's checkpoints hold its shards under their "
+          "own keys (%s); they resume on this split only",
+          type(self.optimizer).__name__, str(e).splitlines()[0][:200])
+
+  def read_own_keys(self, own_keys=True):
+    """Restores read a Dense pair split's own keys (its shards, the split
+    optimizer's lists: what distloop saved before it saved the unsplit
+    model's keys), until called with False."""
+    if self.split_layer is not None:
+      self.model.layout.own_keys = own_keys
 
   def _copies_gradients(self, features, labels):
     """Data x tensor: as for a pipeline, but each shard's gradients are
@@ -465,11 +500,13 @@ class TensorParallelTrainer(StagedTrainer):
 
   @property
   def unsplit_model(self):
-    """The model whose architecture a resume checks: for a transformer
-    split the model it was cut from (the same on every mesh; its weights
-    are the initial ones until `export_model`), for a Dense pair the split
-    model (whose checkpoint is its own)."""
-    return self._unsplit if self.split_layer is None else self.model
+    """The model whose architecture a resume checks: the model it was cut
+    from (the same on every mesh; its weights are the initial ones until
+    `export_model`); the split model where its checkpoint keys are its own
+    (a Dense pair whose optimizer has no unsplit view)."""
+    if self.split_layer is not None and self.model.layout.children is None:
+      return self.model
+    return self._unsplit
 
   @property
   def checkpointed_optimizer(self):
