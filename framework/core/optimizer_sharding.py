@@ -441,7 +441,8 @@ class CopyShardedState:
 
   # --- The step (inside the trainer's tf.function). -------------------------
 
-  def update_shards(self, update_variable, grads, variables, learning_rate):
+  def update_shards(self, update_variable, grads, variables, learning_rate,
+                    scattered=False):
     """Copy r's slice of each of its variables, updated with its slice of
     the (summed) gradient.
 
@@ -449,6 +450,8 @@ class CopyShardedState:
       update_variable: `(grad, var, learning_rate) -> op`, the trainer's
         (it runs on `var`'s device with `var`'s copy's optimizer).
       grads, variables: R lists, copy r's gradients and variables.
+      scattered: copy r's `grads` are already its [L] slices
+        (`copies.reduce_scatter_copies`, ZeRO-2), not whole gradients.
     """
     for r, (copy_grads, copy_variables) in enumerate(zip(grads, variables)):
       for grad, variable in zip(copy_grads, copy_variables):
@@ -456,7 +459,8 @@ class CopyShardedState:
         with tf.device(_local(variable).device):
           length = shard.shape[0]
           weight = shard_of(variable, length, self.num_shards, r)
-          grad = shard_of(grad, length, self.num_shards, r)
+          if not scattered:
+            grad = shard_of(grad, length, self.num_shards, r)
           with tf.control_dependencies([shard.assign(weight)]):
             update_variable(grad, shard, tf.cast(learning_rate, shard.dtype))
 
