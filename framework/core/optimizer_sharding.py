@@ -377,6 +377,11 @@ class ShardedOptimizerState:
 # Each device then holds 1/R of the unsharded slots, plus the [L] shard of
 # the weights the optimizer updates.
 #
+# ZeRO-2 (`shard_gradients`): the first line becomes a reduce-scatter over
+# the copies (`copies.reduce_scatter_copies`), copy r receiving only
+# flat(g)[r*L:(r+1)*L], and clipping takes the norm from the slices
+# (`update_shards(..., scattered=True)`).
+#
 # Checkpoints hold the full slots under the keys copy 0's unsharded
 # optimizer writes (`checkpointed_optimizer`, as `ShardedOptimizerState`
 # does for mirrored replicas): a run resumes with sharding on or off and

@@ -17,7 +17,11 @@ stay equal. Copy 0 is the model that checkpoints, summaries and the weights
 file see; the others follow it after a restore
 (`PipelineCopies.sync_copies`). With `shard_optimizer_state`, copy r keeps
 and updates 1/R of every optimizer slot (`optimizer_sharding`, ZeRO-1 on the
-data axis).
+data axis); with `shard_gradients` too, each stage's gradients are
+reduce-scattered over the copies instead (`reduce_scatter_copies`, ZeRO-2),
+so copy r receives and accumulates only its slice. Under
+`grad_accum_steps` each copy runs that many whole pipeline passes per step,
+one after another.
 """
 
 import keras

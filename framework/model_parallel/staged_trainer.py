@@ -408,6 +408,15 @@ class StagedTrainer(PipelineCopies, Trainer):
     super().__init__(model, optimizer, strategy, **kwargs)
     self._set_up_copies(copies)
     self._group_copies_weight_decay()
+    if self._shard_copy_gradients and self.copy_sharding is not None:
+      state = self.copy_sharding
+      logging.info(
+          "shard_gradients: each copy accumulates and updates with %d of "
+          "the gradient's %d bytes (ZeRO-2 over %d copies)",
+          sum(s.shape[0] * tf.as_dtype(s.dtype).size for s in state.shards[0]),
+          sum(tf.TensorShape(v.shape).num_elements()
+              * tf.as_dtype(v.dtype).size for v in state.variables[0]),
+          state.num_shards)
     self.memory = memory_by_device(model, optimizer)
     add_activations(self.memory, self.stages, self.global_batch_size,
                     self.recompute)
