@@ -350,16 +350,8 @@ class ExperimentConfig:
 
   def _check_gradient_sharding(self):
     """`shard_gradients` (ZeRO-2) shards the gradients of ZeRO-1's update
-    over replicas: with shard_optimizer_state, the default all-reduce
-    options and no model split."""
-    if self.model_parallel.mode != "none":
-      where = (f"mesh={self.model_parallel.mesh}" if self.model_parallel.mesh
-               else f"model_parallel={self.model_parallel.mode}")
-      raise ConfigError(
-          f"shard_gradients=True is not supported with {where} (a split's "
-          f"copies all-reduce each stage's gradients whole); turn "
-          f"shard_gradients off (shard_optimizer_state alone shards the "
-          f"slots over the data axis)")
+    (over replicas, or over a split's copies on a mesh's data axis): with
+    shard_optimizer_state and the default all-reduce options."""
     check_gradient_sharding(True, self.shard_optimizer_state,
                             self.all_reduce)
 
@@ -372,6 +364,15 @@ class ExperimentConfig:
         raise ConfigError(
             f"shard_parameters=True needs {name}=True (ZeRO-3 shards the "
             f"weights of ZeRO-1 and 2's sharded update); add --{name}")
+    split = self.model_parallel
+    if split.mode != "none":
+      where = (f"mesh={split.mesh}" if split.mesh
+               else f"model_parallel={split.mode}")
+      raise ConfigError(
+          f"shard_parameters=True is not supported with {where} (a split's "
+          f"copies keep their whole weights); turn shard_parameters off "
+          f"(shard_optimizer_state and shard_gradients shard the slots and "
+          f"the gradients over the data axis)")
     if self.strategy not in ("mirrored", "multi_worker_mirrored"):
       raise ConfigError(
           f"shard_parameters=True shards the weights over the replicas of "

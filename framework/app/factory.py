@@ -432,7 +432,8 @@ def check_experiment(config, strategy, dataset, trainer_cls=None, *,
   if config.shard_optimizer_state and config.model_parallel.mode != "none":
     # The probe optimizer replaces copy 0's only: the other copies would
     # update their slices of the weights with the run's own optimizer.
-    config = dataclasses.replace(config, shard_optimizer_state=False)
+    config = dataclasses.replace(config, shard_optimizer_state=False,
+                                 shard_gradients=False)
     notes.append(Finding(
         "checked_unsharded",
         "the run shards its optimizer state over the mesh's data axis; the "

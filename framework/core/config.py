@@ -417,7 +417,8 @@ class TrainerConfig:
     all_reduce: the gradient all-reduce's `AllReduceConfig`.
     jit_compile: compile the replica step with XLA where it can.
     shard_optimizer_state: ZeRO-1 over the replicas.
-    shard_gradients: ZeRO-2 over the replicas (with shard_optimizer_state).
+    shard_gradients: ZeRO-2 over the replicas or a split's copies (with
+      shard_optimizer_state).
     weight_decay_exclude: a regular expression: the optimizer's weight
       decay leaves out the variables whose path it matches; None: the
       default groups (`framework.core.weight_decay`).
@@ -477,12 +478,12 @@ class TrainerConfig:
       "the whole slots, so a run resumes with it on or off and on another "
       "replica count.")
   shard_gradients: bool = setting(
-      False, "With --shard_optimizer_state: each replica also keeps only its "
-      "1/N of the reduced gradient (ZeRO-2): the gradients are "
-      "reduce-scattered, under --grad_accum_steps each micro-batch's, so "
-      "that only the 1/N is accumulated. Needs the default --all_reduce_* "
-      "options and no model split; checkpoints are unchanged (a run resumes "
-      "with it on or off).")
+      False, "With --shard_optimizer_state: each replica (or each copy of a "
+      "split on a mesh's data axis) also keeps only its 1/N of the reduced "
+      "gradient (ZeRO-2): the gradients are reduce-scattered, under "
+      "--grad_accum_steps each micro-batch's, so that only the 1/N is "
+      "accumulated. Needs the default --all_reduce_* options; checkpoints "
+      "are unchanged (a run resumes with it on or off).")
   weight_decay_exclude: str | None = setting(
       None, "Weight decay (adamw) leaves out the variables whose path "
       "(block_0/mlp/fc/bias) matches this regular expression. Unset: it "

@@ -377,6 +377,11 @@ class ShardedOptimizerState:
 # Each device then holds 1/R of the unsharded slots, plus the [L] shard of
 # the weights the optimizer updates.
 #
+# ZeRO-2 (`shard_gradients`): the first line becomes a reduce-scatter over
+# the copies (`copies.reduce_scatter_copies`), copy r receiving only
+# flat(g)[r*L:(r+1)*L], and clipping takes the norm from the slices
+# (`update_shards(..., scattered=True)`).
+#
 # Checkpoints hold the full slots under the keys copy 0's unsharded
 # optimizer writes (`checkpointed_optimizer`, as `ShardedOptimizerState`
 # does for mirrored replicas): a run resumes with sharding on or off and
@@ -441,7 +446,8 @@ class CopyShardedState:
 
   # --- The step (inside the trainer's tf.function). -------------------------
 
-  def update_shards(self, update_variable, grads, variables, learning_rate):
+  def update_shards(self, update_variable, grads, variables, learning_rate,
+                    scattered=False):
     """Copy r's slice of each of its variables, updated with its slice of
     the (summed) gradient.
 
@@ -449,6 +455,8 @@ class CopyShardedState:
       update_variable: `(grad, var, learning_rate) -> op`, the trainer's
         (it runs on `var`'s device with `var`'s copy's optimizer).
       grads, variables: R lists, copy r's gradients and variables.
+      scattered: copy r's `grads` are already its [L] slices
+        (`copies.reduce_scatter_copies`, ZeRO-2), not whole gradients.
     """
     for r, (copy_grads, copy_variables) in enumerate(zip(grads, variables)):
       for grad, variable in zip(copy_grads, copy_variables):
@@ -456,7 +464,8 @@ class CopyShardedState:
         with tf.device(_local(variable).device):
           length = shard.shape[0]
           weight = shard_of(variable, length, self.num_shards, r)
-          grad = shard_of(grad, length, self.num_shards, r)
+          if not scattered:
+            grad = shard_of(grad, length, self.num_shards, r)
           with tf.control_dependencies([shard.assign(weight)]):
             update_variable(grad, shard, tf.cast(learning_rate, shard.dtype))
 

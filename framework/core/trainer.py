@@ -609,7 +609,8 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         consecutive_skips=self.consecutive_skips, nan_policy=nan_policy,
         loss_scale=loss_scale, ema=self.ema, spikes=self.spikes,
         on_assign=self._note_applied)
-    if self.updater.scatters_micro_batches:
+    if (self.updater.scatters_micro_batches
+        and self.optimizer_sharding is not None):
       sharding = self.optimizer_sharding
       logging.info(
           "shard_gradients: each replica accumulates and updates with %d of "

@@ -33,6 +33,11 @@ The kinds, and where each is used:
                            1/N slice of the gradient
     CopyShardedUpdate      ZeRO-1 over a split's copies on a mesh's data axis
                            (`optimizer_sharding.CopyShardedState`)
+    CopyShardedGradientsUpdate
+                           ZeRO-2 over a split's copies: `CopyShardedUpdate`
+                           on gradients reduce-scattered over the copies
+                           (each accumulation step's), copy r holding only
+                           its 1/R slice
 
 Every kind has one entry point, `apply(grads, variables, signals=(),
 scattered_norm=None) -> applied` (a bool tensor: whether the update ran),
@@ -45,7 +50,8 @@ all-reduces them whole; `signals` are the step's spike signals
 trainer's (`update_variable`, which a trainer may override to place it),
 and the optimizer is read from the trainer at each trace (the distribution
 check swaps in a probe). The trainer chooses its kind once, at construction
-(`choose`; a split trainer with sharded copies chooses `CopyShardedUpdate`):
+(`choose`; a split trainer with sharded copies chooses `CopyShardedUpdate`,
+or with sharded gradients `CopyShardedGradientsUpdate`):
 a new way of updating (sharded gradients, sharded parameters) is one more
 kind here.
 """
@@ -448,23 +454,48 @@ class CopyShardedUpdate(MergeCallUpdate):
 
   def apply(self, grads, variables, signals=(), scattered_norm=None):
     del signals  # copies are sharded without a spike check
-    if scattered_norm is not None:
-      raise ValueError("CopyShardedUpdate takes whole gradients")
+    if scattered_norm is not None and not self.scatters():
+      raise ValueError(f"{type(self).__name__} takes whole gradients")
     count = len(self.sharding.variables[0])
     per_copy = lambda values: [values[i:i + count]
                                for i in range(0, len(values), count)]
-    finite = tf.math.is_finite(global_norm(grads[:count]))
+    finite = tf.math.is_finite(global_norm(grads[:count])
+                               if scattered_norm is None else scattered_norm)
     learning_rate = self.optimizer.learning_rate
 
     def update():
       self.sharding.update_shards(
           self.update_variable, per_copy(grads), per_copy(variables),
-          learning_rate)
+          learning_rate, scattered=scattered_norm is not None)
       return tf.constant(True)
 
     self.if_finite(finite, update)
     weights = self.sharding.gather(per_copy(variables))
     return self.assign(weights, variables, finite)
+
+
+class CopyShardedGradientsUpdate(CopyShardedUpdate):
+  """ZeRO-2 over the R copies of a split: `CopyShardedUpdate` on gradients
+  that copy r holds only its slice of. Each stage's (a tensor split: each
+  device position's) gradients are reduce-scattered over the copies
+  (`copies.reduce_scatter_copies`), under gradient accumulation each
+  accumulation step's, so copy r accumulates and updates with 1/R of the
+  gradient.
+
+  `apply` takes the R copies' slices, copy 0's first, with
+  `scattered_norm`, the whole summed gradient's norm (finiteness is judged
+  on it); whole gradients (`scattered_norm=None`) as `CopyShardedUpdate`.
+
+  Args:
+    sharding: the split's `optimizer_sharding.CopyShardedState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  scatters_micro_batches = True
+
+  def scatters(self):
+    # Not while the distribution check's probe optimizer (unsharded) is in.
+    return self.sharding.optimizers[0] is self.optimizer
 
 
 def global_norm(tensors: Sequence[Any]) -> tf.Tensor:

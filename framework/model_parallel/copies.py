@@ -17,15 +17,20 @@ stay equal. Copy 0 is the model that checkpoints, summaries and the weights
 file see; the others follow it after a restore
 (`PipelineCopies.sync_copies`). With `shard_optimizer_state`, copy r keeps
 and updates 1/R of every optimizer slot (`optimizer_sharding`, ZeRO-1 on the
-data axis).
+data axis); with `shard_gradients` too, each stage's gradients are
+reduce-scattered over the copies instead (`reduce_scatter_copies`, ZeRO-2),
+so copy r receives and accumulates only its slice. Under
+`grad_accum_steps` each copy runs that many whole pipeline passes per step,
+one after another.
 """
 
 import keras
 import tensorflow as tf
 
 from framework import _tf_internal
+from framework.core.optimizer_sharding import padded, shard_length
 from framework.errors import ConfigError
-from framework.model_parallel.devices import short_device
+from framework.model_parallel.devices import short_device, variable_device
 
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -133,6 +138,47 @@ def all_reduce_copies(per_copy, devices):
   return results
 
 
+def reduce_scatter_copies(per_copy, devices, variables):
+  """Copy r's slice of the sum over copies of one stage's gradients, on
+  copy r's device (ZeRO-2 on the data axis).
+
+  Each gradient is cut as ZeRO-1 cuts its variable (flattened, zero-padded
+  to R * L elements, `optimizer_sharding.shard_of`). Copy q cuts its
+  gradients on its own device and sends slice r to copy r, which sums the R
+  slices it receives in copy order: each device sends and receives (R-1)/R
+  of its gradient, a ring reduce-scatter's bytes, half an all-reduce's.
+  All copies are in one graph (a cluster mesh's remote devices too), so
+  these are plain device-to-device transfers: no collective group, and the
+  same sum on every run.
+
+  Args:
+    per_copy: R lists of gradients (copy r's on `devices[r]`), same shapes.
+    devices: the R devices of this stage's copies.
+    variables: one copy's variables of these gradients (their shapes).
+  Returns:
+    R lists: list r holds copy r's [L] slice of each summed gradient, on
+    `devices[r]`.
+  """
+  count = len(per_copy)
+  lengths = [shard_length(v, count) for v in variables]
+  pieces = []
+  for grads, device in zip(per_copy, devices):
+    with tf.device(device), tf.name_scope("scatter_gradients/"):
+      # [R, sum of L]: row r is what copy r receives from this copy. An
+      # embedding's IndexedSlices gradient converts to an unknown shape.
+      rows = tf.concat(
+          [tf.reshape(padded(tf.reshape(tf.convert_to_tensor(g), v.shape),
+                             length, count), [count, length])
+           for g, v, length in zip(grads, variables, lengths)], axis=1)
+      pieces.append(tf.unstack(rows, count))  # cut here: 1/R goes out
+  results = []
+  for r, device in enumerate(devices):
+    with tf.device(device), tf.name_scope("sum_gradient_slices/"):
+      summed = tf.add_n([piece[r] for piece in pieces])
+      results.append(tf.split(summed, lengths))
+  return results
+
+
 def tf_variable(variable):
   """The tf.Variable behind a Keras variable (a tf.Variable as it is)."""
   return variable.value if isinstance(variable, keras.Variable) else variable
@@ -168,17 +214,31 @@ class PipelineCopies:
     if self.copy_sharding is not None:
       self._copy_optimizers = self.copy_sharding.optimizer_of()
 
+  def _copy_variables(self):
+    """R lists: each copy's trainable variables, in stage order."""
+    return [list(self.variables)] + [
+        [v for s in stages for v in s.trainable_variables]
+        for stages, _, _ in self.copies]
+
   def _copies_train_step(self, features, labels):
-    per_copy, loss, accuracy = self._copies_gradients(features, labels)
+    # ZeRO-2 on the data axis: each copy receives only its slices.
+    scatter = self.copy_sharding is not None and self.updater.scatters()
+    per_copy, loss, accuracy = self._copies_gradients(features, labels,
+                                                      scatter=scatter)
+    variables = [v for vs in self._copy_variables() for v in vs]
+    if scatter:
+      all_grads, grad_norm = self._clip_scattered(per_copy)
+      self.updater.apply(all_grads, variables, scattered_norm=grad_norm)
+      return {"loss": loss, "accuracy": accuracy,
+              "grad_norm": self.replica_share(grad_norm)}
     # Every copy holds the same summed gradient: one norm, one clip.
     grads, grad_norm = self.clip_by_global_norm(per_copy[0])
-    all_grads, variables = list(grads), list(self.variables)
-    for (stages, _, _), copy_grads in zip(self.copies, per_copy[1:]):
+    all_grads = list(grads)
+    for copy_grads in per_copy[1:]:
       if self.clip_norm is not None:
         copy_grads, _ = tf.clip_by_global_norm(copy_grads, self.clip_norm,
                                                use_norm=grad_norm)
       all_grads.extend(copy_grads)
-      variables.extend(v for s in stages for v in s.trainable_variables)
     if self.copy_sharding is not None:
       self._apply_copy_shards(all_grads, variables)
     else:
@@ -186,6 +246,31 @@ class PipelineCopies:
       self.apply_gradients(all_grads, variables)
     return {"loss": loss, "accuracy": accuracy,
             "grad_norm": self.replica_share(grad_norm)}
+
+  def _clip_scattered(self, per_copy):
+    """(every copy's slices, copy 0's first, clipped to `clip_norm`; the
+    norm of the whole summed gradient): its square is the sum of the
+    slices' squares over all copies (the padding adds zeros). Each slice's
+    square sum and scaling stay on its device; only scalars move."""
+    devices = [[variable_device(v) for v in vs]
+               for vs in self._copy_variables()]
+    squares = []
+    for grads, copy_devices in zip(per_copy, devices):
+      for grad, device in zip(grads, copy_devices):
+        with tf.device(device):
+          squares.append(tf.reduce_sum(tf.square(tf.cast(grad, tf.float32))))
+    norm = tf.sqrt(tf.add_n(squares))
+    flat = [g for grads in per_copy for g in grads]
+    if self.clip_norm is None:
+      return flat, norm
+    # tf.clip_by_global_norm's factor, applied slice by slice.
+    scale = self.clip_norm * tf.minimum(1.0 / norm, 1.0 / self.clip_norm)
+    clipped = []
+    for grads, copy_devices in zip(per_copy, devices):
+      for grad, device in zip(grads, copy_devices):
+        with tf.device(device):
+          clipped.append(grad * tf.cast(scale, grad.dtype))
+    return clipped, norm
 
   def _apply_copy_shards(self, grads, variables):
     """One step with the optimizer state sharded over the copies: the
@@ -229,27 +314,84 @@ class PipelineCopies:
       self._sync_copies_fn = tf.function(sync)
     self._sync_copies_fn()
 
-  def _copies_gradients(self, features, labels):
-    """(R lists of gradients, loss, accuracy): every copy's gradients.
+  def _copies_gradients(self, features, labels, scatter=False):
+    """(R lists of gradients, loss, accuracy): every copy's gradients,
+    summed over the copies.
 
-    Copy r runs the pipeline on the r-th consecutive share of the batch;
-    its micro-batch losses are still divided by the GLOBAL batch size, so
-    the sum over copies of a stage's gradients is the full-batch gradient.
+    Copy r runs the pipeline on the r-th consecutive share of the batch
+    (under `grad_accum_steps` K, on K consecutive parts of it, one after
+    another, each a whole pipeline pass); its micro-batch losses are still
+    divided by the GLOBAL batch size, so the sum over copies of a stage's
+    gradients is the full-batch gradient. Without `scatter` each copy
+    accumulates its gradients whole and they are all-reduced once; with it
+    (ZeRO-2) each accumulation step's are reduce-scattered at once
+    (`reduce_scatter_copies`) and list r holds copy r's [L] slices only.
     """
     all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
-    per_copy, losses, accuracies = [], [], []
-    for stages, x, y in zip(all_stages, tf.split(features, len(all_stages)),
-                            tf.split(labels, len(all_stages))):
-      grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
-      per_copy.append(grads)
-      losses.append(loss)
-      accuracies.append(accuracy)
-    # Stage i's gradients, all-reduced across the R copies of stage i.
-    reduced = [[] for _ in all_stages]
-    for i in range(len(self.stages)):
-      summed = all_reduce_copies([grads[i] for grads in per_copy],
-                                 [stages[i].device for stages in all_stages])
-      for r, stage_grads in enumerate(summed):
-        reduced[r].extend(stage_grads)
+    steps = self.grad_accum_steps
+    parts = [list(zip(tf.split(x, steps), tf.split(y, steps))) if steps > 1
+             else [(x, y)]
+             for x, y in zip(tf.split(features, len(all_stages)),
+                             tf.split(labels, len(all_stages)))]
+    variables = self._copy_variables()
+    totals = [None] * len(all_stages)
+    losses, accuracies = [], []
+    for step in range(steps):
+      per_copy = []
+      for r, stages in enumerate(all_stages):
+        x, y = parts[r][step]
+        if totals[r] is not None:
+          # One accumulation step at a time: its activations, then the next.
+          with tf.control_dependencies(
+              tf.nest.flatten(totals[r], expand_composites=True)):
+            x = tf.identity(x)
+        grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
+        per_copy.append([g for stage_grads in grads for g in stage_grads])
+        losses.append(loss)
+        accuracies.append(accuracy)
+      if scatter:
+        per_copy = self._reduce_copies(per_copy, scatter=True)
+      for r, grads in enumerate(per_copy):
+        totals[r] = (grads if totals[r] is None
+                     else _add_on_devices(totals[r], grads, variables[r]))
+    if not scatter:
+      totals = self._reduce_copies(totals)
     with tf.device(self.stages[-1].device):
-      return reduced, tf.add_n(losses), tf.add_n(accuracies)
+      return totals, tf.add_n(losses), tf.add_n(accuracies)
+
+  def _copy_groups(self):
+    """[(indices into a copy's variables, the R copies' device)]: the
+    gradients reduced together over the copies, one group per stage (a
+    tensor split overrides this: one per device position)."""
+    groups, start = [], 0
+    all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
+    for i, stage_variables in enumerate(self.stage_variables):
+      groups.append((list(range(start, start + len(stage_variables))),
+                     [stages[i].device for stages in all_stages]))
+      start += len(stage_variables)
+    return groups
+
+  def _reduce_copies(self, per_copy, scatter=False):
+    """R lists of gradients summed over the copies, group by group
+    (`_copy_groups`): whole on every copy (`all_reduce_copies`), or with
+    `scatter` copy r's slice only (`reduce_scatter_copies`)."""
+    variables = self.variables
+    reduced = [list(grads) for grads in per_copy]
+    for indices, devices in self._copy_groups():
+      group = [[grads[i] for i in indices] for grads in per_copy]
+      summed = (reduce_scatter_copies(group, devices,
+                                      [variables[i] for i in indices])
+                if scatter else all_reduce_copies(group, devices))
+      for r, grads in enumerate(summed):
+        for i, grad in zip(indices, grads):
+          reduced[r][i] = grad
+    return reduced
+
+
+def _add_on_devices(totals, grads, variables):
+  """totals + grads, each sum on its variable's device."""
+  summed = []
+  for total, grad, variable in zip(totals, grads, variables):
+    with tf.device(variable_device(variable)), tf.name_scope("accumulate/"):
+      summed.append(tf.convert_to_tensor(total) + tf.convert_to_tensor(grad))
+  return summed

@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core.config import TrainerConfig
+from framework.core.config import TrainerConfig, check_gradient_sharding
 from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig, parse_recompute
@@ -330,8 +330,15 @@ class StagedTrainer(PipelineCopies, Trainer):
     shard_optimizer_state: with copies, copy r keeps and updates 1/R of
       every variable's optimizer slots (`optimizer_sharding.CopyShardedState`, ZeRO-1 on the data
       axis); checkpoints still hold the full slots. One copy: no change.
+    shard_gradients: with `shard_optimizer_state` and copies, each stage's
+      gradients are reduce-scattered over the copies (under
+      `grad_accum_steps` each accumulation step's), so copy r accumulates
+      and updates with its 1/R slice only (ZeRO-2 on the data axis).
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
+
+  # Its own step accumulates: `grad_accum_steps` whole pipeline passes.
+  train_step_handles = ("grad_accum_steps",)
 
   def __init__(self, model, optimizer, strategy, *, stages,
                num_microbatches=default(SplitConfig, "num_microbatches"),
@@ -343,13 +350,11 @@ class StagedTrainer(PipelineCopies, Trainer):
                                              "shard_optimizer_state"),
                **kwargs):
     check_positive("num_microbatches", num_microbatches)
-    if kwargs.pop("shard_gradients",
-                  default(TrainerConfig, "shard_gradients")):
-      raise ConfigError(
-          "shard_gradients=True is not supported with a model split (its "
-          "copies all-reduce each stage's gradients whole); turn "
-          "shard_gradients off (shard_optimizer_state alone shards the "
-          "slots over the copies)")
+    # Not `Trainer`'s: the copies' sharding is this trainer's own.
+    shard_gradients = kwargs.pop("shard_gradients",
+                                 default(TrainerConfig, "shard_gradients"))
+    check_gradient_sharding(shard_gradients, shard_optimizer_state,
+                            kwargs.get("all_reduce"))
     if strategy.num_replicas_in_sync != 1:
       raise ConfigError(
           f"model parallelism needs a strategy with one replica (default or "
@@ -357,16 +362,20 @@ class StagedTrainer(PipelineCopies, Trainer):
     batch = kwargs.get("global_batch_size")
     copies = list(copies)
     replicas = len(copies) + 1
+    accum = kwargs.get("grad_accum_steps",
+                       default(TrainerConfig, "grad_accum_steps"))
     if batch and batch % num_microbatches:
       raise ConfigError(
           f"num_microbatches={num_microbatches} does not divide "
           f"global_batch_size={batch}; use a divisor of {batch}")
-    if batch and batch % (num_microbatches * replicas):
+    if batch and batch % (num_microbatches * replicas * accum):
+      parts = (f"{replicas} copies" if accum == 1 else
+               f"{replicas} copies, grad_accum_steps={accum}")
       raise ConfigError(
           f"num_microbatches={num_microbatches} does not divide each "
-          f"pipeline copy's share of global_batch_size={batch} ({replicas} "
-          f"copies); use a global batch that is a multiple of "
-          f"{num_microbatches * replicas}")
+          f"pipeline copy's share of global_batch_size={batch} ({parts}); "
+          f"use a global batch that is a multiple of "
+          f"{num_microbatches * replicas * accum}")
     if model.losses:
       # Regularisation terms would need their own per-stage tapes.
       raise ConfigError(
@@ -395,9 +404,19 @@ class StagedTrainer(PipelineCopies, Trainer):
     elif shard_optimizer_state:
       logging.info("shard_optimizer_state: one copy of the split (no data "
                    "axis), nothing to shard")
+    self._shard_copy_gradients = bool(shard_gradients and copies)
     super().__init__(model, optimizer, strategy, **kwargs)
     self._set_up_copies(copies)
     self._group_copies_weight_decay()
+    if self._shard_copy_gradients and self.copy_sharding is not None:
+      state = self.copy_sharding
+      logging.info(
+          "shard_gradients: each copy accumulates and updates with %d of "
+          "the gradient's %d bytes (ZeRO-2 over %d copies)",
+          sum(s.shape[0] * tf.as_dtype(s.dtype).size for s in state.shards[0]),
+          sum(tf.TensorShape(v.shape).num_elements()
+              * tf.as_dtype(v.dtype).size for v in state.variables[0]),
+          state.num_shards)
     self.memory = memory_by_device(model, optimizer)
     add_activations(self.memory, self.stages, self.global_batch_size,
                     self.recompute)
@@ -408,8 +427,9 @@ class StagedTrainer(PipelineCopies, Trainer):
     """With the optimizer state sharded over the copies, the copies' ZeRO-1
     update (`updates.CopyShardedUpdate`); else the `Trainer`'s."""
     if self.copy_sharding is not None:
-      return updates.CopyShardedUpdate(self.strategy,
-                                       sharding=self.copy_sharding, **parts)
+      kind = (updates.CopyShardedGradientsUpdate
+              if self._shard_copy_gradients else updates.CopyShardedUpdate)
+      return kind(self.strategy, sharding=self.copy_sharding, **parts)
     return super()._make_updater(**parts)
 
   def _group_copies_weight_decay(self):
@@ -462,9 +482,27 @@ class StagedTrainer(PipelineCopies, Trainer):
     if self.copies:
       grads, loss, accuracy = self._copies_gradients(features, labels)
       return grads[0], loss, accuracy
-    grads, loss, accuracy = self._pipeline_gradients(self.stages, features,
-                                                     labels)
-    return [g for stage_grads in grads for g in stage_grads], loss, accuracy
+    steps = self.grad_accum_steps
+    if steps == 1:
+      grads, loss, accuracy = self._pipeline_gradients(self.stages, features,
+                                                       labels)
+      return [g for stage_grads in grads for g in stage_grads], loss, accuracy
+    # K consecutive parts, one after another, each a whole pipeline pass.
+    totals, losses, accuracies = None, [], []
+    for x, y in zip(tf.split(features, steps), tf.split(labels, steps)):
+      if totals is not None:
+        with tf.control_dependencies(tf.nest.flatten(totals,
+                                                     expand_composites=True)):
+          x = tf.identity(x)
+      grads, loss, accuracy = self._pipeline_gradients(self.stages, x, y)
+      totals = grads if totals is None else [
+          self._accumulate(stage, total, stage_grads)
+          for stage, total, stage_grads in zip(self.stages, totals, grads)]
+      losses.append(loss)
+      accuracies.append(accuracy)
+    with tf.device(self.stages[-1].device):
+      return ([g for stage_grads in totals for g in stage_grads],
+              tf.add_n(losses), tf.add_n(accuracies))
 
   def _pipeline_gradients(self, stages, features, labels):
     """(a gradient list per stage, loss, accuracy): one pipeline's pass."""

@@ -346,20 +346,31 @@ def all_reduce_by_shard(per_copy, variables, groups):
     collective group per model-axis position: the data axis).
   """
   summed = [list(grads) for grads in per_copy]
-  # Short names on both sides: a variable reports `/job:worker/task:0/CPU:0`
-  # for a group's `/job:worker/replica:0/task:0/device:CPU:0`.
-  position = {short_device(device): d for d, device in enumerate(groups[0])}
-  by_shard = {}
-  for i, variable in enumerate(variables[0]):
-    by_shard.setdefault(position[variable_device(variable)], []).append(i)
-  for d, indices in sorted(by_shard.items()):
+  for indices, devices in position_groups(variables[0], groups):
     reduced = all_reduce_copies(
-        [[grads[i] for i in indices] for grads in per_copy],
-        [group[d] for group in groups])
+        [[grads[i] for i in indices] for grads in per_copy], devices)
     for r, grads in enumerate(reduced):
       for i, grad in zip(indices, grads):
         summed[r][i] = grad
   return summed
+
+
+def position_groups(variables, groups):
+  """[(indices of `variables` on device position d, the R copies' device
+  d)], by position: what the copies reduce together.
+
+  Args:
+    variables: one copy's variables (copy 0's, on groups[0]).
+    groups: R lists of the copies' D devices.
+  """
+  # Short names on both sides: a variable reports `/job:worker/task:0/CPU:0`
+  # for a group's `/job:worker/replica:0/task:0/device:CPU:0`.
+  position = {short_device(device): d for d, device in enumerate(groups[0])}
+  by_shard = {}
+  for i, variable in enumerate(variables):
+    by_shard.setdefault(position[variable_device(variable)], []).append(i)
+  return [(indices, [group[d] for group in groups])
+          for d, indices in sorted(by_shard.items())]
 
 
 class TensorParallelTrainer(StagedTrainer):
@@ -479,24 +490,15 @@ class TensorParallelTrainer(StagedTrainer):
     if self.split_layer is not None:
       self.model.layout.own_keys = own_keys
 
-  def _copies_gradients(self, features, labels):
-    """Data x tensor: as for a pipeline, but each shard's gradients are
-    all-reduced across the copies' devices of that shard."""
+  def _copy_groups(self):
+    """Data x tensor: the gradients of the variables on each device
+    position, reduced over the copies' devices of that position."""
     if self.split_layer is not None:
-      return super()._copies_gradients(features, labels)
+      return super()._copy_groups()
     all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
-    per_copy, losses, accuracies = [], [], []
-    for stages, x, y in zip(all_stages, tf.split(features, len(all_stages)),
-                            tf.split(labels, len(all_stages))):
-      grads, loss, accuracy = self._pipeline_gradients(stages, x, y)
-      per_copy.append(grads[0])  # one stage: the whole split model
-      losses.append(loss)
-      accuracies.append(accuracy)
-    summed = all_reduce_by_shard(
-        per_copy, [stages[0].trainable_variables for stages in all_stages],
-        [stages[0].layers[0].devices for stages in all_stages])
-    with tf.device(self.stages[-1].device):
-      return summed, tf.add_n(losses), tf.add_n(accuracies)
+    return position_groups(self.variables,
+                           [stages[0].layers[0].devices
+                            for stages in all_stages])
 
   @property
   def unsplit_model(self):
