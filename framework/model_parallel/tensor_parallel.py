@@ -279,7 +279,8 @@ def own_keys_checkpoint(path):
   try:
     reader = tf.train.load_checkpoint(path)
     graph = _tf_internal.checkpoint_object_graph(reader)
-  except (tf.errors.OpError, ValueError):
+  except (tf.errors.OpError, ValueError, IndexError):
+    # IndexError: a data file shorter than its index says.
     return False  # damaged or foreign: the restore says so in one line
   model = [c.node_id for c in graph.nodes[0].children
            if c.local_name == "model"]
