@@ -39,7 +39,7 @@ from models import input_scale
 from framework.core import optimizers, protocols, spikes
 from framework.core.checkpoints import manager, warm_start
 from framework.core.checkpoints.run_config import compare as compare_run_config  # pylint: disable=unused-import
-from framework.errors import ConfigError
+from framework.errors import CheckpointError, ConfigError
 from framework.model_parallel.config import ModelParallelConfig
 from framework.settings import default
 
@@ -337,7 +337,15 @@ def check_resume(plan, previous_info, trainer, checkpoints):
   # pylint: enable=g-import-not-at-top
   unsplit = protocols.unsplit_model(trainer)
   whole_split = split_for(unsplit) is not None
-  own_keys = not whole_split and own_keys_checkpoint(path)
+  if not whole_split:
+    # The keys of the checkpoint the restore reads: a damaged newer one is
+    # skipped, so it says nothing of the older one's layout.
+    try:
+      path, _ = manager.latest_intact(checkpoints.model_dir,
+                                      checkpoints.restore_policy, warn=False)
+    except CheckpointError:
+      path = None  # the restore names it in one line
+  own_keys = bool(path) and not whole_split and own_keys_checkpoint(path)
   check_split_change(previous_info, record, model=plan.config.model,
                      whole_split=whole_split, own_keys=own_keys)
   if own_keys:
@@ -371,7 +379,7 @@ def restore_own_keys(trainer, controller):
     trainer.read_own_keys(False)
     checkpoints.run_config = recorded
   logging.info("read %s as a Dense pair split's own keys; its next "
-               "checkpoints have the unsplit model's", checkpoints.latest)
+               "checkpoints have the unsplit model's", controller.restored_from)
 
 
 def saved_before_cross_mesh(previous_info, saved_run_config,

@@ -185,7 +185,25 @@ def check_split_layer(layers, index, num_shards):
     raise ConfigError(
         f"split_layer={index} has {layer.units} units, which cannot be split "
         f"evenly across num_shards={num_shards}")
+  for i, dense in ((index, layer), (index + 1, consumer)):
+    # The split layers carry kernel, bias and activation only: anything
+    # else would be dropped silently (other numbers than the unsplit model).
+    unsupported = [f"{name}={type(getattr(dense, name)).__name__}"
+                   for name in _UNSUPPORTED if getattr(dense, name, None)]
+    if not dense.use_bias:
+      unsupported.append("use_bias=False")
+    if unsupported:
+      raise ConfigError(
+          f"layer {i} ({dense.name}) of the Dense pair at split_layer={index} "
+          f"has {', '.join(unsupported)}, which a tensor split does not "
+          "support yet; build the pair with use_bias=True and no "
+          "regularisers or constraints (use optimizer=adamw for weight "
+          "decay), or use another split_layer")
   return index
+
+
+_UNSUPPORTED = ("kernel_regularizer", "bias_regularizer",
+                "activity_regularizer", "kernel_constraint", "bias_constraint")
 
 
 def split_dense_pair(model, index, devices):
@@ -279,7 +297,8 @@ def own_keys_checkpoint(path):
   try:
     reader = tf.train.load_checkpoint(path)
     graph = _tf_internal.checkpoint_object_graph(reader)
-  except (tf.errors.OpError, ValueError):
+  except (tf.errors.OpError, ValueError, IndexError):
+    # IndexError: a data file shorter than its index says.
     return False  # damaged or foreign: the restore says so in one line
   model = [c.node_id for c in graph.nodes[0].children
            if c.local_name == "model"]

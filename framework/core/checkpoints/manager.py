@@ -800,11 +800,11 @@ def has_checkpoint(directory):
   return any(tf.io.gfile.glob(p + ".*") for p in paths)
 
 
-def latest_intact(directory, restore_policy="latest_intact"):
+def latest_intact(directory, restore_policy="latest_intact", *, warn=True):
   """(newest intact checkpoint or None, [(damaged path, problem), ...]).
 
   Reads only. Damaged checkpoints newer than the one returned are logged as
-  warnings. Raises CheckpointError if the newest is damaged and the policy
+  warnings (unless `warn` is False: the restore names them). Raises CheckpointError if the newest is damaged and the policy
   is "error", or if checkpoint files exist but none is intact.
   """
   check_choice("restore_policy", restore_policy, RESTORE_POLICIES)
@@ -813,7 +813,7 @@ def latest_intact(directory, restore_policy="latest_intact"):
   for path in reversed(paths):
     problem = damage(path)
     if problem is None:
-      for bad, why in damaged:
+      for bad, why in damaged if warn else ():
         logging.warning("Checkpoint %s is damaged: %s; restoring the newest "
                         "intact checkpoint, %s, instead", bad, why, path)
       return path, damaged
