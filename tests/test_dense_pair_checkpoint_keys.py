@@ -113,3 +113,22 @@ def test_a_foreign_checkpoint_is_one_line(tmp_path):
   proc = _train(model_dir, 2, 2, check=False)
   assert proc.returncode != 0
   helpers.assert_one_line_error(proc, "train.py", "", unchanged=before)
+
+
+def test_a_warm_start_puts_every_weight_into_the_split(tmp_path):
+  # The cut weights (whole-tensor views, not variables) were skipped: the
+  # pair kept its fresh values and "Warm start: 3 variables" said nothing.
+  source = tmp_path / "source"
+  _train(source, K, 0)
+  runs = {}
+  for shards in (0, 2):
+    model_dir = tmp_path / f"warm{shards}"
+    proc = helpers.run_script(
+        "train.py", *MLP, f"--model_dir={model_dir}", f"--train_steps={K}",
+        f"--init_checkpoint={source}", *_split(shards))
+    assert "Warm start: 4 variables" in proc.stderr, proc.stderr[-3000:]
+    runs[shards] = model_dir
+  got, want = _tensors(runs[2]), _tensors(runs[0])
+  for key in want:
+    if key.startswith("model/"):
+      np.testing.assert_allclose(got[key], want[key], atol=TOLERANCE, rtol=0)

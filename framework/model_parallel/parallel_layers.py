@@ -65,6 +65,7 @@ and the optimizer state with it.
 
 import contextlib
 import functools
+import re
 
 import keras
 import numpy as np
@@ -200,6 +201,17 @@ class ShardedWeight(_tf_internal.Trackable):
     shape = list(self.shards[0].shape)
     shape[axis] = sum(int(s.shape[axis]) for s in self.shards)
     self.shape = tuple(shape)
+
+  @property
+  def dtype(self):
+    return self.shards[0].dtype
+
+  @property
+  def path(self):
+    """The unsplit variable's path: shard 0's without its `shard_0`
+    (`dense/kernel` for `dense/kernel_shard_0` or `dense/shard_0/kernel`)."""
+    path = getattr(self.shards[0], "path", None)
+    return path and re.sub(r"/shard_0(?=/)|_shard_0$", "", path)
 
   def _slices(self):
     """[(slice spec, shard)]: where each shard sits in the whole tensor;

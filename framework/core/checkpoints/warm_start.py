@@ -118,13 +118,20 @@ def _model_variables(model):
       if id(child) in seen:
         continue
       seen.add(id(child))
-      if isinstance(child, (tf.Variable, keras.Variable)):
+      if isinstance(child, (tf.Variable, keras.Variable)) or _whole(child):
         found.append(("/".join(path + [_escape(name)]), child))
       else:
         walk(child, path + [_escape(name)])
 
   walk(model, [])
   return found
+
+
+def _whole(obj):
+  """A split's weight cut over devices, saved and assigned whole
+  (`model_parallel.parallel_layers.ShardedWeight`: core cannot import it)."""
+  return (hasattr(obj, "shards") and hasattr(obj, "assign")
+          and hasattr(obj, "shape") and hasattr(obj, "dtype"))
 
 
 def _name(variable):
