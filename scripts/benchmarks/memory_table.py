@@ -409,7 +409,9 @@ def launch(size, config, recompute, steps, workdir, net=None):
       sent = None
       if net:
         after = net.counters()
-        sent = {task: after[h][1] - before[h][1] for task, h in order.items()}
+        # {task: (rx, tx)} bytes over the run.
+        sent = {task: (after[h][0] - before[h][0], after[h][1] - before[h][1])
+                for task, h in order.items()}
   if status:
     with open(log_path) as log:
       raise RuntimeError(f"{size} {config} --recompute={recompute}: exit "
@@ -422,11 +424,11 @@ def launch(size, config, recompute, steps, workdir, net=None):
   return records, workers, sent
 
 
-def _per_step(long_sent, short_sent, tasks):
-  """Tx bytes per step and host over `tasks` (the long run's minus the
-  short run's, over the steps' difference)."""
-  return round(sum(long_sent[t] - short_sent[t] for t in tasks)
-               / (FLAGS.long - FLAGS.short) / len(tasks))
+def _per_step(long_sent, short_sent, tasks, rx=False):
+  """Tx (`rx`: received) bytes per step and host over `tasks` (the long
+  run's minus the short run's, over the steps' difference)."""
+  return round(sum(long_sent[t][not rx] - short_sent[t][not rx]
+                   for t in tasks) / (FLAGS.long - FLAGS.short) / len(tasks))
 
 
 def _max_over_devices(records, key):
@@ -450,6 +452,9 @@ def row(size, config, recompute, p, workdir, net):
     if config == MESH_CLUSTER:  # the loop's inputs and remote calls
       result["chief_wire_bytes_per_step"] = _per_step(
           long_sent, short_sent, [("chief", 0)])
+      # What the workers sent the chief (the rest went to the other one).
+      result["chief_received_bytes_per_step"] = _per_step(
+          long_sent, short_sent, [("chief", 0)], rx=True)
   s = SIZES[size]
   step = statistics.median(r["median_step_s"] for r in records)
   peak = max(r["steps_peak_mib"] for r in records)
