@@ -9,10 +9,15 @@ Each row of `CONFIGS` (name -> `train.py` flags) x `--recompute` trains the
 GPT of each size of `SIZES` with `train.py`'s own code path on 2
 MultiWorkerMirrored worker processes (`framework.distribute.launcher`),
 each on a network namespace of its own when this runs as root
-(`framework.distribute.netns`); the mesh row runs as one process on 4
-logical CPU devices (`--cpu_devices=4`). Each worker process is this script
+(`framework.distribute.netns`). The mesh `data:2,model:2` runs twice: as
+one process on 4 logical CPU devices (`--cpu_devices=4`), and over a
+cluster (`--model_parallel_devices=cluster`): a chief that runs the loop
+and 2 worker processes of 2 logical CPU devices each, copy r of the split
+on worker r (the data axis across the processes, the model axis within
+one), each task on a namespace of its own. Each process is this script
 with `--record=FOLDER`: `train.py`'s run, its trainer instrumented as it is
-built, and writes what it saw:
+built, and writes what it saw (a serving worker of the cluster mesh: its
+resident memory, sampled):
 
 - per device, counted from what the run holds: the weights' and the
   optimizer slots' copies on this worker's device (their own shapes and
@@ -22,11 +27,13 @@ built, and writes what it saw:
   each sharded variable padded to a multiple of N);
 - peak activations: the process's peak resident memory (`ru_maxrss`) after
   the last step minus that when the trainer was built (CPU devices keep no
-  allocator statistics; `scripts/benchmarks/recompute_memory.py`);
-- bytes on the wire: the summed tx counters of both namespaces over a
-  `--long` and a `--short` run, their difference over the steps'
+  allocator statistics; `scripts/benchmarks/recompute_memory.py`); for the
+  cluster mesh each worker's peak minus its resident memory when the
+  chief's trainer was built (the workers hold the devices);
+- bytes on the wire: the summed tx counters of the workers' namespaces over
+  a `--long` and a `--short` run, their difference over the steps'
   difference, per host (start-up, checkpoints and the final evaluation
-  cancel out);
+  cancel out); the cluster mesh's chief's tx beside it;
 - tokens/s: global_batch_size x sequence_length over the median step time
   of the long run (each step one `trainer.train` call, `--steps_per_loop=1`,
   timed around the call; the first 2 steps, traced, left out); the median
@@ -82,11 +89,19 @@ CONFIGS = {
     "ZeRO-2": ["--shard_optimizer_state", "--shard_gradients"],
     "ZeRO-3": ["--shard_optimizer_state", "--shard_gradients",
                "--shard_parameters"],
-    "mesh data:2 x model:2": ["--mesh=data:2,model:2", "--cpu_devices=4",
-                              "--grad_accum_steps=1",
-                              "--strategy=default"],
+    "mesh data:2 x model:2 (1 process)": [
+        "--mesh=data:2,model:2", "--cpu_devices=4", "--grad_accum_steps=1",
+        "--strategy=default"],
+    # Copy r on worker r: the model axis's all-reduces (two per block and
+    # pass) stay in a process, the data axis's gradient all-reduce crosses.
+    "mesh data:2 x model:2 (2 processes)": [
+        "--mesh=data:2,model:2", "--model_parallel_devices=cluster",
+        "--cpu_devices=2", "--grad_accum_steps=1", "--strategy=default"],
 }
-MESH = "mesh data:2 x model:2"
+MESH = "mesh data:2 x model:2 (1 process)"
+MESH_CLUSTER = "mesh data:2 x model:2 (2 processes)"
+MESHES = (MESH, MESH_CLUSTER)
+RSS_SAMPLE_S = 0.2  # a serving worker's resident-memory sampling period
 SIZES = {
     "tiny": dict(model_width=16, num_layers=1, num_heads=2,
                  sequence_length=16, global_batch_size=4),
@@ -148,7 +163,7 @@ def by_hand(config, p):
   model axis) only ideally: the replicated parts show as a difference.
   """
   whole, shard = 4 * p["P"], 4 * p["sharded"]
-  if config == MESH:
+  if config in MESHES:
     return {"weights": whole // 2, "gradients": whole // 2, "slots": whole}
   # ZeRO-3's at rest: the shards (the unit gathered while it runs and the
   # host's whole copy are reported beside the table).
@@ -230,6 +245,7 @@ class Recorder:
     """Records what `trainer` holds and does from now on."""
     self.trainer = trainer
     self.built_mib = _peak_mib()
+    self.built_time = time.time()  # a cluster's workers: their RSS then
     run, apply = trainer.train, trainer.apply_gradients
 
     def timed_train(iterator, num_steps):
@@ -291,21 +307,51 @@ class Recorder:
     return {"counted": self.counted(),
             "built_rss_mib": round(self.built_mib, 1),
             "steps_peak_mib": round(self.after_steps_mib - self.built_mib, 1),
+            "built_time": self.built_time,
             "steps": len(self.step_seconds),
             "median_step_s": statistics.median(seconds)}
 
 
+def _rss_mib():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _sample_memory(path):
+  """Writes [[time, resident MiB, peak MiB], ...] to `path` every
+  `RSS_SAMPLE_S` (a serving worker is stopped by a signal its server's
+  join does not return for: the file holds what it saw until then)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  samples = []
+
+  def run():
+    while True:
+      samples.append([time.time(), round(_rss_mib(), 1),
+                      round(_peak_mib(), 1)])
+      with open(path + ".tmp", "w") as f:
+        json.dump(samples, f)
+      os.replace(path + ".tmp", path)
+      time.sleep(RSS_SAMPLE_S)
+
+  threading.Thread(target=run, daemon=True).start()
+
+
 def record(folder):
   """This process's train.py run, instrumented; writes
-  `folder/<task index>.json`."""
+  `folder/<task index>.json` (a cluster mesh's serving worker:
+  `folder/worker<index>.rss`, its memory samples)."""
+  task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+  if (task.get("type") == "worker"
+      and "--model_parallel_devices=cluster" in sys.argv):
+    _sample_memory(os.path.join(folder, f"worker{task.get('index', 0)}.rss"))
   recorder = Recorder()
   recorder.install()
   train.warn_unread_flags()
   train.check_tf_config_early()
   train.run_main()
-  task = json.loads(os.environ.get("TF_CONFIG", "{}")).get(
-      "task", {}).get("index", 0)
-  with open(os.path.join(folder, f"{task}.json"), "w") as f:
+  if recorder.trainer is None:  # a worker that served until stopped
+    return
+  with open(os.path.join(folder, f"{task.get('index', 0)}.json"), "w") as f:
     json.dump(recorder.result(), f)
 
 
@@ -313,15 +359,24 @@ def record(folder):
 
 
 def _flags_of(size, config, recompute, steps, model_dir):
-  strategy = ([] if config == MESH
+  strategy = ([] if config in MESHES
               else ["--strategy=multi_worker_mirrored"])
   return (COMMON + strategy + size_flags(size) + CONFIGS[config] + [
       f"--recompute={recompute}", f"--train_steps={steps}",
       f"--model_dir={model_dir}"])
 
 
+def _worker_activations(samples, built_time):
+  """A serving worker's peak resident MiB minus its resident MiB when the
+  chief's trainer was built (the first sample from then on)."""
+  base = next((rss for t, rss, _ in samples if t >= built_time),
+              samples[-1][1])
+  return samples[-1][2] - base
+
+
 def launch(size, config, recompute, steps, workdir, net=None):
-  """One run of `steps` steps; (worker records, summed tx bytes or None)."""
+  """One run of `steps` steps; (the training processes' records, the
+  serving workers' memory samples, {(role, index): tx bytes} or None)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   from framework.distribute import launcher  # pylint: disable=g-import-not-at-top
   folder = tempfile.mkdtemp(dir=workdir)
@@ -336,30 +391,44 @@ def launch(size, config, recompute, steps, workdir, net=None):
                               env=env).returncode
       sent = None
     else:
-      hosts = net.addresses if net else ["127.0.0.1"] * N
-      cluster = (launcher.cluster_on_hosts(hosts, N, 0, chief=False)
-                 if net else launcher.local_cluster(N, 0, chief=False))
+      # The cluster mesh: a chief (the loop) and N serving workers.
+      chief = config == MESH_CLUSTER
+      # A fresh port each run: a stopped server's may still be held.
+      launch.port = getattr(launch, "port", 2222) + 1
+      cluster = (launcher.cluster_on_hosts(net.addresses, N, 0, chief=chief,
+                                           port=launch.port)
+                 if net else launcher.local_cluster(N, 0, chief=chief))
       order = {task: i for i, task in enumerate(launcher.tasks_of(cluster))}
       before = net.counters() if net else None
       job = launcher.Launcher(
           command, cluster, grace_period=2, output=log, env=env,
+          serving_workers=chief,
           task_prefix=(lambda role, index: net.prefix(order[(role, index)]))
           if net else None)
       status = job.run()
       sent = None
       if net:
         after = net.counters()
-        sent = sum(after[h][1] - before[h][1] for h in after)
+        # {task: (rx, tx)} bytes over the run.
+        sent = {task: (after[h][0] - before[h][0], after[h][1] - before[h][1])
+                for task, h in order.items()}
   if status:
     with open(log_path) as log:
       raise RuntimeError(f"{size} {config} --recompute={recompute}: exit "
                          f"{status}: {log.read()[-3000:]}")
-  records = []
+  records, workers = [], []
   for name in sorted(os.listdir(folder)):
-    if name.endswith(".json"):
+    if name.endswith((".json", ".rss")):
       with open(os.path.join(folder, name)) as f:
-        records.append(json.load(f))
-  return records, sent
+        (workers if name.endswith(".rss") else records).append(json.load(f))
+  return records, workers, sent
+
+
+def _per_step(long_sent, short_sent, tasks, rx=False):
+  """Tx (`rx`: received) bytes per step and host over `tasks` (the long
+  run's minus the short run's, over the steps' difference)."""
+  return round(sum(long_sent[t][not rx] - short_sent[t][not rx]
+                   for t in tasks) / (FLAGS.long - FLAGS.short) / len(tasks))
 
 
 def _max_over_devices(records, key):
@@ -373,25 +442,37 @@ def row(size, config, recompute, p, workdir, net):
   if not built(config):
     result["status"] = "not built"
     return result
-  records, long_sent = launch(size, config, recompute, FLAGS.long, workdir,
-                              net)
+  records, workers, long_sent = launch(size, config, recompute, FLAGS.long,
+                                       workdir, net)
   if net and config != MESH:
-    _, short_sent = launch(size, config, recompute, FLAGS.short, workdir, net)
-    result["wire_bytes_per_step_per_host"] = round(
-        (long_sent - short_sent) / (FLAGS.long - FLAGS.short) / N)
+    _, _, short_sent = launch(size, config, recompute, FLAGS.short, workdir,
+                              net)
+    result["wire_bytes_per_step_per_host"] = _per_step(
+        long_sent, short_sent, [t for t in long_sent if t[0] == "worker"])
+    if config == MESH_CLUSTER:  # the loop's inputs and remote calls
+      result["chief_wire_bytes_per_step"] = _per_step(
+          long_sent, short_sent, [("chief", 0)])
+      # What the workers sent the chief (the rest went to the other one).
+      result["chief_received_bytes_per_step"] = _per_step(
+          long_sent, short_sent, [("chief", 0)], rx=True)
   s = SIZES[size]
   step = statistics.median(r["median_step_s"] for r in records)
+  peak = max(r["steps_peak_mib"] for r in records)
+  if workers:  # the cluster mesh: its devices are the workers'
+    result["chief_steps_peak_mib"] = peak
+    peak = round(max(_worker_activations(w, records[0]["built_time"])
+                     for w in workers), 1)
   result.update(
       status="measured",
       counted={k: _max_over_devices(records, k)
                for k in ("weights", "gradients", "slots")},
       devices={k: sorted({d for r in records for d in r["counted"][k]})
                for k in ("weights",)},
-      peak_activations_mib=max(r["steps_peak_mib"] for r in records),
+      peak_activations_mib=peak,
       median_step_s=round(step, 4),
       tokens_per_s=round(s["global_batch_size"] * s["sequence_length"]
                          / step, 1),
-      processes=len(records))
+      processes=len(records) + len(workers))
   return result
 
 
@@ -460,7 +541,7 @@ def check():
   recorder = Recorder()
   recorder.install()
   for config in CONFIGS:
-    if config == MESH:
+    if config in MESHES:
       continue
     result = {"size": "tiny", "config": config, "recompute": "none",
               "P": p["P"], "by_hand": by_hand(config, p),
@@ -525,7 +606,9 @@ def main(argv):
   rows = []
   started = time.time()
   with tempfile.TemporaryDirectory() as workdir:
-    net = None if reason else netns.HostNetwork(N, name="dlmt")
+    # The cluster mesh's chief needs a host of its own.
+    hosts = N + (MESH_CLUSTER in configs)
+    net = None if reason else netns.HostNetwork(hosts, name="dlmt")
     try:
       if net:
         net.__enter__()
