@@ -120,6 +120,16 @@ def test_a_mesh_with_a_data_axis_shards_and_one_without_is_one_line():
     _config("", mode="pipeline", num_stages=2)
 
 
+def test_a_data_axis_of_one_is_one_line_with_a_valid_example_mesh():
+  # data:1 is one copy: the example must replace its data axis, not add
+  # a second one (an axis named twice is itself an error).
+  with pytest.raises(ConfigError, match=re.escape(
+      "mesh=data:1,pipeline:2 has a data axis of 1 (one copy) (use a mesh "
+      "with one, e.g. --mesh=data:2,pipeline:2, or turn "
+      "shard_optimizer_state off)")):
+    _config("data:1,pipeline:2")
+
+
 # The mesh cluster test's tiny GPT with one block (each worker traces its
 # split in a third less time; the sharding is per variable, whatever the
 # block count).

@@ -26,7 +26,8 @@ from framework.core.config import (StopCondition, check_gradient_sharding,
 from framework.data.config import AUGMENTATIONS, DatasetOptions, InputConfig
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
-from framework.model_parallel.config import ModelParallelConfig, layers_per_unit
+from framework.model_parallel.config import (ModelParallelConfig,
+                                             layers_per_unit, parse_mesh)
 from framework.settings import (POSITIVE, all_but, check_settings, default,
                                 same_as, setting)
 # The built-in models' options live beside the models (no TensorFlow:
@@ -338,14 +339,21 @@ class ExperimentConfig:
         self.strategy == "mirrored"):
       return
     if split.mesh:
-      where, mesh = f"mesh={split.mesh}", split.mesh
+      # The example mesh is the user's with a data axis of 2 in place of
+      # theirs (data:1 holds one copy: nothing to shard).
+      sizes = parse_mesh(split.mesh)
+      has = "a data axis of 1 (one copy)" if "data" in sizes else "none"
+      where = f"mesh={split.mesh} has {has}"
+      mesh = ",".join(f"{axis}:{size}" for axis, size in sizes.items()
+                      if axis != "data")
     else:
-      where = f"model_parallel={split.mode} with strategy={self.strategy}"
+      where = (f"model_parallel={split.mode} with strategy={self.strategy} "
+               "has none")
       mesh = (f"pipeline:{split.num_stages}" if split.mode == "pipeline"
               else f"model:{split.num_shards}")
     raise ConfigError(
         f"shard_optimizer_state=True shards the optimizer state over a data "
-        f"axis; {where} has none (use a mesh with one, e.g. "
+        f"axis; {where} (use a mesh with one, e.g. "
         f"--mesh=data:2,{mesh}, or turn shard_optimizer_state off)")
 
   def _check_gradient_sharding(self):
