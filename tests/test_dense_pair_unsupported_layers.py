@@ -35,3 +35,12 @@ def test_a_plain_pair_splits():
   model = _model()
   placed = split_dense_pair(model, 0, ["/CPU:0", "/CPU:0"])
   assert len(placed.column.shards) == 2
+
+
+def test_a_functional_model_is_refused_as_a_tensor_split():
+  # Not "pipeline parallelism needs ...": the user asked for a tensor split.
+  inputs = keras.Input((6,))
+  outputs = keras.layers.Dense(3)(keras.layers.Dense(4)(inputs))
+  with pytest.raises(ConfigError, match=r"^tensor parallelism .* needs a "
+                     r"keras.Sequential model .* got Functional"):
+    split_dense_pair(keras.Model(inputs, outputs), 0, ["/CPU:0", "/CPU:0"])

@@ -456,11 +456,12 @@ def graph_stages(model, groups, devices, name_prefix=""):
   return stages
 
 
-def model_layers(model):
-  """The ordered layers of a `keras.Sequential` (its Input excluded)."""
+def model_layers(model, split="pipeline parallelism"):
+  """The ordered layers of a `keras.Sequential` (its Input excluded);
+  `split` names what needs them in the error."""
   if not isinstance(model, keras.Sequential):
     raise ConfigError(
-        f"pipeline parallelism needs a keras.Sequential model (an ordered "
+        f"{split} needs a keras.Sequential model (an ordered "
         f"list of layers); got {type(model).__name__}")
   return list(model.layers)
 

@@ -61,6 +61,11 @@ from framework.model_parallel.staged_trainer import (ParallelStage, Stage,
 from framework.settings import default
 
 
+# What a tensor split of a model without a whole-model split is, in errors.
+_DENSE_PAIR = ("tensor parallelism of a model other than gpt (one Dense "
+               "pair split)")
+
+
 class ColumnParallelDense(ColumnParallelLinear):
   """A Dense whose output units are split across `devices`: the
   `ColumnParallelLinear` of a Dense pair split.
@@ -213,7 +218,7 @@ def split_dense_pair(model, index, devices):
   over `devices`; the other layers stay on devices[0]. The weights are the
   model's, sliced.
   """
-  layers = model_layers(model)
+  layers = model_layers(model, _DENSE_PAIR)
   check_split_layer(layers, index, len(devices))
   dense, consumer = layers[index], layers[index + 1]
   host = devices[0]
@@ -267,7 +272,7 @@ def split_dense_pair(model, index, devices):
 
 def merge_dense_pair(placed, model, index):
   """Writes the weights of `placed` (see `split_dense_pair`) into `model`."""
-  layers = model_layers(model)
+  layers = model_layers(model, _DENSE_PAIR)
   column, row = placed.column, placed.row
   for old, new in zip(layers[:index] + layers[index + 2:],
                       placed.before + placed.after):
@@ -466,7 +471,7 @@ class TensorParallelTrainer(StagedTrainer):
           "data x tensor parallelism needs a model with a whole-model "
           f"split (model=gpt); {model.name} splits one Dense pair on one "
           "group of devices only")
-    layers = model_layers(model)
+    layers = model_layers(model, _DENSE_PAIR)
     if split_layer is None:
       split_layer = default_split_layer(layers)
     check_split_layer(layers, split_layer, num_shards)
