@@ -350,6 +350,13 @@ class StagedTrainer(PipelineCopies, Trainer):
                                              "shard_optimizer_state"),
                **kwargs):
     check_positive("num_microbatches", num_microbatches)
+    if kwargs.get("loss_scale") is not None:
+      # Said here, not by `Trainer`'s check of train_step overrides (which
+      # would advise a user who wrote no trainer to override compute_loss).
+      raise ConfigError(
+          "mixed_precision=float16 (dynamic loss scaling) is not supported "
+          "with a model split; use mixed_precision=bfloat16 (no loss scale) "
+          "or float32")
     # Not `Trainer`'s: the copies' sharding is this trainer's own.
     shard_gradients = kwargs.pop("shard_gradients",
                                  default(TrainerConfig, "shard_gradients"))
