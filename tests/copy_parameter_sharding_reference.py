@@ -128,10 +128,17 @@ def run(steps=2):
         other = saved(trained[optimizer, mode][2])
         out[f"{optimizer}/{mode}"] = {
             "keys": sorted(other) == sorted(plain),
-            "largest": max(relative(other[k], plain[k]) for k in plain
-                           if np.max(np.abs(plain[k])) > 1e-6),
+            # [largest |difference|, largest |value|] of each saved tensor.
+            "saved": {k: [float(np.max(np.abs(other[k] - plain[k]))),
+                          float(np.max(np.abs(plain[k])))]
+                      for k in plain if other[k].dtype.kind == "f"},
             "steps": int(trained[optimizer, mode][0]
                          .optimizer.iterations.numpy())}
+      zero2, zero3 = (saved(trained[optimizer, m][2])
+                      for m in ("zero2", "zero3"))
+      out[f"{optimizer}/zero3_vs_zero2"] = max(
+          float(np.max(np.abs(zero3[k] - zero2[k]))) for k in zero2
+          if zero2[k].dtype.kind == "f")
     # Resumes, each against the same run resumed from the unsharded
     # mesh's checkpoint: ZeRO-3's checkpoint on the unsharded mesh and on
     # one device unsplit, the unsharded mesh's on ZeRO-3.
@@ -172,7 +179,9 @@ def run(steps=2):
   seq = {}
   for mode in ("zero2", "zero3"):
     trainer = make_trainer(mode, kind="sequential")
+    start = flat(trainer.model.trainable_weights)
     trainer.train(iter(dataset(steps)), steps)
     seq[mode] = flat(trainer.model.trainable_weights)
   out["sequential_zero3_vs_zero2"] = relative(seq["zero3"], seq["zero2"])
+  out["sequential_moved"] = relative(seq["zero3"], start)
   return out
