@@ -163,7 +163,7 @@ def test_the_trainer_refuses_a_tensor_split_and_a_single_copy():
   strategy = tf.distribute.get_strategy()
   sharded = dict(shard_optimizer_state=True, shard_gradients=True,
                  shard_parameters=True, global_batch_size=8)
-  model = ref.build("mlp", (7,), 5, seed=6312, hidden_units=(9,))
+  model = ref.build("mlp", (7,), 5, seed=6312, hidden_units=(8,))
   with pytest.raises(ConfigError, match="this split has one"):
     mp.PipelineTrainer(model, keras.optimizers.Adam(1e-2), strategy,
                        num_stages=2, devices=["/CPU:0", "/CPU:1"], **sharded)
