@@ -241,8 +241,11 @@ class ExperimentConfig:
       "forward pass and again for their backward pass (each unit is "
       "recomputed), whose gradient is reduce-scattered. Mirrored and "
       "multi_worker_mirrored with 2 or more replicas, functional or "
-      "Sequential models, no model split, --ema_decay, --log_layer_norms or "
-      "--jit_compile. The model's variables keep the whole weights for "
+      "Sequential models, no --ema_decay, --log_layer_norms or "
+      "--jit_compile; on a model split, a pipeline of Keras layers on a "
+      "mesh's data axis (--mesh=data:R,pipeline:S: each copy keeps 1/R of "
+      "its stages' weights, joined per stage and micro-batch), not a tensor "
+      "split. The model's variables keep the whole weights for "
       "checkpoints, evaluation and export, written from the shards after "
       "every --steps_per_loop steps; checkpoints are unchanged (a run "
       "resumes with it on or off and on another replica count).")
