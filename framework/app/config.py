@@ -27,7 +27,8 @@ from framework.data.config import AUGMENTATIONS, DatasetOptions, InputConfig
 from framework.distribute.config import EVAL_STRATEGIES, STRATEGIES
 from framework.errors import ConfigError
 from framework.model_parallel.config import (ModelParallelConfig,
-                                             layers_per_unit, parse_mesh)
+                                             layers_per_unit, parse_mesh,
+                                             parse_recompute)
 from framework.settings import (POSITIVE, all_but, check_settings, default,
                                 same_as, setting)
 # The built-in models' options live beside the models (no TensorFlow:
@@ -241,8 +242,11 @@ class ExperimentConfig:
       "forward pass and again for their backward pass (each unit is "
       "recomputed), whose gradient is reduce-scattered. Mirrored and "
       "multi_worker_mirrored with 2 or more replicas, functional or "
-      "Sequential models, no model split, --ema_decay, --log_layer_norms or "
-      "--jit_compile. The model's variables keep the whole weights for "
+      "Sequential models, no --ema_decay, --log_layer_norms or "
+      "--jit_compile; on a model split, a pipeline of Keras layers on a "
+      "mesh's data axis (--mesh=data:R,pipeline:S: each copy keeps 1/R of "
+      "its stages' weights, joined per stage and micro-batch), not a tensor "
+      "split. The model's variables keep the whole weights for "
       "checkpoints, evaluation and export, written from the shards after "
       "every --steps_per_loop steps; checkpoints are unchanged (a run "
       "resumes with it on or off and on another replica count).")
@@ -366,22 +370,32 @@ class ExperimentConfig:
   def _check_parameter_sharding(self):
     """`shard_parameters` (ZeRO-3) extends ZeRO-1 and 2 over (multi-worker)
     mirrored replicas of an unsplit model, whose step reads no whole
-    weight."""
+    weight, or over the copies of a pipeline on a mesh's data axis."""
     for name in ("shard_optimizer_state", "shard_gradients"):
       if not getattr(self, name):
         raise ConfigError(
             f"shard_parameters=True needs {name}=True (ZeRO-3 shards the "
             f"weights of ZeRO-1 and 2's sharded update); add --{name}")
     split = self.model_parallel
-    if split.mode != "none":
-      where = (f"mesh={split.mesh}" if split.mesh
-               else f"model_parallel={split.mode}")
+    where = (f"mesh={split.mesh}" if split.mesh
+             else f"model_parallel={split.mode}")
+    if split.mode == "tensor" or self.model == "gpt":
       raise ConfigError(
-          f"shard_parameters=True is not supported with {where} (a split's "
-          f"copies keep their whole weights); turn shard_parameters off "
-          f"(shard_optimizer_state and shard_gradients shard the slots and "
-          f"the gradients over the data axis)")
-    if self.strategy not in ("mirrored", "multi_worker_mirrored"):
+          f"shard_parameters=True is not supported with {where} and "
+          f"model={self.model} (a tensor split's copies keep their whole "
+          f"weights; a pipeline of a Keras graph's layers shards them); "
+          f"turn shard_parameters off (shard_optimizer_state and "
+          f"shard_gradients shard the slots and the gradients over the data "
+          f"axis)")
+    if split.mode == "pipeline":
+      recompute = parse_recompute(split.recompute)
+      if recompute not in (False, True):
+        raise ConfigError(
+            f"shard_parameters=True with {where} recomputes each pipeline "
+            f"stage (it joins the stage's weights again for the backward "
+            f"pass); recompute={split.recompute} is not supported with it: "
+            f"use --recompute=none or true")
+    elif self.strategy not in ("mirrored", "multi_worker_mirrored"):
       raise ConfigError(
           f"shard_parameters=True shards the weights over the replicas of "
           f"mirrored or multi_worker_mirrored, not strategy={self.strategy}")
@@ -397,7 +411,8 @@ class ExperimentConfig:
         raise ConfigError(
             f"shard_parameters=True does not support {name}={value} ({what} "
             f"inside the step); turn {name} off")
-    layers_per_unit(self.model_parallel.recompute)
+    if split.mode == "none":
+      layers_per_unit(self.model_parallel.recompute)
 
   def _check_checkpoint_sharding(self):
     """`checkpoint_sharding=by_task` needs a model whose variables one

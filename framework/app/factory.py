@@ -249,7 +249,10 @@ def build_trainer(config, strategy, dataset, trainer_cls=None, *,
       split = split and config.model_parallel.mode != "none"
       make_trainer = (config.model_parallel.trainer_factory(trainer_cls)
                       if split else trainer_cls)
-      if config.shard_parameters and strategy.num_replicas_in_sync == 1:
+      if config.shard_parameters and split:
+        # ZeRO-3 over the split's copies: the pipeline trainer's own.
+        make_trainer = functools.partial(make_trainer, shard_parameters=True)
+      elif config.shard_parameters and strategy.num_replicas_in_sync == 1:
         logging.info("shard_parameters: one replica, nothing to shard")
       elif config.shard_parameters:
         make_trainer = parameter_sharding.sharded_trainer(

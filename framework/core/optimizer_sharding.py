@@ -447,7 +447,7 @@ class CopyShardedState:
   # --- The step (inside the trainer's tf.function). -------------------------
 
   def update_shards(self, update_variable, grads, variables, learning_rate,
-                    scattered=False):
+                    scattered=False, in_place=False):
     """Copy r's slice of each of its variables, updated with its slice of
     the (summed) gradient.
 
@@ -457,15 +457,20 @@ class CopyShardedState:
       grads, variables: R lists, copy r's gradients and variables.
       scattered: copy r's `grads` are already its [L] slices
         (`copies.reduce_scatter_copies`, ZeRO-2), not whole gradients.
+      in_place: the shards are the weights (ZeRO-3): updated as they are,
+        not set from the variables first.
     """
     for r, (copy_grads, copy_variables) in enumerate(zip(grads, variables)):
       for grad, variable in zip(copy_grads, copy_variables):
         shard = self.shards[r][self._index[r][id(_local(variable))]]
         with tf.device(_local(variable).device):
           length = shard.shape[0]
-          weight = shard_of(variable, length, self.num_shards, r)
           if not scattered:
             grad = shard_of(grad, length, self.num_shards, r)
+          if in_place:
+            update_variable(grad, shard, tf.cast(learning_rate, shard.dtype))
+            continue
+          weight = shard_of(variable, length, self.num_shards, r)
           with tf.control_dependencies([shard.assign(weight)]):
             update_variable(grad, shard, tf.cast(learning_rate, shard.dtype))
 

@@ -38,6 +38,10 @@ The kinds, and where each is used:
                            on gradients reduce-scattered over the copies
                            (each accumulation step's), copy r holding only
                            its 1/R slice
+    CopyShardedParametersUpdate
+                           ZeRO-3 over a split's copies: the shards are the
+                           weights, updated in place with the scattered
+                           slices, nothing joined after
 
 Every kind has one entry point, `apply(grads, variables, signals=(),
 scattered_norm=None) -> applied` (a bool tensor: whether the update ran),
@@ -496,6 +500,45 @@ class CopyShardedGradientsUpdate(CopyShardedUpdate):
   def scatters(self):
     # Not while the distribution check's probe optimizer (unsharded) is in.
     return self.sharding.optimizers[0] is self.optimizer
+
+
+class CopyShardedParametersUpdate(CopyShardedGradientsUpdate):
+  """ZeRO-3 over the R copies of a pipeline
+  (`framework.model_parallel.copy_parameter_sharding`): the shards are the
+  weights. Copy r's shards are updated in place with its reduce-scattered
+  slices; nothing is joined after the update (each stage joins its
+  weights in the next forward pass), and the copies' model variables are
+  left as they are.
+
+  Args:
+    sharding: the split's `optimizer_sharding.CopyShardedState`.
+    **kwargs: `MergeCallUpdate`'s.
+  """
+
+  def state_variables(self):
+    return super().state_variables() + [
+        s for shards in self.sharding.shards for s in shards]
+
+  def apply(self, grads, variables, signals=(), scattered_norm=None):
+    del signals  # copies are sharded without a spike check
+    if scattered_norm is None or not self.scatters():
+      raise ValueError("shard_parameters: the copies' update takes the "
+                       "reduce-scattered gradients of the pipeline's step")
+    count = len(self.sharding.variables[0])
+    per_copy = lambda values: [values[i:i + count]
+                               for i in range(0, len(values), count)]
+    finite = tf.math.is_finite(scattered_norm)
+    learning_rate = self.optimizer.learning_rate
+
+    def update():
+      self.sharding.update_shards(
+          self.update_variable, per_copy(grads), per_copy(variables),
+          learning_rate, scattered=True, in_place=True)
+      return tf.constant(True)
+
+    self.if_finite(finite, update)
+    # The step count, the skip counters and the loss scale, as every kind.
+    return self.assign([], [], finite)
 
 
 def global_norm(tensors: Sequence[Any]) -> tf.Tensor:

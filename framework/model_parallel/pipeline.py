@@ -264,6 +264,10 @@ class GraphStage:
       returned bare).
   """
 
+  # ZeRO-3 on the data axis: a `copy_parameter_sharding.StageShards` (set
+  # by the trainer), as `Stage.shards`.
+  shards = None
+
   def __init__(self, name, device, nodes, *, incoming, outgoing, last):
     self.name = name
     self.device = device
@@ -329,11 +333,12 @@ class GraphStage:
         inputs = {k: tf.identity(env[k]) for k in self.reads}
       if recompute:
         state = read_state(state_variables(self.layers))
-        local = dict(inputs)
-        self._run(local, training)
+        local = self._run_layers(inputs, training)
         outputs = self._outputs(env, local)
         target = self._target(local, outputs, head)
         return outputs, Record(None, inputs, target, state, head, training)
+      if self.shards is not None:
+        raise ValueError("a stage with sharded weights is recomputed")
       with tf.GradientTape() as tape:
         tape.watch(inputs)
         local = dict(inputs)
@@ -341,6 +346,20 @@ class GraphStage:
         outputs = self._outputs(env, local)
         target = self._target(local, outputs, head)
     return outputs, Record(tape, inputs, target)
+
+  def _run_layers(self, inputs, training, tape=None):
+    """The nodes run on `inputs` (the filled environment), on the layers'
+    variables or with `shards` on weights gathered once the inputs exist
+    (`StageShards.run`; `tape`: a recomputed pass, which returns
+    (environment, weights))."""
+    def run():
+      local = dict(inputs)
+      self._run(local, training)
+      return local
+    if self.shards is None:
+      return run() if tape is None else (run(), None)
+    local, weights = self.shards.run(run, list(inputs.values()), tape)
+    return local if tape is None else (local, weights)
 
   def _recompute(self, record, grads_out):
     """The record `forward` would have kept, by running it again."""
@@ -350,11 +369,10 @@ class GraphStage:
     with restored_state(state_variables(self.layers), record.state):
       with tf.GradientTape() as tape:
         tape.watch(inputs)
-        local = dict(inputs)
-        self._run(local, record.training)
+        local, weights = self._run_layers(inputs, record.training, tape)
         outputs = local[self.outgoing[0]] if self.last else None
         target = self._target(local, outputs, record.head)
-    return Record(tape, inputs, target)
+    return Record(tape, inputs, target, weights=weights)
 
   def activation_bytes(self,
                        recompute=default(SplitConfig, "recompute")):
@@ -381,6 +399,8 @@ class GraphStage:
         grads_out = [output_grad[k] for k in self.makes]
       if record.tape is None:
         record = self._recompute(record, grads_out)
+      if record.weights is not None:
+        variables = record.weights
       input_grads, variable_grads = record.tape.gradient(
           record.target, [record.inputs, variables],
           output_gradients=grads_out,

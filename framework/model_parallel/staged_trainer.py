@@ -61,6 +61,8 @@ from framework.core.trainer import Trainer
 from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig, parse_recompute
 from framework.model_parallel.copies import PipelineCopies, tf_variable
+from framework.model_parallel.copy_parameter_sharding import (
+    CopyParameterSharding, StageShards)
 from framework.core import updates, weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
@@ -71,9 +73,12 @@ from framework.settings import default
 
 # What a forward pass keeps for its backward pass. With recomputation:
 # tape None, `state` the layers' state before the pass, `head` the loss.
+# `weights`: with the weights gathered from shards (ZeRO-3 on the data
+# axis), the gathered tensors the tape watches instead of the variables.
 Record = collections.namedtuple(
-    "Record", ["tape", "inputs", "target", "state", "head", "training"],
-    defaults=(None, None, True))
+    "Record",
+    ["tape", "inputs", "target", "state", "head", "training", "weights"],
+    defaults=(None, None, True, None))
 
 
 def state_variables(layers):
@@ -127,6 +132,10 @@ class Stage:
     layers: callables (Keras layers) applied in order.
   """
 
+  # ZeRO-3 on the data axis: a `copy_parameter_sharding.StageShards` whose
+  # gathered weights the layers run on (set by the trainer).
+  shards = None
+
   def __init__(self, name, device, layers):
     self.name = name
     self.device = device
@@ -173,14 +182,25 @@ class Stage:
         x = tf.identity(x)
       if recompute:
         state = read_state(state_variables(self.layers))
-        outputs = self._call(x, training)
+        outputs = self._run_layers(lambda: self._call(x, training), [x])
         target = head(outputs) if head is not None else outputs
         return outputs, Record(None, x, target, state, head, training)
+      if self.shards is not None:
+        raise ValueError("a stage with sharded weights is recomputed")
       with tf.GradientTape() as tape:
         tape.watch(x)
         outputs = self._call(x, training)
         target = head(outputs) if head is not None else outputs
     return outputs, Record(tape, x, target)
+
+  def _run_layers(self, fn, after, tape=None):
+    """fn(): the layers on their variables, or with `shards` on weights
+    gathered once `after` exist (`StageShards.run`; `tape`: a recomputed
+    pass, which returns (outputs, weights))."""
+    if self.shards is None:
+      return fn() if tape is None else (fn(), None)
+    outputs, weights = self.shards.run(fn, after, tape)
+    return outputs if tape is None else (outputs, weights)
 
   def backward(self, record, output_grad, input_grad=True, after=()):
     """(d input, [d variable]) on `device`, from the forward `record`.
@@ -199,6 +219,8 @@ class Stage:
         output_grad = tf.identity(output_grad)
       if record.tape is None:
         record = self._recompute(record, output_grad)
+      if record.weights is not None:
+        variables = record.weights
       sources = ([record.inputs] if input_grad else []) + variables
       grads = record.tape.gradient(
           record.target, sources, output_gradients=output_grad,
@@ -216,9 +238,10 @@ class Stage:
     with restored_state(state_variables(self.layers), record.state):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        outputs = self._call(x, record.training)
+        outputs, weights = self._run_layers(
+            lambda: self._call(x, record.training), [x], tape)
         target = record.head(outputs) if record.head is not None else outputs
-    return Record(tape, x, target)
+    return Record(tape, x, target, weights=weights)
 
   def activation_bytes(self,
                        recompute=default(SplitConfig, "recompute")):
@@ -334,6 +357,12 @@ class StagedTrainer(PipelineCopies, Trainer):
       gradients are reduce-scattered over the copies (under
       `grad_accum_steps` each accumulation step's), so copy r accumulates
       and updates with its 1/R slice only (ZeRO-2 on the data axis).
+    shard_parameters: with `shard_gradients` and copies, copy r keeps only
+      its 1/R of every weight (ZeRO-3 on the data axis,
+      `copy_parameter_sharding`): each stage joins its weights from the
+      copies' shards per micro-batch, forward and again in its recomputed
+      backward pass; the model's variables keep the whole weights outside
+      the step. Pipelines of `Stage`s only (not a tensor split).
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
@@ -345,7 +374,7 @@ class StagedTrainer(PipelineCopies, Trainer):
                recompute=default(SplitConfig, "recompute"),
                serial_stages=default(SplitConfig, "serial_stages"),
                input_grads_first=default(SplitConfig, "input_grads_first"),
-               copies=(),
+               copies=(), shard_parameters=False,
                shard_optimizer_state=default(TrainerConfig,
                                              "shard_optimizer_state"),
                **kwargs):
@@ -389,6 +418,10 @@ class StagedTrainer(PipelineCopies, Trainer):
           "model parallelism does not support layer regularisation losses "
           "yet; remove the regularisers (use optimizer=adamw for weight "
           "decay)")
+    if shard_parameters:
+      _check_parameter_sharding(stages, copies, recompute,
+                                shard_optimizer_state, shard_gradients, kwargs)
+      recompute = True  # the backward pass gathers the weights again
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
     # Only `True` recomputes whole stages; blocks, attention are the layers'.
@@ -412,9 +445,13 @@ class StagedTrainer(PipelineCopies, Trainer):
       logging.info("shard_optimizer_state: one copy of the split (no data "
                    "axis), nothing to shard")
     self._shard_copy_gradients = bool(shard_gradients and copies)
+    self.parameter_sharding = None
+    self._shards_parameters = bool(shard_parameters)
     super().__init__(model, optimizer, strategy, **kwargs)
     self._set_up_copies(copies)
     self._group_copies_weight_decay()
+    if shard_parameters:
+      self._shard_copy_parameters()
     if self._shard_copy_gradients and self.copy_sharding is not None:
       state = self.copy_sharding
       logging.info(
@@ -436,8 +473,29 @@ class StagedTrainer(PipelineCopies, Trainer):
     if self.copy_sharding is not None:
       kind = (updates.CopyShardedGradientsUpdate
               if self._shard_copy_gradients else updates.CopyShardedUpdate)
+      if getattr(self, "_shards_parameters", False):
+        kind = updates.CopyShardedParametersUpdate
       return kind(self.strategy, sharding=self.copy_sharding, **parts)
     return super()._make_updater(**parts)
+
+  def _shard_copy_parameters(self):
+    """Every stage of every copy runs on weights joined from the copies'
+    shards (`copy_parameter_sharding`)."""
+    state = self.copy_sharding
+    all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
+    for r, stages in enumerate(all_stages):
+      for stage in stages:
+        stage.shards = StageShards(state, r, stage.trainable_variables,
+                                   state_variables(stage.layers))
+    self.parameter_sharding = CopyParameterSharding(state)
+    logging.info(
+        "shard_parameters: each copy keeps %d of its %d bytes of weights "
+        "(ZeRO-3 over %d copies); each stage joins its weights per "
+        "micro-batch, forward and recomputed backward",
+        sum(s.shape[0] * tf.as_dtype(s.dtype).size for s in state.shards[0]),
+        sum(tf.TensorShape(v.shape).num_elements()
+            * tf.as_dtype(v.dtype).size for v in state.variables[0]),
+        state.num_shards)
 
   def _group_copies_weight_decay(self):
     """Every copy's optimizer (and the shards of each) decays the
@@ -610,9 +668,54 @@ class StagedTrainer(PipelineCopies, Trainer):
     """As `Trainer.train`, plus each device's memory as extra scalars."""
     if self.copies:
       self.sync_copies()
-    metrics = dict(super().train(iterator, num_steps))
+    if self.parameter_sharding is None:
+      metrics = dict(super().train(iterator, num_steps))
+    else:
+      # The step trains the shards; copy 0's variables are the whole
+      # weights everything else reads.
+      self.parameter_sharding.load()
+      try:
+        metrics = dict(super().train(iterator, num_steps))
+      finally:
+        self.parameter_sharding.store()
     metrics.update(memory_metrics(self.memory))
     return metrics
+
+
+def _check_parameter_sharding(stages, copies, recompute,
+                              shard_optimizer_state, shard_gradients, kwargs):
+  """ConfigError for what ZeRO-3 on the data axis cannot go with."""
+  for name, value in (("shard_optimizer_state", shard_optimizer_state),
+                      ("shard_gradients", shard_gradients)):
+    if not value:
+      raise ConfigError(
+          f"shard_parameters=True needs {name}=True (ZeRO-3 shards the "
+          f"weights of ZeRO-1 and 2's sharded update); add --{name}")
+  if not copies:
+    raise ConfigError(
+        "shard_parameters=True shards the weights over a split's copies; "
+        "this split has one (use a mesh with a data axis, e.g. "
+        "--mesh=data:2,pipeline:2)")
+  if any(isinstance(stage, ParallelStage) for stage in stages):
+    raise ConfigError(
+        "shard_parameters=True shards a pipeline's stages; a tensor split's "
+        "devices are not supported: turn shard_parameters off "
+        "(shard_optimizer_state and shard_gradients shard the slots and "
+        "the gradients over the data axis)")
+  value = parse_recompute(recompute)
+  if value not in (False, True):
+    raise ConfigError(
+        f"shard_parameters=True recomputes each pipeline stage (it joins "
+        f"its weights again for the backward pass); recompute={value} is "
+        f"not supported with it: use --recompute=none or true")
+  for name, off, what in (
+      ("ema_decay", None, "an EMA of the whole weights"),
+      ("log_layer_norms", False, "per-layer norms of the whole weights"),
+      ("jit_compile", False, "XLA around the joined weights")):
+    if kwargs.get(name, off) != off:
+      raise ConfigError(
+          f"shard_parameters=True does not support {name}={kwargs[name]} "
+          f"({what} inside the step); turn {name} off")
 
 
 def _add(total, grad):

@@ -1,0 +1,145 @@
+"""ZeRO-3 on a mesh's data axis: a pipeline's copies keep 1/R of every
+weight (`shard_parameters` with `--mesh=data:R,pipeline:S`).
+
+ZeRO-1 and 2 on the data axis (`optimizer_sharding.CopyShardedState`,
+`copies.reduce_scatter_copies`) give copy r the shard variables `w_r` (the
+[L]-element slice r of each flattened, zero-padded weight of its stages, on
+its stages' devices) and the slots of them. Here the shards are the
+weights the step trains. Every stage of every copy, per micro-batch (and
+per accumulation step), runs
+
+    W = concat(w_0 .. w_R-1)       # its weights joined on its device when
+                                   # its inputs exist (`StageShards.gather`)
+    y = stage(x; W)                # the layers read W (keras.StatelessScope),
+                                   # their state written back (BatchNorm
+                                   # statistics, seed counters)
+    backward: W = concat(...)      # joined again: the stage is recomputed
+              dx, dW = grad(stage)
+    g_r = reduce_scatter(dW)       # over the copies, as ZeRO-2 does
+
+so a device holds its 1/R of the weights, gradients and slots, and one
+micro-batch's worth of its stage's whole weights at a time. The update is
+ZeRO-2's on the shards, in place, with nothing joined after it
+(`updates.CopyShardedParametersUpdate`).
+
+Copy 0's model variables (on its stages' devices) keep the whole weights
+for everything outside the step: checkpoints (the unsharded run's keys),
+evaluation, export, summaries. They are cut into every copy's shards when
+`train` starts (`load`: after a restore, a rollback or a warm start) and
+joined from them when it returns (`store`). The other copies' model
+variables are not read by the step.
+"""
+
+import keras
+import tensorflow as tf
+
+from framework.core.optimizer_sharding import padded, unshard
+from framework.errors import ConfigError
+
+
+def _tf(variable):
+  """The tf.Variable behind a Keras variable (outside a stateless scope)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+class StageShards:
+  """One copy's stage: its weights joined from the R copies' shards.
+
+  Args:
+    state: the split's `optimizer_sharding.CopyShardedState`.
+    copy: the copy's index r.
+    variables: the stage's trainable variables (copy r's).
+    state_variables: the stage's layers' non-trainable variables.
+  """
+
+  def __init__(self, state, copy, variables, state_variables):
+    index = {id(_tf(v)): i for i, v in enumerate(state.variables[copy])}
+    self.state = state
+    self.variables = list(variables)
+    self.indices = [index[id(_tf(v))] for v in self.variables]
+    self.state_variables = list(state_variables)
+
+  def gather(self, after):
+    """Each variable's whole value, joined on the current device from the
+    R copies' shards once `after` exist."""
+    shards = self.state.shards
+    with tf.name_scope("gather_weights/"), tf.control_dependencies(after):
+      return [unshard(tf.concat([tf.convert_to_tensor(_tf(s[i]))
+                                 for s in shards], 0), v)
+              for i, v in zip(self.indices, self.variables)]
+
+  def run(self, fn, after, tape=None):
+    """(fn()'s outputs, the gathered weights): `fn` runs the stage's
+    layers on the weights gathered once `after` exist.
+
+    Args:
+      fn: `() -> outputs` (a nest of tensors).
+      after: tensors the gathering waits for (the stage's inputs).
+      tape: the recomputed pass's tape: it watches the weights, and what
+        the layers write to their state is dropped (the forward pass wrote
+        it); None: the forward pass, whose writes are kept.
+    """
+    weights = self.gather(after)
+    if tape is not None:
+      tape.watch(weights)
+    with keras.StatelessScope(list(zip(self.variables, weights)),
+                              collect_losses=True) as scope:
+      outputs = fn()
+    if scope.losses:
+      raise ConfigError(
+          "shard_parameters=True: the model's layers add losses in their "
+          "call (add_loss, activity_regularizer), which its recomputed "
+          "stages do not differentiate; turn shard_parameters off")
+    if tape is not None:
+      return outputs, weights
+    # What the layers wrote, as Keras writes it outside a stateless scope;
+    # the outputs wait for it (the next micro-batch reads the new state).
+    writes = []
+    for v in self.state_variables:
+      new = scope.get_current_value(v)
+      if new is not None:
+        writes.append(v.assign(new))
+    with tf.control_dependencies(writes):
+      return tf.nest.map_structure(tf.identity, outputs), weights
+
+
+class CopyParameterSharding:
+  """Copy 0's model variables <-> every copy's shards (outside the step).
+
+  Args:
+    state: the split's `optimizer_sharding.CopyShardedState`.
+  """
+
+  def __init__(self, state):
+    self.state = state
+    self._load_fn = tf.function(self._load)
+    self._store_fn = tf.function(self._store)
+
+  def load(self):
+    """Cuts copy 0's variables into every copy's shards: at the start of
+    every `train`."""
+    self._load_fn()
+
+  def store(self):
+    """Joins the shards into copy 0's variables: at the end of every
+    `train`."""
+    self._store_fn()
+
+  def _load(self):
+    state = self.state
+    for i, variable in enumerate(state.variables[0]):
+      length = state.shards[0][i].shape[0]
+      with tf.device(_tf(variable).device):
+        rows = tf.reshape(padded(variable.value, length, state.num_shards),
+                          [state.num_shards, length])
+      for r, shards in enumerate(state.shards):
+        with tf.device(_tf(shards[i]).device):
+          shards[i].assign(rows[r])
+
+  def _store(self):
+    state = self.state
+    for i, variable in enumerate(state.variables[0]):
+      with tf.device(_tf(variable).device):
+        joined = tf.concat([tf.convert_to_tensor(_tf(s[i]))
+                            for s in state.shards], 0)
+        variable.assign(unshard(joined, variable))

@@ -1,0 +1,172 @@
+"""Parameter sharding (ZeRO-3) on a mesh's data axis: each of the 2 copies
+of a 2-stage pipeline keeps half of its stages' weights, joins them per
+stage and micro-batch (forward, and again in the recomputed backward pass)
+and trains as ZeRO-2 and unsharded do on the same mesh, with momentum and
+AdamW, gradient accumulation, clipping, Dropout and BatchNorm; its
+checkpoints resume unsharded, without a split, and the reverse.
+
+The 4-device mesh runs in one fresh process
+(`copy_parameter_sharding_reference`), shared by the module's tests.
+"""
+
+import json
+import math
+import re
+
+import pytest
+
+from framework.app.config import ExperimentConfig
+from framework.errors import ConfigError
+from framework.model_parallel import ModelParallelConfig
+from tests import helpers
+
+TOLERANCE = 1e-5
+
+_MESH = """
+import json
+import framework
+framework.configure_cpu_devices(4)
+from tests import copy_parameter_sharding_reference as ref
+print("RESULT " + json.dumps(ref.run()))
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  proc = helpers.run_code(_MESH, timeout=1500)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  return json.loads(line[-1][len("RESULT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "momentum"])
+def test_zero3_equals_zero2_and_unsharded_on_the_mesh(mesh, optimizer):
+  assert mesh["kinds"] == {"plain": "MergeCallUpdate",
+                           "zero2": "CopyShardedGradientsUpdate",
+                           "zero3": "CopyShardedParametersUpdate"}
+  assert mesh["moved"] > 1e-3  # the steps changed the weights
+  norms = {mode: mesh["grad_norm"][f"{optimizer}/{mode}"]
+           for mode in ("plain", "zero2", "zero3")}
+  assert norms["plain"] > 0.05  # above --clip_norm: the clip acted
+  assert abs(norms["zero3"] - norms["plain"]) < TOLERANCE * norms["plain"]
+  for mode in ("zero2", "zero3"):
+    result = mesh[f"{optimizer}/{mode}"]
+    assert result["keys"], result  # the unsharded run's checkpoint keys
+    assert result["steps"] == 2
+    # Each saved tensor's [largest |difference|, largest |value|]: the
+    # weights against the largest weight, each slot against itself or a
+    # thousandth of the largest slot (one of gradients that are zero but
+    # for rounding).
+    saved = result["saved"]
+    # (The optimizer saves the trainable weights; the model its BatchNorm
+    # statistics.)
+    weights = [k for k in saved if "_trainable_variables" in k
+               or k.startswith("model/")]
+    slots = [k for k in saved if k not in weights]
+    assert len(weights) == 8 + 2 and len(slots) >= 8, sorted(saved)
+    largest = max(saved[k][1] for k in weights)
+    for key in weights:
+      assert saved[key][0] <= TOLERANCE * largest, (mode, key, saved[key])
+    largest = max(saved[k][1] for k in slots)
+    for key in slots:
+      difference, value = saved[key]
+      assert difference <= TOLERANCE * max(value, 1e-3 * largest), (
+          mode, key, difference, value)
+  # The same sums on the same devices: ZeRO-3 is ZeRO-2 bit for bit.
+  assert mesh[f"{optimizer}/zero3_vs_zero2"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_step_reads_only_each_copys_half_of_the_weights(mesh):
+  read = mesh["read"]
+  # Unsharded: each device reads its stage's whole weights; ZeRO-2 its
+  # shards too (the slots' weights, set from the whole each step);
+  # ZeRO-3 only its shards: half of every weight (rounded up).
+  assert sorted(read["plain"]) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+  for device, sizes in read["plain"].items():
+    half = [math.ceil(n / 2) for n in sizes]
+    assert read["zero2"][device] == sizes + half
+    assert read["zero3"][device] == half
+
+
+@pytest.mark.slow
+def test_each_stage_joins_its_weights_forward_and_backward(mesh):
+  ops = mesh["ops"]
+  assert ops["plain"]["gathers"] == ops["zero2"]["gathers"] == 0
+  variables = sum(len(sizes) for sizes in mesh["read"]["plain"].values())
+  # Every variable of every copy's stages, per accumulation step (2) and
+  # micro-batch (2): joined for the forward pass and again for the
+  # recomputed backward pass.
+  assert ops["zero3"]["gathers"] == variables * 2 * 2 * 2
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_resumes_unsharded_and_unsplit_and_back(mesh):
+  assert mesh["resumed_moved"] > 1e-3
+  assert mesh["zero3_to_plain"] < TOLERANCE
+  assert mesh["plain_to_zero3"] < TOLERANCE
+  assert mesh["zero3_to_unsplit"] < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_sequential_models_stages_shard_too(mesh):
+  assert mesh["sequential_zero3_vs_zero2"] == 0.0
+  assert mesh["sequential_moved"] > 1e-3
+
+
+def _config(mesh="data:2,pipeline:2", model="mlp", **kwargs):
+  split = {k: kwargs.pop(k) for k in ("mode", "num_stages", "recompute")
+           if k in kwargs}
+  return ExperimentConfig(
+      model_dir="run", train_steps=1, model=model, dataset="synthetic",
+      model_parallel=ModelParallelConfig(mesh=mesh, **split),
+      **{"shard_optimizer_state": True, "shard_gradients": True,
+         "shard_parameters": True, **kwargs})
+
+
+def test_a_pipeline_with_a_data_axis_takes_shard_parameters():
+  assert _config().shard_parameters
+  assert _config(recompute="true").shard_parameters
+  assert _config("", mode="pipeline", num_stages=2,
+                 strategy="mirrored").shard_parameters
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(mesh="data:2,model:2", model="gpt"),
+     "shard_parameters=True is not supported with mesh=data:2,model:2 and "
+     "model=gpt (a tensor split's copies keep their whole weights"),
+    (dict(model="gpt"),
+     "shard_parameters=True is not supported with mesh=data:2,pipeline:2 "
+     "and model=gpt"),
+    (dict(recompute="blocks"),
+     "shard_parameters=True with mesh=data:2,pipeline:2 recomputes each "
+     "pipeline stage (it joins the stage's weights again for the backward "
+     "pass); recompute=blocks is not supported with it: use "
+     "--recompute=none or true"),
+    (dict(check_distribution=True),
+     "shard_parameters=True does not support check_distribution=True"),
+    (dict(jit_compile=True),
+     "shard_parameters=True does not support jit_compile=True"),
+])
+def test_what_zero3_on_a_mesh_cannot_do_is_one_line(kwargs, message):
+  with pytest.raises(ConfigError, match=re.escape(message)) as error:
+    _config(**kwargs)
+  assert "\n" not in str(error.value)
+
+
+def test_the_trainer_refuses_a_tensor_split_and_a_single_copy():
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from framework import model_parallel as mp  # pylint: disable=g-import-not-at-top
+  from tests import model_parallel_reference as ref  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.get_strategy()
+  sharded = dict(shard_optimizer_state=True, shard_gradients=True,
+                 shard_parameters=True, global_batch_size=8)
+  model = ref.build("mlp", (7,), 5, seed=6312, hidden_units=(8,))
+  with pytest.raises(ConfigError, match="this split has one"):
+    mp.PipelineTrainer(model, keras.optimizers.Adam(1e-2), strategy,
+                       num_stages=2, devices=["/CPU:0", "/CPU:1"], **sharded)
+  with pytest.raises(ConfigError, match="not supported with a tensor split"):
+    mp.TensorParallelTrainer(model, keras.optimizers.Adam(1e-2), strategy,
+                             num_shards=2, **sharded)
