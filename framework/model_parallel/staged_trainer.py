@@ -362,7 +362,8 @@ class StagedTrainer(PipelineCopies, Trainer):
       `copy_parameter_sharding`): each stage joins its weights from the
       copies' shards per micro-batch, forward and again in its recomputed
       backward pass; the model's variables keep the whole weights outside
-      the step. Pipelines of `Stage`s only (not a tensor split).
+      the step. Pipelines of `Stage`s only (not a tensor split). None
+      (not given): off, as the setting's default.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
@@ -374,7 +375,7 @@ class StagedTrainer(PipelineCopies, Trainer):
                recompute=default(SplitConfig, "recompute"),
                serial_stages=default(SplitConfig, "serial_stages"),
                input_grads_first=default(SplitConfig, "input_grads_first"),
-               copies=(), shard_parameters=False,
+               copies=(), shard_parameters=None,
                shard_optimizer_state=default(TrainerConfig,
                                              "shard_optimizer_state"),
                **kwargs):
