@@ -179,6 +179,15 @@ def reduce_scatter_copies(per_copy, devices, variables):
   return results
 
 
+def _seed_states(model):
+  """The states of `model`'s Keras seed generators: its variables that are
+  not weights, of shape [2] ([seed, counter])."""
+  weights = {id(w) for w in model.weights}
+  return [v for v in model.variables
+          if id(v) not in weights and tuple(v.shape) == (2,)
+          and "seed_generator" in v.path]
+
+
 def tf_variable(variable):
   """The tf.Variable behind a Keras variable (a tf.Variable as it is)."""
   return variable.value if isinstance(variable, keras.Variable) else variable
@@ -307,12 +316,32 @@ class PipelineCopies:
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()
 
+      seeds = self._seed_pairs()
+
       def sync():
         for source, target in pairs:
           target.assign(source)
+        for source, target in seeds:
+          target.assign(tf.stack([target[0], source[1]]))
 
       self._sync_copies_fn = tf.function(sync)
     self._sync_copies_fn()
+
+  def _seed_pairs(self):
+    """(copy 0's, copy r's) Keras seed generator states ([seed, counter]:
+    Dropout's and other random layers'). Copy 0's are checkpointed, copy
+    r's are not: `sync_copies` sets copy r's counter to copy 0's (they
+    draw in step, so this changes nothing in a run) and keeps its own seed
+    (its own masks), so that a resumed run draws what an uninterrupted one
+    would."""
+    pairs = []
+    for _, model, _ in self.copies:
+      source, target = _seed_states(self.model), _seed_states(model)
+      if len(source) != len(target):
+        raise ValueError("pipeline copy mismatch: "
+                         f"{len(source)} seed generators, {len(target)}")
+      pairs += zip(source, target)
+    return pairs
 
   def _copies_gradients(self, features, labels, scatter=False):
     """(R lists of gradients, loss, accuracy): every copy's gradients,
