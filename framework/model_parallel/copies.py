@@ -279,6 +279,21 @@ class PipelineCopies:
     copies' slices)."""
     return self.updater.apply(grads, variables)
 
+  def _copy_seed_pairs(self):
+    """(copy 0's, copy r's) Keras seed generator states ([seed, counter]),
+    which `model.weights` leaves out."""
+    def seed_states(model):
+      return [v for v in model.variables
+              if v.name == "seed_generator_state" and len(v.shape) == 1]
+    pairs = []
+    for _, model, _ in self.copies:
+      own, theirs = seed_states(self.model), seed_states(model)
+      if len(own) != len(theirs):
+        raise ValueError(f"pipeline copy mismatch: {len(own)} seed "
+                         f"generators, a copy has {len(theirs)}")
+      pairs += zip(own, theirs)
+    return pairs
+
   def _copy_pairs(self):
     """(copy 0's variable, copy r's variable): weights, optimizer slots."""
     # The slots. The step counter is shared and the learning rate copy 0's
@@ -306,10 +321,16 @@ class PipelineCopies:
     """
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()
+      seeds = self._copy_seed_pairs()
 
       def sync():
         for source, target in pairs:
           target.assign(source)
+        # A restore sets copy 0's dropout seed counters only: the copies
+        # take its counter (each keeps its own seed, so its own masks), as
+        # an uninterrupted run's copies, which advance together, have it.
+        for source, target in seeds:
+          target.assign(tf.concat([target[:1], source[1:]], 0))
 
       self._sync_copies_fn = tf.function(sync)
     self._sync_copies_fn()
