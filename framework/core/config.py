@@ -330,6 +330,9 @@ class OptimizerConfig:
                         ">= 0 (0: no decay)")
     if not self.learning_rate > 0:
       raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
+    if self.learning_rate == math.inf:  # one step would make every weight inf
+      raise ConfigError(f"learning_rate={self.learning_rate} must be finite "
+                        "(a number > 0, e.g. 0.001)")
     if self.warmup_steps < 0:
       raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
     if not 0 < self.decay_fraction <= 1:

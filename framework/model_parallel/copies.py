@@ -315,7 +315,6 @@ class PipelineCopies:
     """
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()
-
       seeds = self._seed_pairs()
 
       def sync():
@@ -406,7 +405,7 @@ class PipelineCopies:
     `scatter` copy r's slice only (`reduce_scatter_copies`)."""
     variables = self.variables
     reduced = [list(grads) for grads in per_copy]
-    for indices, devices in self._copy_groups():
+    for indices, devices in _by_dtype(self._copy_groups(), variables):
       group = [[grads[i] for i in indices] for grads in per_copy]
       summed = (reduce_scatter_copies(group, devices,
                                       [variables[i] for i in indices])
@@ -415,6 +414,18 @@ class PipelineCopies:
         for i, grad in zip(indices, grads):
           reduced[r][i] = grad
     return reduced
+
+
+def _by_dtype(groups, variables):
+  """`groups` split by variable dtype, empty ones dropped: one reduction
+  packs its gradients into one vector (a stage may mix float16, float32 and
+  float64 layers, or train no variable at all)."""
+  for indices, devices in groups:
+    dtypes = {}
+    for i in indices:
+      dtypes.setdefault(variables[i].dtype, []).append(i)
+    for same in dtypes.values():
+      yield same, devices
 
 
 def _add_on_devices(totals, grads, variables):

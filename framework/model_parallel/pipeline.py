@@ -604,7 +604,19 @@ class PipelineTrainer(StagedTrainer):
         # A clone of the graph (same layers, names and weights), cut at
         # the same nodes, its variables on copy r's devices.
         with strategy.scope():
-          clone = keras.models.clone_model(model)
+          try:
+            clone = keras.models.clone_model(model)
+          except (ValueError, TypeError, NotImplementedError) as e:
+            # E.g. a Lambda of a Python lambda, which Keras's safe mode
+            # will not rebuild from its config.
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else (
+                type(e).__name__)
+            raise ConfigError(
+                f"model={model.name}: the {len(replica_devices)} copies of "
+                "a pipeline on a data axis are clones of the Keras graph, "
+                f"and cloning it failed: {reason} (use layers that clone "
+                "from their get_config, e.g. a Layer subclass instead of a "
+                "Lambda, or a mesh without a data axis)") from e
           clone.set_weights(model.get_weights())
           clone_groups, _ = split_graph(clone, num_stages, self.boundaries)
           copies.append((graph_stages(clone, clone_groups, copy_devices,
