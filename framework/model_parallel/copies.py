@@ -184,8 +184,7 @@ def _seed_states(model):
   not weights, of shape [2] ([seed, counter])."""
   weights = {id(w) for w in model.weights}
   return [v for v in model.variables
-          if id(v) not in weights and tuple(v.shape) == (2,)
-          and "seed_generator" in v.path]
+          if id(v) not in weights and _tf_internal.is_seed_generator_state(v)]
 
 
 def tf_variable(variable):
