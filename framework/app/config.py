@@ -379,7 +379,8 @@ class ExperimentConfig:
     split = self.model_parallel
     where = (f"mesh={split.mesh}" if split.mesh
              else f"model_parallel={split.mode}")
-    if split.mode == "tensor" or self.model == "gpt":
+    if split.mode != "none" and (split.mode == "tensor" or
+                                 self.model == "gpt"):
       raise ConfigError(
           f"shard_parameters=True is not supported with {where} and "
           f"model={self.model} (a tensor split's copies keep their whole "
