@@ -25,7 +25,8 @@ PORT_RUNS, unless `--steps` / `--batch` set them for all):
   as discriminator and classifier, `gan.build_generator`) against the same
   two models and losses as a keras.Model with its own `train_step` under
   `fit` (keras-io's "GAN overriding Model.train_step" form); the same digits.
-- vit: keras-io's Vision Transformer at a small size (`vit_cifar10.build`:
+- vit: keras-io's Vision Transformer at a small size (`vit_cifar10.build`,
+  `--vit_layers` transformer layers:
   an unadapted `Normalization` that distloop adapts on its first
   `--adapt_examples` training images and fit's side adapts on the same
   images, random flip / rotation / zoom, `Patches`, `PatchEncoder`) with
