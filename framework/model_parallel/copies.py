@@ -14,10 +14,11 @@ summed across its R copies by TensorFlow's collective all-reduce
 (`all_reduce_copies`: one CollectiveReduceV2 per copy, on its device, over
 the data axis only) and every copy applies the same update, so the copies
 stay equal. Copy 0 is the model that checkpoints, summaries and the weights
-file see; the others follow it after a restore
-(`PipelineCopies.sync_copies`). With `shard_optimizer_state`, copy r keeps
-and updates 1/R of every optimizer slot (`optimizer_sharding`, ZeRO-1 on the
-data axis); with `shard_gradients` too, each stage's gradients are
+file see; the others follow it at the start of every `train`, where
+fingerprints taken on each copy's own devices differ (after a restore, a
+rollback, a user's `set_weights`: `PipelineCopies.sync_copies`). With
+`shard_optimizer_state`, copy r keeps and updates 1/R of every optimizer
+slot (`optimizer_sharding`, ZeRO-1 on the data axis); with `shard_gradients` too, each stage's gradients are
 reduce-scattered over the copies instead (`reduce_scatter_copies`, ZeRO-2),
 so copy r receives and accumulates only its slice. Under
 `grad_accum_steps` each copy runs that many whole pipeline passes per step,
@@ -356,7 +357,8 @@ class PipelineCopies:
                 lambda t=target, c=counter: tf.stack([t[0], c])))
         return tf.add_n(moved)
 
-      self._sync_copies_fn = tf.function(sync)
+      # Explicit conds: nothing for AutoGraph to convert.
+      self._sync_copies_fn = tf.function(sync, autograph=False)
     return self._sync_copies_fn()
 
   def _seed_pairs(self):

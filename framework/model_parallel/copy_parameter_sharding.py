@@ -125,8 +125,8 @@ class CopyParameterSharding:
           self._stored.append(tf.Variable(
               tf.fill([2], tf.constant(-1, tf.int64)), trainable=False,
               name="stored_fingerprint"))
-    self._load_fn = tf.function(self._load)
-    self._store_fn = tf.function(self._store)
+    self._load_fn = tf.function(self._load, autograph=False)
+    self._store_fn = tf.function(self._store, autograph=False)
 
   def load(self):
     """Cuts copy 0's variables into every copy's shards at the start of
