@@ -14,10 +14,11 @@ summed across its R copies by TensorFlow's collective all-reduce
 (`all_reduce_copies`: one CollectiveReduceV2 per copy, on its device, over
 the data axis only) and every copy applies the same update, so the copies
 stay equal. Copy 0 is the model that checkpoints, summaries and the weights
-file see; the others follow it after a restore
-(`PipelineCopies.sync_copies`). With `shard_optimizer_state`, copy r keeps
-and updates 1/R of every optimizer slot (`optimizer_sharding`, ZeRO-1 on the
-data axis); with `shard_gradients` too, each stage's gradients are
+file see; the others follow it at the start of every `train`, where
+fingerprints taken on each copy's own devices differ (after a restore, a
+rollback, a user's `set_weights`: `PipelineCopies.sync_copies`). With
+`shard_optimizer_state`, copy r keeps and updates 1/R of every optimizer
+slot (`optimizer_sharding`, ZeRO-1 on the data axis); with `shard_gradients` too, each stage's gradients are
 reduce-scattered over the copies instead (`reduce_scatter_copies`, ZeRO-2),
 so copy r receives and accumulates only its slice. Under
 `grad_accum_steps` each copy runs that many whole pipeline passes per step,
@@ -30,6 +31,7 @@ import tensorflow as tf
 from framework import _tf_internal
 from framework.core.optimizer_sharding import padded, shard_length
 from framework.errors import ConfigError
+from framework.model_parallel import fingerprints
 from framework.model_parallel.devices import short_device, variable_device
 
 
@@ -297,6 +299,13 @@ class PipelineCopies:
       pairs += zip(self.model.weights, model.weights)
       if self.copy_sharding is None:  # sharded: each copy its own slice
         pairs += zip(own(self.optimizer), own(optimizer))
+    if getattr(self, "parameter_sharding", None) is not None:
+      # ZeRO-3: the step reads copy r's shards, not its trainable variables.
+      trained = {id(tf_variable(v)) for _, model, _ in self.copies
+                 for v in model.trainable_variables}
+      pairs = [(a, b) for a, b in pairs if id(tf_variable(b)) not in trained]
+    pairs = [(a, b) for a, b in pairs
+             if tf_variable(a).shape.num_elements() != 0]  # nothing to set
     for a, b in pairs:
       if a.shape != b.shape:
         raise ValueError(f"pipeline copy mismatch: {a.path} {a.shape}, "
@@ -304,26 +313,53 @@ class PipelineCopies:
     return pairs
 
   def sync_copies(self):
-    """Sets every copy's weights and optimizer slots to copy 0's.
+    """Sets every copy's weights and optimizer slots to copy 0's where they
+    differ; returns the bytes it assigned (an int64 scalar tensor).
 
     Copy 0 is what checkpoints save and restore (and what the weights file
-    holds); the copies follow it after a restore. Equal copies stay equal:
-    they apply the same update every step. With the state sharded over the
-    copies only the weights: each copy's slots are its own slice, which a
-    restore sets directly (`optimizer_sharding`).
+    holds, and what a warm start, a rollback or a user's `set_weights`
+    changes); the copies follow it at the start of every `train`. Equal
+    copies stay equal: they apply the same update every step, so in an
+    uninterrupted run nothing moves. Each copy fingerprints its own
+    variables on its own devices (`fingerprints`); only the [2]-vectors
+    and a flag per variable cross devices, and a variable is assigned
+    from copy 0 only where its fingerprint differs. With the state sharded
+    over the copies only the weights: each copy's slots are its own slice,
+    which a restore sets directly (`optimizer_sharding`); with the weights
+    sharded too, only the weights the step reads (the layers' state: the
+    other copies' trainable variables are not read, their shards are).
     """
     if self._sync_copies_fn is None:
       pairs = self._copy_pairs()
       seeds = self._seed_pairs()
 
       def sync():
+        moved = [tf.zeros([], tf.int64)]
+        sources = {}  # copy 0's fingerprints, once for all copies
         for source, target in pairs:
-          target.assign(source)
+          source, target = tf_variable(source), tf_variable(target)
+          if id(source) not in sources:
+            with tf.device(variable_device(source)):
+              sources[id(source)] = fingerprints.fingerprint(source)
+          with tf.device(variable_device(target)):
+            changed = fingerprints.differs(sources[id(source)],
+                                           fingerprints.fingerprint(target))
+          moved.append(_assign_if(changed, target,
+                                  lambda s=source: tf.convert_to_tensor(s)))
         for source, target in seeds:
-          target.assign(tf.stack([target[0], source[1]]))
+          # Only the draw counter follows copy 0's (each copy its own seed).
+          source, target = tf_variable(source), tf_variable(target)
+          with tf.device(variable_device(target)):
+            counter = source[1]
+            changed = tf.not_equal(counter, target[1])
+            moved.append(_assign_if(
+                changed, target,
+                lambda t=target, c=counter: tf.stack([t[0], c])))
+        return tf.add_n(moved)
 
-      self._sync_copies_fn = tf.function(sync)
-    self._sync_copies_fn()
+      # Explicit conds: nothing for AutoGraph to convert.
+      self._sync_copies_fn = tf.function(sync, autograph=False)
+    return self._sync_copies_fn()
 
   def _seed_pairs(self):
     """(copy 0's, copy r's) Keras seed generator states ([seed, counter]:
@@ -413,6 +449,20 @@ class PipelineCopies:
         for i, grad in zip(indices, grads):
           reduced[r][i] = grad
     return reduced
+
+
+def _assign_if(changed, target, value):
+  """`target.assign(value())` when `changed` (a bool scalar); its bytes if
+  it ran, else 0. `value` reads copy 0 inside the branch: a branch not
+  taken reads and sends nothing."""
+  nbytes = (tf.TensorShape(target.shape).num_elements()
+            * tf.as_dtype(target.dtype).size)
+
+  def assign():
+    with tf.control_dependencies([target.assign(value())]):
+      return tf.constant(nbytes, tf.int64)
+
+  return tf.cond(changed, assign, lambda: tf.constant(0, tf.int64))
 
 
 def _by_dtype(groups, variables):

@@ -26,17 +26,21 @@ ZeRO-2's on the shards, in place, with nothing joined after it
 
 Copy 0's model variables (on its stages' devices) keep the whole weights
 for everything outside the step: checkpoints (the unsharded run's keys),
-evaluation, export, summaries. They are cut into every copy's shards when
-`train` starts (`load`: after a restore, a rollback or a warm start) and
-joined from them when it returns (`store`). The other copies' model
-variables are not read by the step.
+evaluation, export, summaries. They are joined from the shards when
+`train` returns (`store`, which fingerprints them) and cut into every
+copy's shards when it starts (`load`), each only where it changed in
+between (a restore, a rollback, a warm start, a user's assignment). The
+other copies' model variables are not read by the step.
 """
+
+import functools
 
 import keras
 import tensorflow as tf
 
 from framework.core.optimizer_sharding import padded, unshard
 from framework.errors import ConfigError
+from framework.model_parallel import fingerprints
 from framework.model_parallel.devices import variable_device
 from framework.model_parallel.parallel_layers import WeightScope
 
@@ -129,34 +133,69 @@ class CopyParameterSharding:
 
   def __init__(self, state):
     self.state = state
-    self._load_fn = tf.function(self._load)
-    self._store_fn = tf.function(self._store)
+    # The fingerprint of each of copy 0's variables as `store` left it, on
+    # its device (-1: none yet, never a fingerprint). Not checkpointed.
+    self._stored = []
+    with tf.init_scope():
+      for variable in state.variables[0]:
+        with tf.device(_tf(variable).device):
+          self._stored.append(tf.Variable(
+              tf.fill([2], tf.constant(-1, tf.int64)), trainable=False,
+              name="stored_fingerprint"))
+    self._load_fn = tf.function(self._load, autograph=False)
+    self._store_fn = tf.function(self._store, autograph=False)
 
   def load(self):
-    """Cuts copy 0's variables into every copy's shards: at the start of
-    every `train`."""
-    self._load_fn()
+    """Cuts copy 0's variables into every copy's shards at the start of
+    every `train`, each only where it changed since `store` (a restore, a
+    rollback, a warm start, a user's assignment): the shards still hold
+    what `store` joined. Returns the bytes assigned to the shards (an int64
+    scalar tensor)."""
+    return self._load_fn()
 
   def store(self):
-    """Joins the shards into copy 0's variables: at the end of every
-    `train`."""
+    """Joins the shards into copy 0's variables (and fingerprints them):
+    at the end of every `train`."""
     self._store_fn()
 
   def _load(self):
     state = self.state
+    moved = [tf.zeros([], tf.int64)]
     for i, variable in enumerate(state.variables[0]):
-      length = state.shards[0][i].shape[0]
-      with tf.device(_tf(variable).device):
-        rows = tf.reshape(padded(variable.value, length, state.num_shards),
-                          [state.num_shards, length])
-      for r, shards in enumerate(state.shards):
-        with tf.device(_tf(shards[i]).device):
-          shards[i].assign(rows[r])
+      variable = _tf(variable)
+      if not variable.shape.num_elements():
+        continue
+      with tf.device(variable.device):
+        changed = fingerprints.differs(fingerprints.fingerprint(variable),
+                                       self._stored[i])
+      moved.append(tf.cond(changed, functools.partial(self._cut, i),
+                           lambda: tf.constant(0, tf.int64)))
+    return tf.add_n(moved)
+
+  def _cut(self, i):
+    """Copy 0's variable i cut into the R copies' shards; their bytes."""
+    state = self.state
+    variable = _tf(state.variables[0][i])
+    length = state.shards[0][i].shape[0]
+    with tf.device(variable.device):
+      rows = tf.reshape(padded(tf.convert_to_tensor(variable), length,
+                               state.num_shards),
+                        [state.num_shards, length])
+    assigns = []
+    for r, shards in enumerate(state.shards):
+      with tf.device(_tf(shards[i]).device):
+        assigns.append(shards[i].assign(rows[r]))
+    with tf.control_dependencies(assigns):
+      return tf.constant(
+          state.num_shards * length * tf.as_dtype(variable.dtype).size,
+          tf.int64)
 
   def _store(self):
     state = self.state
     for i, variable in enumerate(state.variables[0]):
       with tf.device(_tf(variable).device):
-        joined = tf.concat([tf.convert_to_tensor(_tf(s[i]))
-                            for s in state.shards], 0)
-        variable.assign(unshard(joined, variable))
+        joined = unshard(tf.concat([tf.convert_to_tensor(_tf(s[i]))
+                                    for s in state.shards], 0), variable)
+        variable.assign(joined)
+        if _tf(variable).shape.num_elements():
+          self._stored[i].assign(fingerprints.fingerprint(joined))

@@ -25,7 +25,8 @@ PORT_RUNS, unless `--steps` / `--batch` set them for all):
   as discriminator and classifier, `gan.build_generator`) against the same
   two models and losses as a keras.Model with its own `train_step` under
   `fit` (keras-io's "GAN overriding Model.train_step" form); the same digits.
-- vit: keras-io's Vision Transformer at a small size (`vit_cifar10.build`:
+- vit: keras-io's Vision Transformer at a small size (`vit_cifar10.build`,
+  `--vit_layers` transformer layers:
   an unadapted `Normalization` that distloop adapts on its first
   `--adapt_examples` training images and fit's side adapts on the same
   images, random flip / rotation / zoom, `Patches`, `PatchEncoder`) with
@@ -87,6 +88,9 @@ flags.DEFINE_integer("run_seed", 0, "Seed of both trainers (weights, batch "
                      "order).")
 flags.DEFINE_integer("teacher_steps", 200, "distillation: the teacher's "
                      "training steps (model.fit, one device).")
+flags.DEFINE_integer("vit_layers", 4, "vit: its transformer layers "
+                     "(vit_cifar10.build's transformer_layers), both sides.",
+                     lower_bound=1)
 
 
 @flags.validator("port")
@@ -245,7 +249,8 @@ def _distloop(port, strategy_name, strategy):
             name="adamw", learning_rate=LEARNING_RATE,
             weight_decay=WEIGHT_DECAY),
         # Keras's AdamW under fit decays every variable.
-        weight_decay_exclude="^$"),
+        weight_decay_exclude="^$",
+        model_options={"transformer_layers": FLAGS.vit_layers}),
                              strategy=strategy, build_model=vit_cifar10.build)
   elif port.name == "vae":
     import vae  # pylint: disable=g-import-not-at-top
@@ -293,7 +298,8 @@ def _fit(port, strategy):
                     g_optimizer=keras.optimizers.Adam(LEARNING_RATE))
     elif port.name == "vit":
       import vit_cifar10  # pylint: disable=g-import-not-at-top
-      model = vit_cifar10.build(shape, classes)
+      model = vit_cifar10.build(shape, classes,
+                                transformer_layers=FLAGS.vit_layers)
       # keras-io: data_augmentation.layers[0].adapt(x_train); here on the
       # images distloop adapts it on.
       model.get_layer("data_augmentation").layers[0].adapt(
