@@ -290,6 +290,16 @@ def is_seed_generator_state(variable):
   return variable.name == SEED_GENERATOR_STATE
 
 
+_STATELESS_SCOPE = importlib.import_module(
+    "keras.src.backend.common.stateless_scope")
+
+
+def stateless_scope():
+  """The `keras.StatelessScope` Keras reads variables through now, or None.
+  Missing publicly: the active scope (only the class is exported)."""
+  return _STATELESS_SCOPE.get_stateless_scope()
+
+
 # The attributes under which Keras 3.15's random layers keep their
 # SeedGenerator: `seed_generator` (Dropout, the noise layers, Attention),
 # `generator` (the preprocessing layers: RandomFlip, RandomCrop, ...).

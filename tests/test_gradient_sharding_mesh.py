@@ -136,15 +136,8 @@ def test_a_mesh_with_a_data_axis_takes_shard_gradients():
      "shard_gradients=True needs shard_optimizer_state=True (it shards the "
      "gradients of the sharded optimizer update, ZeRO-2 over ZeRO-1); add "
      "shard_optimizer_state or turn shard_gradients off"),
-    (dict(shard_parameters=True),
-     "shard_parameters=True is not supported with mesh=data:2,model:2 and "
-     "model=gpt (a tensor split's copies keep their whole weights; a "
-     "pipeline of a Keras graph's layers shards them); turn "
-     "shard_parameters off (shard_optimizer_state and shard_gradients "
-     "shard the slots and the gradients over the data axis)"),
-    (dict(mesh="", mode="pipeline", num_stages=2, strategy="mirrored",
-          shard_parameters=True),
-     "shard_parameters=True is not supported with model_parallel=pipeline"),
+    (dict(shard_parameters=True, jit_compile=True),
+     "shard_parameters=True does not support jit_compile=True"),
 ])
 def test_what_a_mesh_cannot_shard_is_one_line(kwargs, message):
   with pytest.raises(ConfigError, match=re.escape(message)) as error:

@@ -132,6 +132,15 @@ def test_a_pipeline_with_a_data_axis_takes_shard_parameters():
                  strategy="mirrored").shard_parameters
 
 
+def test_a_gpt_split_with_a_data_axis_takes_shard_parameters():
+  # Its own tensor split (data x model), and its pipeline, which is its
+  # split cut into stages (data x pipeline).
+  assert _config("data:2,model:2", model="gpt").shard_parameters
+  assert _config(model="gpt").shard_parameters
+  assert _config("data:2,model:2,pipeline:2", model="gpt",
+                 recompute="true").shard_parameters
+
+
 def test_an_unsplit_gpt_under_mirrored_takes_shard_parameters():
   # Its ZeRO-3 is the mirrored replicas' (docs/results/memory.md's rows);
   # only a split of it was refused.
@@ -141,12 +150,11 @@ def test_an_unsplit_gpt_under_mirrored_takes_shard_parameters():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(mesh="data:2,model:2", model="gpt"),
-     "shard_parameters=True is not supported with mesh=data:2,model:2 and "
-     "model=gpt (a tensor split's copies keep their whole weights"),
-    (dict(model="gpt"),
-     "shard_parameters=True is not supported with mesh=data:2,pipeline:2 "
-     "and model=gpt"),
+    (dict(mesh="data:2,model:2", model="gpt", recompute="attention"),
+     "shard_parameters=True with mesh=data:2,model:2 recomputes each "
+     "pipeline stage (it joins the stage's weights again for the backward "
+     "pass); recompute=attention is not supported with it: use "
+     "--recompute=none or true"),
     (dict(recompute="blocks"),
      "shard_parameters=True with mesh=data:2,pipeline:2 recomputes each "
      "pipeline stage (it joins the stage's weights again for the backward "
@@ -163,7 +171,7 @@ def test_what_zero3_on_a_mesh_cannot_do_is_one_line(kwargs, message):
   assert "\n" not in str(error.value)
 
 
-def test_the_trainer_refuses_a_tensor_split_and_a_single_copy():
+def test_the_trainers_refuse_a_single_copy():
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from framework import model_parallel as mp  # pylint: disable=g-import-not-at-top
@@ -175,6 +183,7 @@ def test_the_trainer_refuses_a_tensor_split_and_a_single_copy():
   with pytest.raises(ConfigError, match="this split has one"):
     mp.PipelineTrainer(model, keras.optimizers.Adam(1e-2), strategy,
                        num_stages=2, devices=["/CPU:0", "/CPU:1"], **sharded)
-  with pytest.raises(ConfigError, match="not supported with a tensor split"):
+  # A Dense pair split has no copies: nothing to shard its weights over.
+  with pytest.raises(ConfigError, match="this split has one"):
     mp.TensorParallelTrainer(model, keras.optimizers.Adam(1e-2), strategy,
                              num_shards=2, **sharded)

@@ -243,10 +243,10 @@ class ExperimentConfig:
       "recomputed), whose gradient is reduce-scattered. Mirrored and "
       "multi_worker_mirrored with 2 or more replicas, functional or "
       "Sequential models, no --ema_decay, --log_layer_norms or "
-      "--jit_compile; on a model split, a pipeline of Keras layers on a "
-      "mesh's data axis (--mesh=data:R,pipeline:S: each copy keeps 1/R of "
-      "its stages' weights, joined per stage and micro-batch), not a tensor "
-      "split. The model's variables keep the whole weights for "
+      "--jit_compile; on a model split, the copies on a mesh's data axis "
+      "(--mesh=data:R,pipeline:S, or data:R,model:M for the GPT: each copy "
+      "keeps 1/R of its stages' weights, joined per stage and micro-batch "
+      "on each weight's device). The model's variables keep the whole weights for "
       "checkpoints, evaluation and export, written from the shards after "
       "every --steps_per_loop steps; checkpoints are unchanged (a run "
       "resumes with it on or off and on another replica count).")
@@ -370,7 +370,8 @@ class ExperimentConfig:
   def _check_parameter_sharding(self):
     """`shard_parameters` (ZeRO-3) extends ZeRO-1 and 2 over (multi-worker)
     mirrored replicas of an unsplit model, whose step reads no whole
-    weight, or over the copies of a pipeline on a mesh's data axis."""
+    weight, or over the copies of a split on a mesh's data axis (a
+    pipeline, or the GPT's tensor split)."""
     for name in ("shard_optimizer_state", "shard_gradients"):
       if not getattr(self, name):
         raise ConfigError(
@@ -379,16 +380,7 @@ class ExperimentConfig:
     split = self.model_parallel
     where = (f"mesh={split.mesh}" if split.mesh
              else f"model_parallel={split.mode}")
-    if split.mode != "none" and (split.mode == "tensor" or
-                                 self.model == "gpt"):
-      raise ConfigError(
-          f"shard_parameters=True is not supported with {where} and "
-          f"model={self.model} (a tensor split's copies keep their whole "
-          f"weights; a pipeline of a Keras graph's layers shards them); "
-          f"turn shard_parameters off (shard_optimizer_state and "
-          f"shard_gradients shard the slots and the gradients over the data "
-          f"axis)")
-    if split.mode == "pipeline":
+    if split.mode != "none":
       recompute = parse_recompute(split.recompute)
       if recompute not in (False, True):
         raise ConfigError(

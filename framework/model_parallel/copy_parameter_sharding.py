@@ -1,5 +1,7 @@
-"""ZeRO-3 on a mesh's data axis: a pipeline's copies keep 1/R of every
-weight (`shard_parameters` with `--mesh=data:R,pipeline:S`).
+"""ZeRO-3 on a mesh's data axis: a split's copies keep 1/R of every
+weight (`shard_parameters` with `--mesh=data:R,pipeline:S`, or
+`--mesh=data:R,model:M` for a model with a whole-model tensor split, the
+GPT).
 
 ZeRO-1 and 2 on the data axis (`optimizer_sharding.CopyShardedState`,
 `copies.reduce_scatter_copies`) give copy r the shard variables `w_r` (the
@@ -27,8 +29,8 @@ for everything outside the step: checkpoints (the unsharded run's keys),
 evaluation, export, summaries. They are joined from the shards when
 `train` returns (`store`, which fingerprints them) and cut into every
 copy's shards when it starts (`load`), each only where it changed in
-between (a restore, a rollback, a warm start, a user's assignment). The other copies' model
-variables are not read by the step.
+between (a restore, a rollback, a warm start, a user's assignment). The
+other copies' model variables are not read by the step.
 """
 
 import functools
@@ -39,6 +41,8 @@ import tensorflow as tf
 from framework.core.optimizer_sharding import padded, unshard
 from framework.errors import ConfigError
 from framework.model_parallel import fingerprints
+from framework.model_parallel.devices import variable_device
+from framework.model_parallel.parallel_layers import WeightScope
 
 
 def _tf(variable):
@@ -64,13 +68,17 @@ class StageShards:
     self.state_variables = list(state_variables)
 
   def gather(self, after):
-    """Each variable's whole value, joined on the current device from the
-    R copies' shards once `after` exist."""
+    """Each variable's whole value, joined on its device (a pipeline
+    stage's, or a tensor split's device position) from the R copies'
+    shards once `after` exist."""
     shards = self.state.shards
+    weights = []
     with tf.name_scope("gather_weights/"), tf.control_dependencies(after):
-      return [unshard(tf.concat([tf.convert_to_tensor(_tf(s[i]))
-                                 for s in shards], 0), v)
-              for i, v in zip(self.indices, self.variables)]
+      for i, v in zip(self.indices, self.variables):
+        with tf.device(variable_device(v)):
+          weights.append(unshard(tf.concat(
+              [tf.convert_to_tensor(_tf(s[i])) for s in shards], 0), v))
+    return weights
 
   def run(self, fn, after, tape=None):
     """(fn()'s outputs, the gathered weights): `fn` runs the stage's
@@ -86,8 +94,9 @@ class StageShards:
     weights = self.gather(after)
     if tape is not None:
       tape.watch(weights)
-    with keras.StatelessScope(list(zip(self.variables, weights)),
-                              collect_losses=True) as scope:
+    # A WeightScope: a tensor split's `on_device` blocks take the weights
+    # as inputs, so the tape differentiates them through its placed passes.
+    with WeightScope(self.variables, weights, collect_losses=True) as scope:
       outputs = fn()
     if scope.losses:
       raise ConfigError(
@@ -104,7 +113,15 @@ class StageShards:
       if new is not None:
         writes.append(v.assign(new))
     with tf.control_dependencies(writes):
-      return tf.nest.map_structure(tf.identity, outputs), weights
+      return tf.nest.map_structure(_identity_in_place, outputs), weights
+
+
+def _identity_in_place(tensor):
+  """`tf.identity(tensor)` on the tensor's own device: a tensor split's
+  outputs stay on their shard devices (its loss places its blocks where
+  they are)."""
+  with tf.device(tensor.device):
+    return tf.identity(tensor)
 
 
 class CopyParameterSharding:

@@ -81,40 +81,108 @@ from framework.model_parallel.copies import SUM, collective_all_reduce
 from framework.model_parallel.devices import short_device
 
 
+class WeightScope(keras.StatelessScope):
+  """A `keras.StatelessScope` whose values are weights a tape
+  differentiates (ZeRO-3's weights joined from their shards): the layers
+  read `weights[i]` for `variables[i]`.
+
+  `on_device` hands them into its block as inputs (a custom gradient gives
+  gradients to its inputs and to the variables it reads, not to tensors
+  it closes over), so their gradients reach the enclosing tape.
+  """
+
+  def __init__(self, variables, weights, **kwargs):
+    self.variables = list(variables)
+    super().__init__(list(zip(self.variables, weights)), **kwargs)
+
+  @property
+  def weights(self):
+    """The current value of each of `variables`."""
+    return [self.get_current_value(v) for v in self.variables]
+
+
+class _BlockReads(keras.StatelessScope):
+  """Inside an `on_device` block under a `WeightScope`: a read of weight i
+  is a copy, onto the block's device, of the block's input for it, made
+  at the first read and watched by the block's tape; any other read, an
+  update or a loss goes to the enclosing scope."""
+
+  def __init__(self, outer, inputs, tape):
+    super().__init__()
+    self.outer, self.inputs, self.tape = outer, inputs, tape
+    self.index = {id(v): i for i, v in enumerate(outer.variables)}
+    self.read = {}  # weight index -> its copy on the block's device
+
+  def get_current_value(self, variable):
+    i = self.index.get(id(variable))
+    if i is None:
+      return self.outer.get_current_value(variable)
+    if i not in self.read:
+      self.read[i] = tf.identity(self.inputs[i])
+      self.tape.watch(self.read[i])
+    return self.read[i]
+
+  def add_update(self, update):
+    self.outer.add_update(update)
+
+  def add_loss(self, loss):
+    self.outer.add_loss(loss)
+
+
 def on_device(device, fn, *inputs):
   """`fn(*inputs)` on `device`, forward and backward.
 
   Args:
     device: where the ops of `fn` and of its gradient run.
     fn: `(*tensors) -> tensor or tuple of tensors`; may read variables
-      (their gradients are returned to the enclosing tape).
+      (their gradients are returned to the enclosing tape), or under a
+      `WeightScope` the weights standing for them (their gradients too).
     *inputs: float tensors (integers, e.g. token ids, are closed over by
       `fn` instead: they have no gradient).
   """
+  scope = _tf_internal.stateless_scope()
+  if not isinstance(scope, WeightScope):
+    scope = None
+  count = len(inputs)
 
   @tf.custom_gradient
   def block(*xs):
+    reads = None
     with tf.device(device):
       with tf.GradientTape() as tape:
         # One copy onto this device, watched, instead of one per consumer.
-        local = [tf.identity(x) for x in xs]
+        local = [tf.identity(x) for x in xs[:count]]
         tape.watch(local)
-        outputs = fn(*local)
+        if scope is None:
+          outputs = fn(*local)
+        else:
+          with _BlockReads(scope, xs[count:], tape) as reads:
+            outputs = fn(*local)
     flat = tf.nest.flatten(outputs)
 
     def grad(*output_grads, variables=None):
       variables = list(variables or [])
+      read = sorted(reads.read.items()) if reads is not None else []
       with tf.device(device):
         grads = tape.gradient(
-            flat, local + variables, output_gradients=list(output_grads),
+            flat, local + [t for _, t in read] + variables,
+            output_gradients=list(output_grads),
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      return grads[:len(local)], grads[len(local):]
+      if scope is None:
+        return grads[:len(local)], grads[len(local):]
+      # A weight this block did not read gets no gradient (not a zero).
+      weight_grads = [None] * len(scope.variables)
+      for (i, _), g in zip(read, grads[count:count + len(read)]):
+        weight_grads[i] = g
+      return (grads[:count] + weight_grads,
+              grads[count + len(read):])
 
     return outputs, grad
 
+  weights = scope.weights if scope is not None else []
   with tf.device(device):
     # Outputs that name their device (`vocab_parallel_statistics` reads it).
-    return tf.nest.map_structure(tf.identity, block(*inputs))
+    return tf.nest.map_structure(tf.identity, block(*inputs, *weights))
 
 
 def _sum_on_every_device(values, devices):

@@ -362,8 +362,8 @@ class StagedTrainer(PipelineCopies, Trainer):
       `copy_parameter_sharding`): each stage joins its weights from the
       copies' shards per micro-batch, forward and again in its recomputed
       backward pass; the model's variables keep the whole weights outside
-      the step. Pipelines of `Stage`s only (not a tensor split). None
-      (not given): off, as the setting's default.
+      the step (a tensor split's stage joins each weight on its device
+      position). None (not given): off, as the setting's default.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
 
@@ -420,8 +420,8 @@ class StagedTrainer(PipelineCopies, Trainer):
           "yet; remove the regularisers (use optimizer=adamw for weight "
           "decay)")
     if shard_parameters:
-      _check_parameter_sharding(stages, copies, recompute,
-                                shard_optimizer_state, shard_gradients, kwargs)
+      _check_parameter_sharding(copies, recompute, shard_optimizer_state,
+                                shard_gradients, kwargs)
       recompute = True  # the backward pass gathers the weights again
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
@@ -683,8 +683,8 @@ class StagedTrainer(PipelineCopies, Trainer):
     return metrics
 
 
-def _check_parameter_sharding(stages, copies, recompute,
-                              shard_optimizer_state, shard_gradients, kwargs):
+def _check_parameter_sharding(copies, recompute, shard_optimizer_state,
+                              shard_gradients, kwargs):
   """ConfigError for what ZeRO-3 on the data axis cannot go with."""
   for name, value in (("shard_optimizer_state", shard_optimizer_state),
                       ("shard_gradients", shard_gradients)):
@@ -697,12 +697,6 @@ def _check_parameter_sharding(stages, copies, recompute,
         "shard_parameters=True shards the weights over a split's copies; "
         "this split has one (use a mesh with a data axis, e.g. "
         "--mesh=data:2,pipeline:2)")
-  if any(isinstance(stage, ParallelStage) for stage in stages):
-    raise ConfigError(
-        "shard_parameters=True shards a pipeline's stages; a tensor split's "
-        "devices are not supported: turn shard_parameters off "
-        "(shard_optimizer_state and shard_gradients shard the slots and "
-        "the gradients over the data axis)")
   value = parse_recompute(recompute)
   if value not in (False, True):
     raise ConfigError(

@@ -425,13 +425,6 @@ class TensorParallelTrainer(StagedTrainer):
                devices=None, replica_devices=None,
                tensor_stages=default(SplitConfig, "tensor_stages"), **kwargs):
     check_positive("tensor_stages", tensor_stages)
-    if kwargs.get("shard_parameters"):
-      raise ConfigError(
-          "shard_parameters=True is not supported with a tensor split (its "
-          "weights are cut over the model axis already; a pipeline's stages "
-          "shard theirs over the data axis); turn shard_parameters off "
-          "(shard_optimizer_state and shard_gradients shard the slots and "
-          "the gradients over the data axis)")
     self._unsplit_optimizer = None  # a transformer split's checkpoint view
     split = split_for(model)
     if split is not None:  # a whole transformer (see the module)
