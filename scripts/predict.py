@@ -59,6 +59,7 @@ def run():
   export.check_model_code(info, config.trust_model_code)
   true_label = None
   prediction.check_predictable(info)
+  prediction.check_classifier(info)
   if config.image is not None:
     image = prediction.load_image(config.image, info["input_shape"])
     source = config.image

@@ -305,6 +305,14 @@ class ExperimentConfig:
           "log_layer_norms=True writes on the summary_every steps, but "
           "summary_every=0 records none; set summary_every (e.g. 100) or "
           "turn log_layer_norms off")
+    if self.spike_policy != "none" and self.model_parallel.mode != "none":
+      split = self.model_parallel
+      where = (f"mesh={split.mesh}" if split.mesh
+               else f"model_parallel={split.mode}")
+      raise ConfigError(
+          f"spike_policy={self.spike_policy} is not supported with {where} "
+          "(a split's step applies its update without the spike check); "
+          "use --spike_policy=none")
     builtin = builtin_options.ModelOptions
     self.model_parallel.check_model(
         self.model, self.model_options.get("num_heads", builtin.num_heads),

@@ -286,6 +286,16 @@ def write_json(path, summary):
     json.dump(summary, f, indent=2)
 
 
+def check_classifier(info):
+  """ConfigError where `info` (model_info.json) describes a language model:
+  --index and --image classify images."""
+  if info.get("task") == TASK:
+    raise ConfigError(
+        f"model={info['model']} was trained on dataset={info.get('dataset')}"
+        ", a language model: --index and --image classify images; continue "
+        "a text with --prompt (e.g. --prompt='def ')")
+
+
 def check_language_model(info):
   """ConfigError unless `info` (model_info.json) describes a language model."""
   if info.get("task") != TASK:

@@ -67,9 +67,12 @@ class GradientPipeline:
     if reduce is not None:
       return self._accumulate_reduced(micro_batch, reduce, reduce(grads),
                                       metrics)
+    # An embedding lookup's gradient is IndexedSlices, which `+` does not
+    # add; summed dense, it keeps one shape over the loop's iterations.
+    grads = [_dense(g) for g in grads]
     for i in tf.range(1, k):
       more_grads, more_metrics = self.compute_gradients(micro_batch(i))
-      grads = [g + h for g, h in zip(grads, more_grads)]
+      grads = [g + _dense(h) for g, h in zip(grads, more_grads)]
       metrics = {name: metrics[name] + more_metrics[name] for name in metrics}
     return grads, metrics
 
@@ -358,3 +361,10 @@ def _bucketed_all_reduce(context, values, config):
     for i, value in zip(bucket, sums):
       reduced[i] = value
   return reduced
+
+
+def _dense(grad):
+  """`grad` as a dense tensor where it is IndexedSlices."""
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.convert_to_tensor(grad)
+  return grad

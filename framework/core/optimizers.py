@@ -119,6 +119,23 @@ class _Constant(keras.optimizers.schedules.LearningRateSchedule):
     return {"value": self.value}
 
 
+class _Shifted(keras.optimizers.schedules.LearningRateSchedule):
+  """`after(max(step - shift, 0))`: a schedule that starts after the
+  warm-up. A class, not a lambda, so the optimizer's `get_config` works (a
+  split's copies build their optimizers from it)."""
+
+  def __init__(self, after, shift):
+    self.after = after
+    self.shift = shift
+
+  def __call__(self, step):
+    return self.after(tf.maximum(step - self.shift, 0))
+
+  def get_config(self):
+    return {"after": keras.optimizers.schedules.serialize(self.after),
+            "shift": self.shift}
+
+
 def make_schedule(config):
   """The learning-rate schedule (a function of the optimizer step)."""
   peak = config.learning_rate
@@ -142,8 +159,8 @@ def make_schedule(config):
     after = keras.optimizers.schedules.CosineDecay(
         peak, decay_steps=max(config.total_steps - config.warmup_steps, 1),
         alpha=config.min_lr_ratio)
-    shifted = lambda step: after(tf.maximum(step - config.warmup_steps, 0))
-    return WarmupSchedule(shifted, config.warmup_steps)
+    return WarmupSchedule(_Shifted(after, config.warmup_steps),
+                          config.warmup_steps)
   if config.schedule == "step":
     values = [peak * config.step_decay**i
               for i in range(len(config.step_boundaries) + 1)]

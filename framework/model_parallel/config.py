@@ -381,7 +381,8 @@ class ModelParallelConfig:
           f"recompute={self.recompute} recomputes runs of an unsplit "
           f"model's top-level layers; a {self.mode} split runs its own "
           "pieces: use --recompute=blocks, attention or true with "
-          "--model_parallel/--mesh")
+          "--model_parallel/--mesh (only true or none with "
+          "--shard_parameters)")
     if self.devices == "cluster" and self.mode == "none":
       raise ConfigError("model_parallel_devices=cluster places the pieces of "
                         "a split model; set --model_parallel=pipeline or "

@@ -387,6 +387,13 @@ class StagedTrainer(PipelineCopies, Trainer):
           "mixed_precision=float16 (dynamic loss scaling) is not supported "
           "with a model split; use mixed_precision=bfloat16 (no loss scale) "
           "or float32")
+    spike_policy = kwargs.get("spike_policy", "none")
+    if spike_policy != "none":
+      # The copies' sharded updates would drop the spike signals silently.
+      raise ConfigError(
+          f"spike_policy={spike_policy} is not supported with a model split "
+          "(a split's step applies its update without the spike check); "
+          "use --spike_policy=none")
     # Not `Trainer`'s: the copies' sharding is this trainer's own.
     shard_gradients = kwargs.pop("shard_gradients",
                                  default(TrainerConfig, "shard_gradients"))
