@@ -108,7 +108,9 @@ class _BlockReads(keras.StatelessScope):
   update or a loss goes to the enclosing scope."""
 
   def __init__(self, outer, inputs, tape):
-    super().__init__()
+    # Losses go where the enclosing scope sends them (ZeRO-3 refuses a
+    # layer that adds one: it collects them to say so).
+    super().__init__(collect_losses=outer.collect_losses)
     self.outer, self.inputs, self.tape = outer, inputs, tape
     self.index = {id(v): i for i, v in enumerate(outer.variables)}
     self.read = {}  # weight index -> its copy on the block's device
@@ -141,6 +143,11 @@ def on_device(device, fn, *inputs):
       `fn` instead: they have no gradient).
   """
   scope = _tf_internal.stateless_scope()
+  if isinstance(scope, _BlockReads):
+    # The inner block's custom gradient would not see the outer block's
+    # copies of the weights: their gradients would be lost.
+    raise ValueError("on_device blocks do not nest under a WeightScope "
+                     "(ZeRO-3's joined weights); call them one after another")
   if not isinstance(scope, WeightScope):
     scope = None
   count = len(inputs)
