@@ -387,7 +387,8 @@ class StagedTrainer(PipelineCopies, Trainer):
           "mixed_precision=float16 (dynamic loss scaling) is not supported "
           "with a model split; use mixed_precision=bfloat16 (no loss scale) "
           "or float32")
-    spike_policy = kwargs.get("spike_policy", "none")
+    spike_policy = kwargs.get("spike_policy",
+                              default(TrainerConfig, "spike_policy"))
     if spike_policy != "none":
       # The copies' sharded updates would drop the spike signals silently.
       raise ConfigError(
