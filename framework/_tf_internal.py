@@ -271,6 +271,13 @@ def variable_handle(variable):
   return variable.value.handle
 
 
+def stored_value(variable):
+  """The value a Keras variable holds, read past any `keras.StatelessScope`
+  (as Keras reads it outside one). Missing publicly: reading a variable
+  inside a stateless scope without the scope's value."""
+  return tf.convert_to_tensor(variable._value)
+
+
 def initialize_variable(variable, value):
   """(Re)creates a Keras variable's backing tf.Variable from `value` under
   the current device scope (to place it). Missing publicly: placing an

@@ -79,7 +79,43 @@ def op_counts(trainer):
        tf.TensorSpec((BATCH,), tf.int32))).graph
   ops = graph.get_operations()
   return {"gathers": sum(op.type == "ConcatV2" and "gather_weights/"
-                         in op.name for op in ops)}
+                         in op.name for op in ops), **joins(graph)}
+
+
+def _in_backward(op):
+  """Whether `op` belongs to a backward pass: a tape's gradient op, or a
+  placed block's second run (`parallel_layers.on_device`)."""
+  return "gradient_tape/" in op.name or "block_backward" in op.name
+
+
+def _weight_users(join):
+  """The ops that read a joined weight (past its reshape, slice, cast)."""
+  users, frontier = [], [join]
+  while frontier:
+    for tensor in frontier.pop().outputs:
+      for op in tensor.consumers():
+        if op.type in ("StridedSlice", "Reshape", "Identity", "Cast"):
+          frontier.append(op)
+        else:
+          users.append(op)
+  return users
+
+
+def joins(graph):
+  """ZeRO-3's weight joins in a traced step: how many in the forward and
+  in the backward pass; `groups`, the distinct sets of tensors the forward
+  joins wait for (one per block that reads weights: one per stage if a
+  stage joined all its weights at once); `kept`, forward joins whose
+  weight a backward op reads (kept alive until then)."""
+  ops = [op for op in graph.get_operations()
+         if op.type == "ConcatV2" and "gather_weights/" in op.name]
+  forward = [op for op in ops if not _in_backward(op)]
+  groups = {frozenset(c.name for t in op.inputs for c in t.op.control_inputs)
+            for op in forward}
+  return {"forward": len(forward), "backward": len(ops) - len(forward),
+          "groups": len(groups),
+          "kept": sum(any(_in_backward(user) for user in _weight_users(op))
+                      for op in forward)}
 
 
 def step_variables_by_device(trainer):

@@ -17,6 +17,7 @@ from framework import model_parallel as mp
 from framework.core import protocols
 from framework.core.trainer import Trainer
 from models import gpt_parallel
+from tests.copy_parameter_sharding_reference import joins
 from tests.model_parallel_reference import build
 from tests.transformer_split_reference import flat, relative
 
@@ -144,6 +145,7 @@ def run(steps=2):
           case.setdefault("gathers", {})[mode] = sum(
               op.type == "ConcatV2" and "gather_weights/" in op.name
               for op in graph.get_operations())
+          case.setdefault("joins", {})[mode] = joins(graph)
         start = weights(trainer)
         metrics = trainer.train(iter(dataset(2 * steps)), steps)
         case.setdefault("grad_norm", {})[mode] = float(metrics["grad_norm"])

@@ -1,7 +1,8 @@
 """Parameter sharding (ZeRO-3) on a mesh's data axis: each of the 2 copies
-of a 2-stage pipeline keeps half of its stages' weights, joins them per
-stage and micro-batch (forward, and again in the recomputed backward pass)
-and trains as ZeRO-2 and unsharded do on the same mesh, with momentum and
+of a 2-stage pipeline keeps half of its stages' weights, joins each
+layer's per call and micro-batch (forward, and again in the backward pass,
+which runs the layer again) and trains as ZeRO-2 and unsharded do on the
+same mesh (to rounding), with momentum and
 AdamW, gradient accumulation, clipping, Dropout and BatchNorm; its
 checkpoints resume unsharded, without a split, and the reverse.
 
@@ -74,7 +75,9 @@ def test_zero3_equals_zero2_and_unsharded_on_the_mesh(mesh, optimizer):
       assert difference <= TOLERANCE * max(value, 1e-3 * largest), (
           mode, key, difference, value)
   # The same sums on the same devices: ZeRO-3 is ZeRO-2 bit for bit.
-  assert mesh[f"{optimizer}/zero3_vs_zero2"] == 0.0
+  # ZeRO-2's up to rounding: each layer runs again in the backward pass
+  # (ops of its own, which round differently).
+  assert mesh[f"{optimizer}/zero3_vs_zero2"] < TOLERANCE
 
 
 @pytest.mark.slow
@@ -91,14 +94,20 @@ def test_the_step_reads_only_each_copys_half_of_the_weights(mesh):
 
 
 @pytest.mark.slow
-def test_each_stage_joins_its_weights_forward_and_backward(mesh):
+def test_each_layer_joins_its_weights_forward_and_again_backward(mesh):
   ops = mesh["ops"]
   assert ops["plain"]["gathers"] == ops["zero2"]["gathers"] == 0
+  zero3 = ops["zero3"]
   variables = sum(len(sizes) for sizes in mesh["read"]["plain"].values())
   # Every variable of every copy's stages, per accumulation step (2) and
   # micro-batch (2): joined for the forward pass and again for the
-  # recomputed backward pass.
-  assert ops["zero3"]["gathers"] == variables * 2 * 2 * 2
+  # backward pass; no forward join is kept for the backward pass.
+  assert zero3["forward"] == zero3["backward"] == variables * 2 * 2
+  assert zero3["kept"] == 0
+  # Each layer's joins wait for that layer's inputs (not its stage's): 4
+  # layers with weights (Dense; BatchNorm, Dense, Dense) per copy (2),
+  # accumulation step (2) and micro-batch (2).
+  assert zero3["groups"] == 4 * 2 * 2 * 2
 
 
 @pytest.mark.slow
@@ -111,7 +120,7 @@ def test_a_zero3_checkpoint_resumes_unsharded_and_unsplit_and_back(mesh):
 
 @pytest.mark.slow
 def test_a_sequential_models_stages_shard_too(mesh):
-  assert mesh["sequential_zero3_vs_zero2"] == 0.0
+  assert mesh["sequential_zero3_vs_zero2"] < TOLERANCE
   assert mesh["sequential_moved"] > 1e-3
 
 
@@ -151,14 +160,14 @@ def test_an_unsplit_gpt_under_mirrored_takes_shard_parameters():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(mesh="data:2,model:2", model="gpt", recompute="attention"),
-     "shard_parameters=True with mesh=data:2,model:2 recomputes each "
-     "pipeline stage (it joins the stage's weights again for the backward "
-     "pass); recompute=attention is not supported with it: use "
+     "shard_parameters=True with mesh=data:2,model:2 runs each layer's "
+     "block again in the backward pass (it joins the block's weights again "
+     "there); recompute=attention is not supported with it: use "
      "--recompute=none or true"),
     (dict(recompute="blocks"),
-     "shard_parameters=True with mesh=data:2,pipeline:2 recomputes each "
-     "pipeline stage (it joins the stage's weights again for the backward "
-     "pass); recompute=blocks is not supported with it: use "
+     "shard_parameters=True with mesh=data:2,pipeline:2 runs each layer's "
+     "block again in the backward pass (it joins the block's weights again "
+     "there); recompute=blocks is not supported with it: use "
      "--recompute=none or true"),
     (dict(check_distribution=True),
      "shard_parameters=True does not support check_distribution=True"),

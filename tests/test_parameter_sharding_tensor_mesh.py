@@ -1,8 +1,10 @@
 """Parameter sharding (ZeRO-3) over the copies of a tensor split: the GPT
 on `data:2,model:2` and on its own pipeline `data:2,pipeline:2`; each
-copy keeps half of every weight of its device positions, joins them on
-their devices per pass and trains as ZeRO-2 and unsharded do on the same
-mesh, with Adam and AdamW, gradient accumulation and clipping;
+copy keeps half of every weight of its device positions, each placed
+block joins the weights it reads on its device, forward and again
+backward, and the copies train as ZeRO-2 and unsharded do on the same
+mesh (to rounding), with Adam and AdamW, gradient accumulation and
+clipping;
 its checkpoints resume unsharded, without a split, and the reverse; a
 run killed with kill -9 and relaunched ends as an uninterrupted one.
 
@@ -65,39 +67,50 @@ def test_zero3_equals_zero2_and_unsharded_on_a_tensor_mesh(mesh, case):
   slots = [k for k in saved if k not in weights]
   # The unsplit GPT's 36 weights (saved once, under the optimizer's keys).
   assert len(weights) == 36 and len(slots) >= 36, sorted(saved)
-  largest = max(saved[k][1] for k in weights)
+  largest_weight = max(saved[k][1] for k in weights)
   for key in weights:
-    assert saved[key][0] <= TOLERANCE * largest, (key, saved[key])
+    assert saved[key][0] <= TOLERANCE * largest_weight, (key, saved[key])
   largest = max(saved[k][1] for k in slots)
   for key in slots:
     difference, value = saved[key]
     assert difference <= TOLERANCE * max(value, 1e-3 * largest), (
         key, difference, value)
   if case == "data:2,model:2/adam":
-    # The same slices summed on the same devices: ZeRO-2's bit for bit.
-    # (On the GPT's pipeline the tied token table's two gradients, the
-    # lookup's on stage 0 and the head's on stage 1, are summed in another
-    # order than ZeRO-2's: equal up to rounding, as to the unsharded mesh.)
-    assert result["zero3_vs_zero2"] == 0.0
+    # ZeRO-2's up to rounding: each placed block runs again in the
+    # backward pass (ops of its own, which round differently).
+    assert result["zero3_vs_zero2"] < TOLERANCE * largest_weight
 
 
 @pytest.mark.slow
-def test_each_device_reads_only_shards_and_joins_every_weight_twice(mesh):
-  for case in ("data:2,model:2/adam", "data:2,pipeline:2/adamw"):
-    result = mesh[case]
-    whole = result["whole"]
-    assert sorted(result["read"]["zero3"]) == sorted(whole)
-    for device, sizes in whole.items():
-      # Only its shards (no whole weight of any copy): half of each of
-      # the weights that live there, rounded up.
-      half = [math.ceil(n / 2) for n in sizes]
-      assert sorted(result["read"]["zero3"][device]) == sorted(half), (
-          case, device)
-    # Every weight of every copy joined on its device in the forward pass
-    # and again in the recomputed one, per accumulation pass (2).
-    copies = 2
-    assert result["gathers"]["zero3"] == (
-        result["variables"] * copies * 2 * 2)
+@pytest.mark.parametrize("case", CASES)
+def test_each_device_reads_only_shards(mesh, case):
+  result = mesh[case]
+  whole = result["whole"]
+  assert sorted(result["read"]["zero3"]) == sorted(whole)
+  for device, sizes in whole.items():
+    # Only its shards (no whole weight of any copy): half of each of the
+    # weights that live there, rounded up.
+    half = [math.ceil(n / 2) for n in sizes]
+    assert sorted(result["read"]["zero3"][device]) == sorted(half), (
+        case, device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,positions", [(CASES[0], 2), (CASES[1], 1)])
+def test_each_block_joins_what_it_reads_forward_and_again_backward(
+    mesh, case, positions):
+  joins = mesh[case]["joins"]["zero3"]
+  # Every placed block joins the weights it reads when its inputs exist,
+  # and again in its backward pass; no forward join is kept for it.
+  assert joins["forward"] == joins["backward"] >= (
+      mesh[case]["variables"] * 2 * 2)  # every weight, 2 copies x 2 passes
+  assert joins["kept"] == 0
+  # One set of tensors waited for per block, not per split: per copy (2)
+  # and accumulation pass (2), on each of the split's device positions
+  # the position embedding and, per transformer block (2), 4 blocks (a
+  # norm and shard, a residual add, twice), plus the head, and one set
+  # for the lookups (no inputs of their own: they wait for the batch).
+  assert joins["groups"] == 2 * 2 * (positions * (1 + 4 * 2 + 1) + 1)
 
 
 @pytest.mark.slow

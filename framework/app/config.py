@@ -245,8 +245,9 @@ class ExperimentConfig:
       "Sequential models, no --ema_decay, --log_layer_norms or "
       "--jit_compile; on a model split, the copies on a mesh's data axis "
       "(--mesh=data:R,pipeline:S, or data:R,model:M for the GPT: each copy "
-      "keeps 1/R of its stages' weights, joined per stage and micro-batch "
-      "on each weight's device). The model's variables keep the whole weights for "
+      "keeps 1/R of its stages' weights, each layer's joined on its device "
+      "per call, forward and again backward). The model's variables keep "
+      "the whole weights for "
       "checkpoints, evaluation and export, written from the shards after "
       "every --steps_per_loop steps; checkpoints are unchanged (a run "
       "resumes with it on or off and on another replica count).")
@@ -392,10 +393,10 @@ class ExperimentConfig:
       recompute = parse_recompute(split.recompute)
       if recompute not in (False, True):
         raise ConfigError(
-            f"shard_parameters=True with {where} recomputes each pipeline "
-            f"stage (it joins the stage's weights again for the backward "
-            f"pass); recompute={split.recompute} is not supported with it: "
-            f"use --recompute=none or true")
+            f"shard_parameters=True with {where} runs each layer's block "
+            f"again in the backward pass (it joins the block's weights "
+            f"again there); recompute={split.recompute} is not supported "
+            f"with it: use --recompute=none or true")
     elif self.strategy not in ("mirrored", "multi_worker_mirrored"):
       raise ConfigError(
           f"shard_parameters=True shards the weights over the replicas of "

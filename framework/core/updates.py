@@ -506,7 +506,7 @@ class CopyShardedParametersUpdate(CopyShardedGradientsUpdate):
   """ZeRO-3 over the R copies of a pipeline
   (`framework.model_parallel.copy_parameter_sharding`): the shards are the
   weights. Copy r's shards are updated in place with its reduce-scattered
-  slices; nothing is joined after the update (each stage joins its
+  slices; nothing is joined after the update (each layer joins its
   weights in the next forward pass), and the copies' model variables are
   left as they are.
 

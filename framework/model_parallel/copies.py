@@ -181,6 +181,33 @@ def reduce_scatter_copies(per_copy, devices, variables):
   return results
 
 
+def sum_slices_copies(per_copy, variables):
+  """Copy r's slice of the sum over copies of each gradient, where every
+  copy's gradient comes cut into its R slices already (ZeRO-3 on the data
+  axis: the gradients of the shards a stage joined its weights from).
+
+  The sums `reduce_scatter_copies` makes (slice r from every copy, in copy
+  order, on copy r's device) weight by weight, each as soon as the copies'
+  slices of it exist: no gradient of a whole stage is packed first.
+
+  Args:
+    per_copy: R lists; element i of list q is copy q's gradient of weight
+      i as R slices (a tuple; slice r on copy q's device).
+    variables: R lists of the copies' variables (where each sum runs).
+  Returns:
+    R lists: list r holds copy r's [L] slice of each summed gradient.
+  """
+  count = len(per_copy)
+  results = [[] for _ in range(count)]
+  for i in range(len(per_copy[0])):
+    for r in range(count):
+      with tf.device(variable_device(variables[r][i])), \
+          tf.name_scope("sum_gradient_slices/"):
+        results[r].append(tf.add_n(
+            [tf.convert_to_tensor(per_copy[q][i][r]) for q in range(count)]))
+  return results
+
+
 def _seed_states(model):
   """The states of `model`'s Keras seed generators: its variables that are
   not weights, of shape [2] ([seed, counter])."""
@@ -437,7 +464,10 @@ class PipelineCopies:
   def _reduce_copies(self, per_copy, scatter=False):
     """R lists of gradients summed over the copies, group by group
     (`_copy_groups`): whole on every copy (`all_reduce_copies`), or with
-    `scatter` copy r's slice only (`reduce_scatter_copies`)."""
+    `scatter` copy r's slice only (`reduce_scatter_copies`; ZeRO-3's
+    gradients come cut already: `sum_slices_copies`)."""
+    if scatter and any(isinstance(g, tuple) for g in per_copy[0]):
+      return sum_slices_copies(per_copy, self._copy_variables())
     variables = self.variables
     reduced = [list(grads) for grads in per_copy]
     for indices, devices in _by_dtype(self._copy_groups(), variables):

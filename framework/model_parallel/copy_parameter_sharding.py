@@ -7,22 +7,27 @@ ZeRO-1 and 2 on the data axis (`optimizer_sharding.CopyShardedState`,
 `copies.reduce_scatter_copies`) give copy r the shard variables `w_r` (the
 [L]-element slice r of each flattened, zero-padded weight of its stages, on
 its stages' devices) and the slots of them. Here the shards are the
-weights the step trains. Every stage of every copy, per micro-batch (and
+weights the step trains. Every block of every copy, per micro-batch (and
 per accumulation step), runs
 
-    W = concat(w_0 .. w_R-1)       # its weights joined on its device when
-                                   # its inputs exist (`StageShards.gather`)
-    y = stage(x; W)                # the layers read W (keras.StatelessScope),
-                                   # their state written back (BatchNorm
-                                   # statistics, seed counters)
-    backward: W = concat(...)      # joined again: the stage is recomputed
-              dx, dW = grad(stage)
-    g_r = reduce_scatter(dW)       # over the copies, as ZeRO-2 does
+    W = concat(w_0 .. w_R-1)       # the weights it reads, joined on its
+                                   # device once its inputs exist
+    y = block(x; W)                # the layers read W (`WeightScope`);
+                                   # W is dropped when the block is done
+    backward: W = concat(...)      # joined again once d y exists: the
+              dx, dW = grad(block) # block runs again (its inputs kept)
+              dw_r = slice r of dW # the join's gradient, per copy
+    g_r = sum over copies of dw_r  # on copy r's device, in copy order:
+                                   # ZeRO-2's reduce-scatter, weight by
+                                   # weight (`copies.sum_slices_copies`)
 
-so a device holds its 1/R of the weights, gradients and slots, and one
-micro-batch's worth of its stage's whole weights at a time. The update is
-ZeRO-2's on the shards, in place, with nothing joined after it
-(`updates.CopyShardedParametersUpdate`).
+A block is a placed block of a transformer split (`parallel_layers.
+on_device`: a sub-layer's shard, a residual add, the lookup, the head) or,
+on a pipeline stage, one call of a layer with weights (`StageShards.call`),
+so a device holds its 1/R of the weights, gradients and slots and the
+weights of one block at a time (two when one block's backward pass
+overlaps the next one's join). The update is ZeRO-2's on the shards, in
+place, with nothing joined after it (`updates.CopyShardedParametersUpdate`).
 
 Copy 0's model variables (on its stages' devices) keep the whole weights
 for everything outside the step: checkpoints (the unsharded run's keys),
@@ -41,8 +46,7 @@ import tensorflow as tf
 from framework.core.optimizer_sharding import padded, unshard
 from framework.errors import ConfigError
 from framework.model_parallel import fingerprints
-from framework.model_parallel.devices import variable_device
-from framework.model_parallel.parallel_layers import WeightScope
+from framework.model_parallel.parallel_layers import WeightScope, on_device
 
 
 def _tf(variable):
@@ -60,51 +64,74 @@ class StageShards:
     state_variables: the stage's layers' non-trainable variables.
   """
 
-  def __init__(self, state, copy, variables, state_variables):
+  def __init__(self, state, copy, variables, state_variables,
+               layer_device=None):
     index = {id(_tf(v)): i for i, v in enumerate(state.variables[copy])}
     self.state = state
     self.variables = list(variables)
     self.indices = [index[id(_tf(v))] for v in self.variables]
     self.state_variables = list(state_variables)
+    self.layer_device = layer_device
 
-  def gather(self, after):
-    """Each variable's whole value, joined on its device (a pipeline
-    stage's, or a tensor split's device position) from the R copies'
-    shards once `after` exist."""
+  def call(self, layer, call, args, kwargs):
+    """`call(*args, **kwargs)`, the stage's call of `layer`: with a
+    `layer_device`, a layer with weights runs as one placed block there
+    (`parallel_layers.on_device`: its weights joined when its inputs
+    exist, and again in the backward pass, which runs it again); its
+    float tensors are the block's inputs, anything else is closed over."""
+    if self.layer_device is None or not layer.trainable_variables:
+      return call(*args, **kwargs)
+    structure = (list(args), dict(kwargs))
+    flat = tf.nest.flatten(structure)
+    floats = [i for i, t in enumerate(flat)
+              if tf.is_tensor(t) and t.dtype.is_floating]
+
+    def block(*tensors):
+      full = list(flat)
+      for i, t in zip(floats, tensors):
+        full[i] = t
+      block_args, block_kwargs = tf.nest.pack_sequence_as(structure, full)
+      return call(*block_args, **block_kwargs)
+
+    return on_device(self.layer_device, block, *[flat[i] for i in floats])
+
+  def parts(self):
+    """For each variable, the R copies' shards of it (copy 0's first)."""
     shards = self.state.shards
-    weights = []
-    with tf.name_scope("gather_weights/"), tf.control_dependencies(after):
-      for i, v in zip(self.indices, self.variables):
-        with tf.device(variable_device(v)):
-          weights.append(unshard(tf.concat(
-              [tf.convert_to_tensor(_tf(s[i])) for s in shards], 0), v))
-    return weights
+    return [tuple(tf.convert_to_tensor(_tf(s[i])) for s in shards)
+            for i in self.indices]
 
-  def run(self, fn, after, tape=None):
-    """(fn()'s outputs, the gathered weights): `fn` runs the stage's
-    layers on the weights gathered once `after` exist.
+  def run(self, fn, after, tape=None, keep_writes=None):
+    """(fn()'s outputs, each variable's R shard tensors): `fn` runs the
+    stage's layers on weights joined from the shards where they are read
+    (`parallel_layers.WeightScope`): a layer's read outside a placed block
+    joins its weight on its device once `after` exist; a tensor split's
+    placed blocks join what they read, forward and again backward.
 
     Args:
       fn: `() -> outputs` (a nest of tensors).
-      after: tensors the gathering waits for (the stage's inputs).
-      tape: the recomputed pass's tape: it watches the weights, and what
-        the layers write to their state is dropped (the forward pass wrote
-        it); None: the forward pass, whose writes are kept.
+      after: tensors the joins wait for (the stage's inputs).
+      tape: the tape the pass records on (it watches the shard tensors, so
+        the gradients are the shards', slice by slice), or None.
+      keep_writes: keep what the layers write to their state (BatchNorm
+        statistics, seed counters); default: without a tape (a recomputed
+        pass drops it: the forward pass wrote it).
     """
-    weights = self.gather(after)
+    if keep_writes is None:
+      keep_writes = tape is None
+    parts = self.parts()
     if tape is not None:
-      tape.watch(weights)
-    # A WeightScope: a tensor split's `on_device` blocks take the weights
-    # as inputs, so the tape differentiates them through its placed passes.
-    with WeightScope(self.variables, weights, collect_losses=True) as scope:
+      tape.watch(parts)
+    with WeightScope(self.variables, shards=parts, after=after,
+                     collect_losses=True) as scope:
       outputs = fn()
     if scope.losses:
       raise ConfigError(
           "shard_parameters=True: the model's layers add losses in their "
           "call (add_loss, activity_regularizer), which its recomputed "
           "stages do not differentiate; turn shard_parameters off")
-    if tape is not None:
-      return outputs, weights
+    if not keep_writes:
+      return outputs, parts
     # What the layers wrote, as Keras writes it outside a stateless scope;
     # the outputs wait for it (the next micro-batch reads the new state).
     writes = []
@@ -113,7 +140,7 @@ class StageShards:
       if new is not None:
         writes.append(v.assign(new))
     with tf.control_dependencies(writes):
-      return tf.nest.map_structure(_identity_in_place, outputs), weights
+      return tf.nest.map_structure(_identity_in_place, outputs), parts
 
 
 def _identity_in_place(tensor):

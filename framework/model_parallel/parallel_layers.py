@@ -73,62 +73,129 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core.checkpoints import sharding
+from framework.core.optimizer_sharding import padded, unshard
 from framework.errors import ConfigError, check_positive
 # split_for: app/experiment.py's import; its home is config.py (import it
 # from there, and this line goes).
 from framework.model_parallel.config import split_for  # pylint: disable=unused-import
 from framework.model_parallel.copies import SUM, collective_all_reduce
-from framework.model_parallel.devices import short_device
+from framework.model_parallel.devices import short_device, variable_device
 
 
 class WeightScope(keras.StatelessScope):
   """A `keras.StatelessScope` whose values are weights a tape
-  differentiates (ZeRO-3's weights joined from their shards): the layers
-  read `weights[i]` for `variables[i]`.
+  differentiates: the layers read, for `variables[i]`, `weights[i]`, or
+  (ZeRO-3) the whole weight joined from `shards[i]`, its R copies' [L]
+  shards, where it is read.
 
-  `on_device` hands them into its block as inputs (a custom gradient gives
-  gradients to its inputs and to the variables it reads, not to tensors
-  it closes over), so their gradients reach the enclosing tape.
+  A read outside a placed block joins it on the variable's device once
+  `after` exist (once per scope). A placed block (`on_device`) takes the
+  scope's tensors as inputs (a custom gradient gives gradients to its
+  inputs and to the variables it reads, not to tensors it closes over) and
+  joins each weight it reads on its own device after its inputs: forward,
+  and again in its backward pass, which recomputes the block; the joined
+  weight lives only while the block runs. A block's gradient for a sharded
+  weight is its R slices (cut as the shards are).
+
+  Args:
+    variables: the Keras variables the layers read.
+    weights: the whole value standing for each (or `shards`).
+    shards: for each, its R shard tensors ([L] each, zero-padded).
+    after: tensors a join outside a block waits for.
+    **kwargs: `keras.StatelessScope`'s (`collect_losses`).
   """
 
-  def __init__(self, variables, weights, **kwargs):
+  def __init__(self, variables, weights=None, *, shards=None, after=(),
+               **kwargs):
+    if (weights is None) == (shards is None):
+      raise ValueError("WeightScope takes weights or shards (one of them)")
     self.variables = list(variables)
-    super().__init__(list(zip(self.variables, weights)), **kwargs)
+    self.sharded = shards is not None
+    self.parts = ([tuple(s) for s in shards] if self.sharded
+                  else [(w,) for w in weights])
+    if len(self.parts) != len(self.variables):
+      raise ValueError(f"WeightScope got {len(self.parts)} weights for "
+                       f"{len(self.variables)} variables")
+    self.after = list(after)
+    self.index = {id(v): i for i, v in enumerate(self.variables)}
+    self._joined = {}
+    super().__init__(**kwargs)
 
-  @property
-  def weights(self):
-    """The current value of each of `variables`."""
-    return [self.get_current_value(v) for v in self.variables]
+  def join(self, i, parts, after):
+    """Variable i's whole value from `parts` (its tensors), here, once
+    `after` exist."""
+    with tf.name_scope("gather_weights"), tf.control_dependencies(after):
+      # The copies onto this device wait, not only the ops after them.
+      parts = [tf.identity(p) for p in parts]
+      if not self.sharded:
+        return parts[0]
+      return unshard(tf.concat(parts, 0), self.variables[i])
 
-
-class _BlockReads(keras.StatelessScope):
-  """Inside an `on_device` block under a `WeightScope`: a read of weight i
-  is a copy, onto the block's device, of the block's input for it, made
-  at the first read and watched by the block's tape; any other read, an
-  update or a loss goes to the enclosing scope."""
-
-  def __init__(self, outer, inputs, tape):
-    # Losses go where the enclosing scope sends them (ZeRO-3 refuses a
-    # layer that adds one: it collects them to say so).
-    super().__init__(collect_losses=outer.collect_losses)
-    self.outer, self.inputs, self.tape = outer, inputs, tape
-    self.index = {id(v): i for i, v in enumerate(outer.variables)}
-    self.read = {}  # weight index -> its copy on the block's device
+  def cut(self, i, grad):
+    """The gradient of variable i's whole value -> its parts' gradients."""
+    if not self.sharded:
+      return [grad]
+    count, length = len(self.parts[i]), self.parts[i][0].shape[0]
+    grad = tf.reshape(tf.convert_to_tensor(grad), self.variables[i].shape)
+    return tf.unstack(tf.reshape(padded(grad, length, count),
+                                 [count, length]), count)
 
   def get_current_value(self, variable):
     i = self.index.get(id(variable))
     if i is None:
-      return self.outer.get_current_value(variable)
-    if i not in self.read:
-      self.read[i] = tf.identity(self.inputs[i])
-      self.tape.watch(self.read[i])
-    return self.read[i]
+      return super().get_current_value(variable)
+    if i not in self._joined:
+      with tf.device(variable_device(variable)):
+        self._joined[i] = self.join(i, self.parts[i], self.after)
+    return self._joined[i]
+
+
+class _BlockReads(keras.StatelessScope):
+  """Inside an `on_device` block under a `WeightScope`: a read of weight i
+  joins `parts[i]` (the block's inputs standing for it) on the block's
+  device once `after` exist, at its first read (`tape`: watched); any
+  other variable reads through the enclosing scope, and its value at the
+  block's first read is kept (`first`) for the recomputation; updates and
+  losses go to the enclosing scope (`outer`, None in a recomputation:
+  they are dropped, the forward pass made them)."""
+
+  def __init__(self, scope, parts, after, outer=None, tape=None,
+               first=()):
+    super().__init__(state_mapping=list(first),
+                     collect_losses=bool(outer and outer.collect_losses))
+    self.scope, self.parts, self.after = scope, parts, after
+    self.outer, self.tape = outer, tape
+    self.joined = {}  # weight index -> its value joined on the block's device
+    self.first = {}  # id(variable) -> (variable, value at the first read)
+
+  def get_current_value(self, variable):
+    i = self.scope.index.get(id(variable))
+    if i is not None:
+      if i not in self.joined:
+        self.joined[i] = self.scope.join(i, self.parts[i], self.after)
+        if self.tape is not None:
+          self.tape.watch(self.joined[i])
+      return self.joined[i]
+    if self.outer is None:  # a recomputation: the forward pass's values
+      return super().get_current_value(variable)
+    value = self.outer.get_current_value(variable)
+    if id(variable) not in self.first:
+      if value is None:
+        value = _tf_internal.stored_value(variable)
+      self.first[id(variable)] = (variable, value)
+    elif value is None:
+      value = self.first[id(variable)][1]
+    return value
 
   def add_update(self, update):
-    self.outer.add_update(update)
+    if self.outer is not None:
+      self.outer.add_update(update)
+    else:
+      super().add_update(update)
 
   def add_loss(self, loss):
-    self.outer.add_loss(loss)
+    if self.outer is not None:
+      self.outer.add_loss(loss)
 
 
 def on_device(device, fn, *inputs):
@@ -138,58 +205,105 @@ def on_device(device, fn, *inputs):
     device: where the ops of `fn` and of its gradient run.
     fn: `(*tensors) -> tensor or tuple of tensors`; may read variables
       (their gradients are returned to the enclosing tape), or under a
-      `WeightScope` the weights standing for them (their gradients too).
+      `WeightScope` the weights standing for them (their gradients too:
+      the block is then run again in its backward pass, see `WeightScope`).
     *inputs: float tensors (integers, e.g. token ids, are closed over by
       `fn` instead: they have no gradient).
   """
   scope = _tf_internal.stateless_scope()
   if isinstance(scope, _BlockReads):
     # The inner block's custom gradient would not see the outer block's
-    # copies of the weights: their gradients would be lost.
+    # joined weights: their gradients would be lost.
     raise ValueError("on_device blocks do not nest under a WeightScope "
                      "(ZeRO-3's joined weights); call them one after another")
-  if not isinstance(scope, WeightScope):
-    scope = None
+  if isinstance(scope, WeightScope):
+    return _joining_block(scope, device, fn, inputs)
   count = len(inputs)
 
   @tf.custom_gradient
   def block(*xs):
-    reads = None
     with tf.device(device):
       with tf.GradientTape() as tape:
         # One copy onto this device, watched, instead of one per consumer.
-        local = [tf.identity(x) for x in xs[:count]]
+        local = [tf.identity(x) for x in xs]
         tape.watch(local)
-        if scope is None:
-          outputs = fn(*local)
-        else:
-          with _BlockReads(scope, xs[count:], tape) as reads:
-            outputs = fn(*local)
+        outputs = fn(*local)
     flat = tf.nest.flatten(outputs)
 
     def grad(*output_grads, variables=None):
       variables = list(variables or [])
-      read = sorted(reads.read.items()) if reads is not None else []
       with tf.device(device):
         grads = tape.gradient(
-            flat, local + [t for _, t in read] + variables,
-            output_gradients=list(output_grads),
+            flat, local + variables, output_gradients=list(output_grads),
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      if scope is None:
-        return grads[:len(local)], grads[len(local):]
-      # A weight this block did not read gets no gradient (not a zero).
-      weight_grads = [None] * len(scope.variables)
-      for (i, _), g in zip(read, grads[count:count + len(read)]):
-        weight_grads[i] = g
-      return (grads[:count] + weight_grads,
-              grads[count + len(read):])
+      return grads[:count], grads[count:]
 
     return outputs, grad
 
-  weights = scope.weights if scope is not None else []
   with tf.device(device):
     # Outputs that name their device (`vocab_parallel_statistics` reads it).
-    return tf.nest.map_structure(tf.identity, block(*inputs, *weights))
+    return tf.nest.map_structure(tf.identity, block(*inputs))
+
+
+def _joining_block(scope, device, fn, inputs):
+  """`on_device` under a `WeightScope`: the block joins the weights it
+  reads after its inputs, keeps only its inputs for the backward pass, and
+  there joins them again and runs `fn` again (with the values the forward
+  pass read of every other variable: the same dropout masks)."""
+  count = len(inputs)
+  sizes = [len(p) for p in scope.parts]
+  flat_parts = [t for p in scope.parts for t in p]
+
+  def grouped(flat):
+    out, start = [], 0
+    for n in sizes:
+      out.append(tuple(flat[start:start + n]))
+      start += n
+    return out
+
+  @tf.custom_gradient
+  def block(*xs):
+    parts = grouped(xs[count:])
+    with tf.device(device):
+      # One copy onto this device instead of one per consumer; the joins
+      # wait for it (one block's weights at a time).
+      local = [tf.identity(x) for x in xs[:count]]
+      with _BlockReads(scope, parts, local + scope.after,
+                       outer=scope) as reads:
+        outputs = fn(*local)
+
+    def grad(*output_grads, variables=None):
+      variables = list(variables or [])
+      with tf.device(device), tf.name_scope("block_backward"):
+        # Joined again once the output gradients exist: in the backward
+        # pass, not kept from the forward one.
+        waits = tf.nest.flatten(list(output_grads), expand_composites=True)
+        with tf.control_dependencies(waits):
+          again = [tf.identity(x) for x in xs[:count]]
+          started = [tf.identity(waits[0])] if waits else []
+        with tf.GradientTape() as tape:
+          tape.watch(again)
+          with _BlockReads(scope, parts, again + started, tape=tape,
+                           first=reads.first.values()) as replay:
+            redo = tf.nest.flatten(fn(*again))
+        joined = sorted(replay.joined.items())
+        grads = tape.gradient(
+            redo, again + [w for _, w in joined] + variables,
+            output_gradients=list(output_grads),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      # A weight this block did not read gets no gradient (not a zero).
+      part_grads = [[None] * n for n in sizes]
+      for (i, _), g in zip(joined, grads[count:count + len(joined)]):
+        with tf.device(device):
+          part_grads[i] = scope.cut(i, g)
+      return (grads[:count] + [g for p in part_grads for g in p],
+              grads[count + len(joined):])
+
+    return outputs, grad
+
+  with tf.device(device):
+    # Outputs that name their device (`vocab_parallel_statistics` reads it).
+    return tf.nest.map_structure(tf.identity, block(*inputs, *flat_parts))
 
 
 def _sum_on_every_device(values, devices):

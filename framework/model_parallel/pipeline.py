@@ -302,7 +302,13 @@ class GraphStage:
     """Runs the nodes on the tensors in `local` (filled in place)."""
     for node in self.nodes:
       args, kwargs = node.arguments.fill_in(local)
-      outputs = call_layer(node.operation, args, kwargs, training)
+      if self.shards is None:
+        outputs = call_layer(node.operation, args, kwargs, training)
+      else:  # ZeRO-3: a layer's weights joined per call
+        outputs = self.shards.call(
+            node.operation,
+            lambda *a, layer=node.operation, **k: call_layer(
+                layer, a, k, training), args, kwargs)
       for key, value in zip(node.outputs, tf.nest.flatten(outputs)):
         local[id(key)] = value
 
@@ -337,28 +343,27 @@ class GraphStage:
         outputs = self._outputs(env, local)
         target = self._target(local, outputs, head)
         return outputs, Record(None, inputs, target, state, head, training)
-      if self.shards is not None:
-        raise ValueError("a stage with sharded weights is recomputed")
       with tf.GradientTape() as tape:
         tape.watch(inputs)
-        local = dict(inputs)
-        self._run(local, training)
+        local, weights = self._run_layers(inputs, training, tape,
+                                          keep_writes=True)
         outputs = self._outputs(env, local)
         target = self._target(local, outputs, head)
-    return outputs, Record(tape, inputs, target)
+    return outputs, Record(tape, inputs, target, weights=weights)
 
-  def _run_layers(self, inputs, training, tape=None):
+  def _run_layers(self, inputs, training, tape=None, keep_writes=None):
     """The nodes run on `inputs` (the filled environment), on the layers'
-    variables or with `shards` on weights gathered once the inputs exist
-    (`StageShards.run`; `tape`: a recomputed pass, which returns
-    (environment, weights))."""
+    variables or with `shards` on weights joined from them where read,
+    once the inputs exist (`StageShards.run`); with a `tape`,
+    (environment, the shard tensors the tape watches, or None)."""
     def run():
       local = dict(inputs)
       self._run(local, training)
       return local
     if self.shards is None:
       return run() if tape is None else (run(), None)
-    local, weights = self.shards.run(run, list(inputs.values()), tape)
+    local, weights = self.shards.run(run, list(inputs.values()), tape,
+                                     keep_writes)
     return local if tape is None else (local, weights)
 
   def _recompute(self, record, grads_out):

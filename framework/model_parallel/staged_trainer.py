@@ -73,8 +73,9 @@ from framework.settings import default
 
 # What a forward pass keeps for its backward pass. With recomputation:
 # tape None, `state` the layers' state before the pass, `head` the loss.
-# `weights`: with the weights gathered from shards (ZeRO-3 on the data
-# axis), the gathered tensors the tape watches instead of the variables.
+# `weights`: with the weights joined from shards (ZeRO-3 on the data
+# axis), each variable's R shard tensors, which the tape watches instead
+# of the variables (their gradients are the slices of the variable's).
 Record = collections.namedtuple(
     "Record",
     ["tape", "inputs", "target", "state", "head", "training", "weights"],
@@ -152,7 +153,10 @@ class Stage:
 
   def _call(self, x, training):
     for layer in self.layers:
-      x = layer(x, training=training)
+      if self.shards is None:
+        x = layer(x, training=training)
+      else:  # ZeRO-3: a layer's weights joined per call
+        x = self.shards.call(layer, layer, (x,), {"training": training})
     return x
 
   def apply(self, x, training=False):
@@ -185,21 +189,20 @@ class Stage:
         outputs = self._run_layers(lambda: self._call(x, training), [x])
         target = head(outputs) if head is not None else outputs
         return outputs, Record(None, x, target, state, head, training)
-      if self.shards is not None:
-        raise ValueError("a stage with sharded weights is recomputed")
       with tf.GradientTape() as tape:
         tape.watch(x)
-        outputs = self._call(x, training)
+        outputs, weights = self._run_layers(
+            lambda: self._call(x, training), [x], tape, keep_writes=True)
         target = head(outputs) if head is not None else outputs
-    return outputs, Record(tape, x, target)
+    return outputs, Record(tape, x, target, weights=weights)
 
-  def _run_layers(self, fn, after, tape=None):
+  def _run_layers(self, fn, after, tape=None, keep_writes=None):
     """fn(): the layers on their variables, or with `shards` on weights
-    gathered once `after` exist (`StageShards.run`; `tape`: a recomputed
-    pass, which returns (outputs, weights))."""
+    joined from them where read, after `after` (`StageShards.run`); with
+    a `tape`, (outputs, the shard tensors the tape watches, or None)."""
     if self.shards is None:
       return fn() if tape is None else (fn(), None)
-    outputs, weights = self.shards.run(fn, after, tape)
+    outputs, weights = self.shards.run(fn, after, tape, keep_writes)
     return outputs if tape is None else (outputs, weights)
 
   def backward(self, record, output_grad, input_grad=True, after=()):
@@ -359,13 +362,19 @@ class StagedTrainer(PipelineCopies, Trainer):
       and updates with its 1/R slice only (ZeRO-2 on the data axis).
     shard_parameters: with `shard_gradients` and copies, copy r keeps only
       its 1/R of every weight (ZeRO-3 on the data axis,
-      `copy_parameter_sharding`): each stage joins its weights from the
-      copies' shards per micro-batch, forward and again in its recomputed
-      backward pass; the model's variables keep the whole weights outside
-      the step (a tensor split's stage joins each weight on its device
-      position). None (not given): off, as the setting's default.
+      `copy_parameter_sharding`): each layer call (a transformer split:
+      each of its placed blocks) joins the weights it reads from the
+      copies' shards on its device, forward and again in its backward
+      pass; the model's variables keep the whole weights outside the
+      step. None (not given): off, as the setting's default.
     **kwargs: `Trainer` arguments (global_batch_size, loss_fn, ...).
   """
+
+  # Whether the model's layers run their own placed blocks
+  # (`parallel_layers.on_device`: a transformer split). ZeRO-3 on the data
+  # axis joins the weights in those; else it runs each layer call with
+  # weights as one block on its stage's device.
+  layers_place_blocks = False
 
   # Its own step accumulates: `grad_accum_steps` whole pipeline passes.
   train_step_handles = ("grad_accum_steps",)
@@ -430,7 +439,6 @@ class StagedTrainer(PipelineCopies, Trainer):
     if shard_parameters:
       _check_parameter_sharding(copies, recompute, shard_optimizer_state,
                                 shard_gradients, kwargs)
-      recompute = True  # the backward pass gathers the weights again
     self.stages = list(stages)
     self.num_microbatches = num_microbatches
     # Only `True` recomputes whole stages; blocks, attention are the layers'.
@@ -494,13 +502,15 @@ class StagedTrainer(PipelineCopies, Trainer):
     all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
     for r, stages in enumerate(all_stages):
       for stage in stages:
-        stage.shards = StageShards(state, r, stage.trainable_variables,
-                                   state_variables(stage.layers))
+        stage.shards = StageShards(
+            state, r, stage.trainable_variables,
+            state_variables(stage.layers),
+            layer_device=None if self.layers_place_blocks else stage.device)
     self.parameter_sharding = CopyParameterSharding(state)
     logging.info(
         "shard_parameters: each copy keeps %d of its %d bytes of weights "
-        "(ZeRO-3 over %d copies); each stage joins its weights per "
-        "micro-batch, forward and recomputed backward",
+        "(ZeRO-3 over %d copies); each layer call joins the weights it "
+        "reads, forward and again backward",
         sum(s.shape[0] * tf.as_dtype(s.dtype).size for s in state.shards[0]),
         sum(tf.TensorShape(v.shape).num_elements()
             * tf.as_dtype(v.dtype).size for v in state.variables[0]),
@@ -708,8 +718,8 @@ def _check_parameter_sharding(copies, recompute, shard_optimizer_state,
   value = parse_recompute(recompute)
   if value not in (False, True):
     raise ConfigError(
-        f"shard_parameters=True recomputes each pipeline stage (it joins "
-        f"its weights again for the backward pass); recompute={value} is "
+        f"shard_parameters=True runs each block again in the backward "
+        f"pass (it joins its weights again there); recompute={value} is "
         f"not supported with it: use --recompute=none or true")
   for name, off, what in (
       ("ema_decay", None, "an EMA of the whole weights"),
@@ -724,7 +734,14 @@ def _check_parameter_sharding(copies, recompute, shard_optimizer_state,
 def _add(total, grad):
   """total + grad; two IndexedSlices (an embedding lookup's gradient, one per
   micro-batch) concatenate, as a sum of sparse gradients does (`+` is not
-  defined for them)."""
+  defined for them); ZeRO-3's slices (tuples) slice by slice, each where
+  it is."""
+  if isinstance(total, tuple):
+    summed = []
+    for t, g in zip(total, grad):
+      with tf.device(t.device):
+        summed.append(_add(t, g))
+    return tuple(summed)
   if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
     return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
                             tf.concat([total.indices, grad.indices], 0),

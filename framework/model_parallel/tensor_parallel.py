@@ -440,6 +440,7 @@ class TensorParallelTrainer(StagedTrainer):
           tensor_stages=tensor_stages)
       self.split_layer = None
       self._unsplit = model
+      self.layers_place_blocks = True  # `on_device` blocks
       super().__init__(placed, optimizer, strategy, stages=stages,
                        num_microbatches=num_microbatches, copies=copies,
                        **kwargs)
