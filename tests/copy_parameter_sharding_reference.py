@@ -13,6 +13,7 @@ import tensorflow as tf
 from framework import model_parallel as mp
 from framework.core import protocols
 from framework.core.trainer import Trainer
+from framework.model_parallel.copies import tf_variable
 from tests.transformer_split_reference import flat, relative
 
 STRATEGY = tf.distribute.get_strategy()  # one replica: the mesh's own copies
@@ -168,6 +169,10 @@ def run(steps=2):
             "saved": {k: [float(np.max(np.abs(other[k] - plain[k]))),
                           float(np.max(np.abs(plain[k])))]
                       for k in plain if other[k].dtype.kind == "f"},
+            "copy_elements": sum(
+                int(tf.size(tf_variable(v).read_value()))
+                for c in trained[optimizer, mode][0].copies
+                for v in c[1].trainable_variables),
             "steps": int(trained[optimizer, mode][0]
                          .optimizer.iterations.numpy())}
       zero2, zero3 = (saved(trained[optimizer, m][2])

@@ -78,6 +78,10 @@ def test_zero3_equals_zero2_and_unsharded_on_the_mesh(mesh, optimizer):
   # ZeRO-2's up to rounding: each layer runs again in the backward pass
   # (ops of its own, which round differently).
   assert mesh[f"{optimizer}/zero3_vs_zero2"] < TOLERANCE
+  # Copy 1's whole weights are released (ZeRO-2's copy keeps them).
+  assert mesh[f"{optimizer}/zero3"]["copy_elements"] == 0
+  assert mesh[f"{optimizer}/zero2"]["copy_elements"] == sum(
+      sum(sizes) for device, sizes in mesh["read"]["plain"].items()) // 2
 
 
 @pytest.mark.slow

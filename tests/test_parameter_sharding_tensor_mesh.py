@@ -57,6 +57,11 @@ def test_zero3_equals_zero2_and_unsharded_on_a_tensor_mesh(mesh, case):
   zero3 = result["zero3"]
   assert zero3["keys"]  # the unsharded run's checkpoint keys
   assert zero3["steps"] == 2
+  # Copy 1's whole weights are released: its devices hold only shards.
+  assert zero3["copy_elements"] == 0
+  if "zero2" in result:  # ZeRO-2's copy keeps them
+    assert result["zero2"]["copy_elements"] == sum(
+        sum(n) for n in result["whole"].values()) // 2
   # Each saved tensor's [largest |difference|, largest |value|]: the
   # weights against the largest weight, each slot against itself or a
   # thousandth of the largest slot (one of gradients that are zero but

@@ -35,7 +35,8 @@ evaluation, export, summaries. They are joined from the shards when
 `train` returns (`store`, which fingerprints them) and cut into every
 copy's shards when it starts (`load`), each only where it changed in
 between (a restore, a rollback, a warm start, a user's assignment). The
-other copies' model variables are not read by the step.
+other copies' trainable variables are released (`release`): those
+devices keep only their 1/R of the weights.
 """
 
 import functools
@@ -141,6 +142,18 @@ class StageShards:
         writes.append(v.assign(new))
     with tf.control_dependencies(writes):
       return tf.nest.map_structure(_identity_in_place, outputs), parts
+
+
+def release(variable):
+  """Frees a copy's whole weight (ZeRO-3: the step reads the shards, and
+  copy 0's variables are the whole weights everything else reads): the
+  variable, the same object on the same device with the same static
+  shape, then holds an empty tensor."""
+  handle = _tf(variable)
+  with tf.device(handle.device):
+    tf.raw_ops.AssignVariableOp(
+        resource=handle.handle, value=tf.zeros([0], dtype=handle.dtype),
+        validate_shape=False)
 
 
 def _identity_in_place(tensor):

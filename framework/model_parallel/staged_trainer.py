@@ -62,7 +62,7 @@ from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig, parse_recompute
 from framework.model_parallel.copies import PipelineCopies, tf_variable
 from framework.model_parallel.copy_parameter_sharding import (
-    CopyParameterSharding, StageShards)
+    CopyParameterSharding, StageShards, release)
 from framework.core import updates, weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
@@ -507,6 +507,11 @@ class StagedTrainer(PipelineCopies, Trainer):
             state_variables(stage.layers),
             layer_device=None if self.layers_place_blocks else stage.device)
     self.parameter_sharding = CopyParameterSharding(state)
+    # Copies 1..R-1's whole weights: read by nothing now (the step reads
+    # the shards; checkpoints, evaluation and export copy 0's).
+    for _, model, _ in self.copies:
+      for variable in model.trainable_variables:
+        release(variable)
     logging.info(
         "shard_parameters: each copy keeps %d of its %d bytes of weights "
         "(ZeRO-3 over %d copies); each layer call joins the weights it "
