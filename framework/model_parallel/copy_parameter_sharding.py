@@ -80,7 +80,10 @@ class StageShards:
     (`parallel_layers.on_device`: its weights joined when its inputs
     exist, and again in the backward pass, which runs it again); its
     float tensors are the block's inputs, anything else is closed over."""
-    if self.layer_device is None or not layer.trainable_variables:
+    # A functional graph's nodes also hold plain ops (the `not_equal` of
+    # an Embedding's mask_zero): they have no weights.
+    if (self.layer_device is None
+        or not getattr(layer, "trainable_variables", None)):
       return call(*args, **kwargs)
     structure = (list(args), dict(kwargs))
     flat = tf.nest.flatten(structure)
