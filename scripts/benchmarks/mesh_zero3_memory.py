@@ -3,16 +3,15 @@
     python scripts/benchmarks/mesh_zero3_memory.py --json=/tmp/mesh_zero3.json
     python scripts/benchmarks/mesh_zero3_memory.py --baseline_repo=../old
 
-Each setting runs in a fresh process of 4 logical CPU devices (`--one`):
-build the GPT's mesh trainer (2 copies of a 2-way tensor split), note the
-process's peak resident memory (`ru_maxrss`), run one train step (tracing
-it), then `--timed_steps` more, noting the peak again and the time per
-step. The steps' peak over the built trainer is what the steps held at
-once: joined weights, gradients, activations, the traced function. CPU
-devices keep no allocator statistics (`tf.config.experimental.
-get_memory_info` returns zeros for CPU in TensorFlow 2.21), and the four
-devices share one process, so the figures are the mesh's sum over its
-devices. `--baseline_repo`: also run ZeRO-3 from another checkout of
+Each setting runs in a fresh process of 4 logical CPU devices (`--one`)
+whose CPU allocator keeps statistics (`TF_CPU_ALLOCATOR_USE_BFC=true`:
+TensorFlow's default CPU allocator reports none): build the GPT's mesh
+trainer (2 copies of a 2-way tensor split) and note the bytes in use (the
+variables: weights, shards, slots), run one train step (tracing it), then
+`--measured_steps` more, noting the peak bytes in use during them (the
+variables plus what a step holds at once: joined weights, gradients,
+activations). The four devices share the allocator, so the figures are
+the mesh's sum over its devices. `--baseline_repo`: also run ZeRO-3 from another checkout of
 distloop (an older commit), in the same run, for a ratio against it.
 """
 
@@ -38,7 +37,8 @@ flags.DEFINE_integer("num_heads", 8, "Heads.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example.")
 flags.DEFINE_integer("vocab_size", 256, "Token ids.")
 flags.DEFINE_integer("batch", 8, "Global batch (sequences per step).")
-flags.DEFINE_integer("timed_steps", 3, "Steps after the first (traced) one.")
+flags.DEFINE_integer("measured_steps", 2,
+                     "Steps measured after the first (traced) one.")
 flags.DEFINE_list("settings", ["unsharded", "zero2", "zero3"],
                   "Which sharding to measure.")
 flags.DEFINE_string("baseline_repo", None, "Another distloop checkout: its "
@@ -83,13 +83,17 @@ def measure(setting):
                         size=(FLAGS.batch, FLAGS.sequence_length + 1))
   batch = (tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32))
   batches = iter(tf.data.Dataset.from_tensors(batch).repeat())
-  built = _peak_mib()
-  trainer.train(batches, 1)
+  memory = tf.config.experimental.get_memory_info
+  held = memory("CPU:0")["current"] / 2**20
+  trainer.train(batches, 1)  # traced here
+  before = memory("CPU:0")["current"] / 2**20
+  tf.config.experimental.reset_memory_stats("CPU:0")
   start = time.perf_counter()
-  trainer.train(batches, FLAGS.timed_steps)
-  seconds = (time.perf_counter() - start) / FLAGS.timed_steps
-  return {"built_mib": built, "peak_mib": _peak_mib(),
-          "seconds_per_step": seconds,
+  trainer.train(batches, FLAGS.measured_steps)
+  seconds = (time.perf_counter() - start) / FLAGS.measured_steps
+  return {"held_mib": held, "before_steps_mib": before,
+          "steps_peak_mib": memory("CPU:0")["peak"] / 2**20,
+          "rss_peak_mib": _peak_mib(), "seconds_per_step": seconds,
           "parameters": int(sum(np.prod(v.shape)
                                 for v in model.trainable_variables))}
 
@@ -100,8 +104,11 @@ def _child(setting, repo):
               f"--{name}={getattr(FLAGS, name)}"
               for name in ("width", "num_layers", "num_heads",
                            "sequence_length", "vocab_size", "batch",
-                           "timed_steps")]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+                           "measured_steps")]
+  # TensorFlow's CPU allocator keeps statistics (bytes in use, their peak)
+  # only as a BFC allocator; the logical CPU devices share it.
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             TF_CPU_ALLOCATOR_USE_BFC="true")
   proc = subprocess.run(args, capture_output=True, text=True, env=env,
                         check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -130,14 +137,17 @@ def main(argv):
   print(f"GPT width {FLAGS.width}, {FLAGS.num_layers} blocks, "
         f"{first['parameters']:,} parameters, batch {FLAGS.batch} x "
         f"{FLAGS.sequence_length} tokens, data:2,model:2 in one process\n")
-  print("| setting | built MiB | steps' peak over built MiB | vs "
-        f"{runs[0][0]} | s/step |")
-  print("|---|---|---|---|---|")
-  base = first["peak_mib"] - first["built_mib"]
+  print("| setting | held by the variables MiB | vs "
+        f"{runs[0][0]} | a step's peak MiB | vs {runs[0][0]} | "
+        "of which beyond the variables MiB | s/step |")
+  print("|---|---|---|---|---|---|---|")
   for name, r in results.items():
-    held = r["peak_mib"] - r["built_mib"]
-    print(f"| {name} | {r['built_mib']:.0f} | {held:.0f} | "
-          f"{held / base:.2f}x | {r['seconds_per_step']:.2f} |")
+    print(f"| {name} | {r['held_mib']:.1f} | "
+          f"{r['held_mib'] / first['held_mib']:.2f}x | "
+          f"{r['steps_peak_mib']:.1f} | "
+          f"{r['steps_peak_mib'] / first['steps_peak_mib']:.2f}x | "
+          f"{r['steps_peak_mib'] - r['before_steps_mib']:.1f} | "
+          f"{r['seconds_per_step']:.2f} |")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump({"flags": {k: getattr(FLAGS, k) for k in (
