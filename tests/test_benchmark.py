@@ -351,3 +351,11 @@ def test_mesh_zero3_memory_benchmark_reports_each_sharding(tmp_path):
     assert row["steps_peak_mib"] >= row["before_steps_mib"] > 0
     assert row["held_mib"] > 0
     assert row["seconds_per_step"] > 0 and row["parameters"] > 0
+  # Counted per device: the mesh is CPU:1..4; under ZeRO-3 the host
+  # (CPU:0) holds copy 0's whole weights, so each mesh device holds less
+  # than unsharded (its shards and slots only).
+  unsharded, zero3 = (result["results"][k]["by_device_mib"]
+                      for k in ("unsharded", "zero3"))
+  assert zero3["CPU:0"] > 0
+  for device in ("CPU:1", "CPU:2", "CPU:3", "CPU:4"):
+    assert 0 < zero3[device] < unsharded[device], (device, zero3, unsharded)

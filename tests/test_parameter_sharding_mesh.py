@@ -14,6 +14,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from framework.app.config import ExperimentConfig
@@ -126,6 +127,102 @@ def test_a_zero3_checkpoint_resumes_unsharded_and_unsplit_and_back(mesh):
 def test_a_sequential_models_stages_shard_too(mesh):
   assert mesh["sequential_zero3_vs_zero2"] < TOLERANCE
   assert mesh["sequential_moved"] > 1e-3
+
+
+_PLACEMENT = """
+import collections, json
+import framework
+framework.configure_cpu_devices(5)
+import numpy as np
+import tensorflow as tf
+from framework.model_parallel.copies import tf_variable
+from framework.model_parallel.devices import (_operations, short_device,
+                                              variable_device)
+from tests import copy_parameter_sharding_reference as ref
+from tests import copy_parameter_sharding_tensor_reference as gpt
+# The mesh on CPU:1..4: CPU:0 is then the host and no mesh device.
+ref.GROUPS = gpt.GROUPS = [["/CPU:1", "/CPU:2"], ["/CPU:3", "/CPU:4"]]
+
+def held(trainer):
+  # {device: [whole trainable weights' elements, all elements]}.
+  out = collections.defaultdict(lambda: [0, 0])
+  models = [trainer.model] + [c[1] for c in trainer.copies]
+  trainable = {id(tf_variable(v)) for m in models
+               for v in m.trainable_variables}
+  state = trainer.copy_sharding
+  variables = ([v for m in models for v in m.weights]
+               + [s for shards in state.shards for s in shards]
+               + state.slot_variables())
+  seen = set()
+  for v in variables:
+    v = tf_variable(v)
+    if id(v) in seen:
+      continue
+    seen.add(id(v))
+    n = int(tf.size(v.read_value()))
+    entry = out[short_device(v.device)]
+    entry[0] += n if id(v) in trainable else 0
+    entry[1] += n
+  return dict(out)
+
+out = {}
+x, _ = next(iter(ref.dataset(1)))
+for mode in ("zero2", "zero3"):
+  trainer = ref.make_trainer(mode)
+  graph = tf.function(trainer.train_step).get_concrete_function(
+      (tf.TensorSpec((ref.BATCH, ref.FEATURES), tf.float32),
+       tf.TensorSpec((ref.BATCH,), tf.int32))).graph
+  trainer.train(iter(ref.dataset(2)), 2)
+  out[mode] = {
+      "model": sorted({variable_device(v)
+                       for v in trainer.model.trainable_variables}),
+      "held": held(trainer),
+      "ops": dict(collections.Counter(short_device(op.device)
+                                      for op in _operations(graph))),
+      "logits": trainer.eval_logits(x).numpy().tolist()}
+trainer = gpt.make_trainer("data:2,model:2", "zero3")
+out["gpt"] = {"model": sorted({variable_device(v)
+                               for v in trainer.model.trainable_variables}),
+              "held": held(trainer)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def placement():
+  proc = helpers.run_code(_PLACEMENT, timeout=1500)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  return json.loads(line[-1][len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_no_mesh_device_holds_a_whole_weight_under_zero3(placement):
+  mesh = ["/CPU:1", "/CPU:2", "/CPU:3", "/CPU:4"]
+  zero2, zero3 = placement["zero2"], placement["zero3"]
+  # ZeRO-2: copy 0's whole weights on its stages' devices; ZeRO-3: on the
+  # host (CPU:0, no device of the mesh), as a mirrored run's model.
+  assert zero2["model"] == ["/CPU:1", "/CPU:2"]
+  assert zero3["model"] == ["/CPU:0"]
+  whole = sum(zero2["held"][d][0] for d in ("/CPU:1", "/CPU:2"))
+  assert whole > 0
+  assert zero3["held"]["/CPU:0"][0] == whole
+  for device in mesh:
+    assert zero3["held"][device][0] == 0, (device, zero3["held"])
+    # Each device holds ZeRO-2's share less its whole weights.
+    assert zero3["held"][device][1] < zero2["held"][device][1]
+  # The step runs nothing on the host: only the mesh's devices (and the
+  # function's own unplaced ops).
+  assert "/CPU:0" not in zero3["ops"], zero3["ops"]
+  assert set(zero3["ops"]) - {""} == set(mesh)
+  # Evaluation reads the host copy: ZeRO-2's logits to rounding.
+  a, b = np.array(zero3["logits"]), np.array(zero2["logits"])
+  assert np.max(np.abs(a - b)) <= TOLERANCE * np.max(np.abs(b))
+  gpt = placement["gpt"]
+  assert gpt["model"] == ["/CPU:0"]
+  assert gpt["held"]["/CPU:0"][0] > 0
+  for device in mesh:
+    assert gpt["held"][device][0] == 0, (device, gpt["held"])
 
 
 def _config(mesh="data:2,pipeline:2", model="mlp", **kwargs):

@@ -419,15 +419,23 @@ class CopyShardedState:
                 trainable=False, name=f"{variable.name}_shard"))
         optimizer.build(shards)  # slots are placed with their shard
         self.shards.append(shards)
-    # Copy r's variable (by id) -> its index in `variables[r]`.
-    self._index = [{id(_local(v)): i for i, v in enumerate(vs)}
-                   for vs in self.variables]
+    self.reindex()  # copy r's variable (by id) -> its index in variables[r]
     self._slots = [slot_parameters(o, len(s))
                    for o, s in zip(self.optimizers, self.shards)]
     self.checkpointed_optimizer = checkpoint_view(self.optimizers[0], {
         **{id(s): v for s, v in zip(self.shards[0], self.variables[0])},
         **saved_slots(self._slots[0], self._full_slot, self._restore_slot,
                       self.variables[0])})
+
+  def reindex(self):
+    """Indexes the copies' variables again: after one was placed anew (a
+    new tf.Variable behind the same Keras variable, `place_on_host`)."""
+    self._index = [{id(_local(v)): i for i, v in enumerate(vs)}
+                   for vs in self.variables]
+
+  def shard(self, copy, variable):
+    """Copy `copy`'s shard variable of its `variable`."""
+    return self.shards[copy][self._index[copy][id(_local(variable))]]
 
   def checkpoint_index(self, variable):
     """The index of copy 0's `variable` in the per-variable lists of
@@ -462,8 +470,10 @@ class CopyShardedState:
     """
     for r, (copy_grads, copy_variables) in enumerate(zip(grads, variables)):
       for grad, variable in zip(copy_grads, copy_variables):
-        shard = self.shards[r][self._index[r][id(_local(variable))]]
-        with tf.device(_local(variable).device):
+        shard = self.shard(r, variable)
+        # On the shard's device: ZeRO-3 on a mesh keeps copy 0's whole
+        # variables on the host, away from the shards they were cut from.
+        with tf.device(_local(shard).device):
           length = shard.shape[0]
           if not scattered:
             grad = shard_of(grad, length, self.num_shards, r)

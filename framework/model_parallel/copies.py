@@ -181,7 +181,7 @@ def reduce_scatter_copies(per_copy, devices, variables):
   return results
 
 
-def sum_slices_copies(per_copy, variables):
+def sum_slices_copies(per_copy, devices):
   """Copy r's slice of the sum over copies of each gradient, where every
   copy's gradient comes cut into its R slices already (ZeRO-3 on the data
   axis: the gradients of the shards a stage joined its weights from).
@@ -193,7 +193,8 @@ def sum_slices_copies(per_copy, variables):
   Args:
     per_copy: R lists; element i of list q is copy q's gradient of weight
       i as R slices (a tuple; slice r on copy q's device).
-    variables: R lists of the copies' variables (where each sum runs).
+    devices: R lists, the device of copy r's weight i (where its sum
+      runs).
   Returns:
     R lists: list r holds copy r's [L] slice of each summed gradient.
   """
@@ -201,8 +202,7 @@ def sum_slices_copies(per_copy, variables):
   results = [[] for _ in range(count)]
   for i in range(len(per_copy[0])):
     for r in range(count):
-      with tf.device(variable_device(variables[r][i])), \
-          tf.name_scope("sum_gradient_slices/"):
+      with tf.device(devices[r][i]), tf.name_scope("sum_gradient_slices/"):
         results[r].append(tf.add_n(
             [tf.convert_to_tensor(per_copy[q][i][r]) for q in range(count)]))
   return results
@@ -257,6 +257,15 @@ class PipelineCopies:
         [v for s in stages for v in s.trainable_variables]
         for stages, _, _ in self.copies]
 
+  def _copy_devices(self):
+    """R lists: the device each copy's weights are trained on, weight by
+    weight: its variable's, or with the state sharded its shard's (ZeRO-3
+    keeps copy 0's whole variables on the host)."""
+    sharding = getattr(self, "copy_sharding", None)
+    return [[variable_device(v if sharding is None else sharding.shard(r, v))
+             for v in vs]
+            for r, vs in enumerate(self._copy_variables())]
+
   def _copies_train_step(self, features, labels):
     # ZeRO-2 on the data axis: each copy receives only its slices.
     scatter = self.copy_sharding is not None and self.updater.scatters()
@@ -289,8 +298,7 @@ class PipelineCopies:
     norm of the whole summed gradient): its square is the sum of the
     slices' squares over all copies (the padding adds zeros). Each slice's
     square sum and scaling stay on its device; only scalars move."""
-    devices = [[variable_device(v) for v in vs]
-               for vs in self._copy_variables()]
+    devices = self._copy_devices()
     squares = []
     for grads, copy_devices in zip(per_copy, devices):
       for grad, device in zip(grads, copy_devices):
@@ -423,7 +431,7 @@ class PipelineCopies:
              else [(x, y)]
              for x, y in zip(tf.split(features, len(all_stages)),
                              tf.split(labels, len(all_stages)))]
-    variables = self._copy_variables()
+    devices = self._copy_devices()
     totals = [None] * len(all_stages)
     losses, accuracies = [], []
     for step in range(steps):
@@ -443,7 +451,7 @@ class PipelineCopies:
         per_copy = self._reduce_copies(per_copy, scatter=True)
       for r, grads in enumerate(per_copy):
         totals[r] = (grads if totals[r] is None
-                     else _add_on_devices(totals[r], grads, variables[r]))
+                     else _add_on_devices(totals[r], grads, devices[r]))
     if not scatter:
       totals = self._reduce_copies(totals)
     with tf.device(self.stages[-1].device):
@@ -467,7 +475,7 @@ class PipelineCopies:
     `scatter` copy r's slice only (`reduce_scatter_copies`; ZeRO-3's
     gradients come cut already: `sum_slices_copies`)."""
     if scatter and any(isinstance(g, tuple) for g in per_copy[0]):
-      return sum_slices_copies(per_copy, self._copy_variables())
+      return sum_slices_copies(per_copy, self._copy_devices())
     variables = self.variables
     reduced = [list(grads) for grads in per_copy]
     for indices, devices in _by_dtype(self._copy_groups(), variables):
@@ -507,10 +515,10 @@ def _by_dtype(groups, variables):
       yield same, devices
 
 
-def _add_on_devices(totals, grads, variables):
-  """totals + grads, each sum on its variable's device."""
+def _add_on_devices(totals, grads, devices):
+  """totals + grads, each sum on its weight's device."""
   summed = []
-  for total, grad, variable in zip(totals, grads, variables):
-    with tf.device(variable_device(variable)), tf.name_scope("accumulate/"):
+  for total, grad, device in zip(totals, grads, devices):
+    with tf.device(device), tf.name_scope("accumulate/"):
       summed.append(tf.convert_to_tensor(total) + tf.convert_to_tensor(grad))
   return summed

@@ -29,14 +29,16 @@ weights of one block at a time (two when one block's backward pass
 overlaps the next one's join). The update is ZeRO-2's on the shards, in
 place, with nothing joined after it (`updates.CopyShardedParametersUpdate`).
 
-Copy 0's model variables (on its stages' devices) keep the whole weights
-for everything outside the step: checkpoints (the unsharded run's keys),
-evaluation, export, summaries. They are joined from the shards when
-`train` returns (`store`, which fingerprints them) and cut into every
-copy's shards when it starts (`load`), each only where it changed in
-between (a restore, a rollback, a warm start, a user's assignment). The
-other copies' trainable variables are released (`release`): those
-devices keep only their 1/R of the weights.
+Copy 0's model variables keep the whole weights for everything outside
+the step: checkpoints (the unsharded run's keys), evaluation, export,
+summaries. They live on the host of copy 0's devices (`place_on_host`:
+its task's CPU, as the model's own variables under a mirrored strategy),
+so no device of the mesh holds a whole weight outside a block. They are
+joined from the shards when `train` returns (`store`, which fingerprints
+them) and cut into every copy's shards when it starts (`load`), each only
+where it changed in between (a restore, a rollback, a warm start, a
+user's assignment). The other copies' trainable variables are released
+(`release`): every device keeps only its 1/R of the weights.
 """
 
 import functools
@@ -44,9 +46,11 @@ import functools
 import keras
 import tensorflow as tf
 
+from framework import _tf_internal
 from framework.core.optimizer_sharding import padded, unshard
 from framework.errors import ConfigError
 from framework.model_parallel import fingerprints
+from framework.model_parallel.devices import host_device
 from framework.model_parallel.parallel_layers import WeightScope, on_device
 
 
@@ -81,9 +85,12 @@ class StageShards:
     exist, and again in the backward pass, which runs it again); its
     float tensors are the block's inputs, anything else is closed over."""
     # A functional graph's nodes also hold plain ops (the `not_equal` of
-    # an Embedding's mask_zero): they have no weights.
+    # an Embedding's mask_zero): they have no weights. Outside the step
+    # (evaluation, prediction: no `WeightScope`) the layers read copy 0's
+    # whole weights as they are, with no block to differentiate.
     if (self.layer_device is None
-        or not getattr(layer, "trainable_variables", None)):
+        or not getattr(layer, "trainable_variables", None)
+        or not isinstance(_tf_internal.stateless_scope(), WeightScope)):
       return call(*args, **kwargs)
     structure = (list(args), dict(kwargs))
     flat = tf.nest.flatten(structure)
@@ -157,6 +164,16 @@ def release(variable):
     tf.raw_ops.AssignVariableOp(
         resource=handle.handle, value=tf.zeros([0], dtype=handle.dtype),
         validate_shape=False)
+
+
+def place_on_host(variable):
+  """Moves copy 0's whole weight to its devices' host (ZeRO-3: the step
+  reads the shards; checkpoints, evaluation and export read this copy, as
+  the model's host copy under a mirrored strategy): the same Keras variable
+  and value, a new tf.Variable behind it on the host's CPU."""
+  value = _tf(variable)
+  with tf.init_scope(), tf.device(host_device(value.device)):
+    _tf_internal.initialize_variable(variable, tf.identity(value))
 
 
 def _identity_in_place(tensor):

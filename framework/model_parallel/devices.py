@@ -191,6 +191,12 @@ def short_device(name):
   return device
 
 
+def host_device(name):
+  """The host of device `name`: its task's `CPU:0` (full name)."""
+  spec = tf.DeviceSpec.from_string(name)
+  return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
 def variable_device(variable):
   """The short device of a Keras or TensorFlow variable."""
   if isinstance(variable, keras.Variable):

@@ -62,7 +62,7 @@ from framework.errors import ConfigError, check_positive
 from framework.model_parallel.config import SplitConfig, parse_recompute
 from framework.model_parallel.copies import PipelineCopies, tf_variable
 from framework.model_parallel.copy_parameter_sharding import (
-    CopyParameterSharding, StageShards, release)
+    CopyParameterSharding, StageShards, place_on_host, release)
 from framework.core import updates, weight_decay
 from framework.core.optimizer_sharding import CopyShardedState
 from framework.model_parallel.devices import (DeviceStreams, add_activations,
@@ -499,6 +499,12 @@ class StagedTrainer(PipelineCopies, Trainer):
     """Every stage of every copy runs on weights joined from the copies'
     shards (`copy_parameter_sharding`)."""
     state = self.copy_sharding
+    # Copy 0's whole weights: read by checkpoints, evaluation and export
+    # only, so on its devices' host (as the model's host copy under a
+    # mirrored strategy), not beside its shards.
+    for variable in state.variables[0]:
+      place_on_host(variable)
+    state.reindex()
     all_stages = [self.stages] + [stages for stages, _, _ in self.copies]
     for r, stages in enumerate(all_stages):
       for stage in stages:

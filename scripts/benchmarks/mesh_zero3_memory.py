@@ -10,8 +10,11 @@ trainer (2 copies of a 2-way tensor split) and note the bytes in use (the
 variables: weights, shards, slots), run one train step (tracing it), then
 `--measured_steps` more, noting the peak bytes in use during them (the
 variables plus what a step holds at once: joined weights, gradients,
-activations). The four devices share the allocator, so the figures are
-the mesh's sum over its devices. `--baseline_repo`: also run ZeRO-3 from another checkout of
+activations). The mesh is on `CPU:1`..`CPU:4`, so `CPU:0` is the host
+and no mesh device. The five devices share the allocator, so its figures
+are the process's sum; per device, the bytes of the variables placed on
+each (weights of every copy, shards, slots, as they hold them) are
+counted. `--baseline_repo`: also run ZeRO-3 from another checkout of
 distloop (an older commit), in the same run, for a ratio against it.
 """
 
@@ -58,11 +61,37 @@ def _peak_mib():
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+MESH = [["/CPU:1", "/CPU:2"], ["/CPU:3", "/CPU:4"]]
+
+
+def variables_by_device(trainer):
+  """{short device: MiB of the trainer's variables placed there}."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  optimizers = [trainer.optimizer] + [c[2] for c in trainer.copies]
+  variables = [w for m in [trainer.model] + [c[1] for c in trainer.copies]
+               for w in m.weights]
+  variables += [v for o in optimizers for v in o.variables]
+  state = trainer.copy_sharding
+  if state is not None:
+    variables += [s for shards in state.shards for s in shards]
+    variables += state.slot_variables()
+  out, seen = {}, set()
+  for v in variables:
+    v = getattr(v, "value", v)  # the tf.Variable behind a Keras one
+    if id(v) in seen:
+      continue
+    seen.add(id(v))
+    device = "CPU:" + str(tf.DeviceSpec.from_string(v.device).device_index)
+    out[device] = out.get(device, 0) + float(
+        tf.size(v.read_value())) * v.dtype.size / 2**20
+  return dict(sorted(out.items()))
+
+
 def measure(setting):
   """{built_mib, peak_mib, seconds_per_step, parameters} of one setting."""
   sys.path.insert(0, FLAGS.repo)
   import framework  # pylint: disable=g-import-not-at-top
-  framework.configure_cpu_devices(4)
+  framework.configure_cpu_devices(5)
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -75,8 +104,7 @@ def measure(setting):
       model_width=FLAGS.width)
   trainer = model_parallel.TensorParallelTrainer(
       model, keras.optimizers.Adam(1e-4), tf.distribute.get_strategy(),
-      num_shards=2, replica_devices=[["/CPU:0", "/CPU:1"],
-                                     ["/CPU:2", "/CPU:3"]],
+      num_shards=2, replica_devices=MESH,
       global_batch_size=FLAGS.batch, **SHARDING[setting])
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, FLAGS.vocab_size,
@@ -92,6 +120,7 @@ def measure(setting):
   trainer.train(batches, FLAGS.measured_steps)
   seconds = (time.perf_counter() - start) / FLAGS.measured_steps
   return {"held_mib": held, "before_steps_mib": before,
+          "by_device_mib": variables_by_device(trainer),
           "steps_peak_mib": memory("CPU:0")["peak"] / 2**20,
           "rss_peak_mib": _peak_mib(), "seconds_per_step": seconds,
           "parameters": int(sum(np.prod(v.shape)
@@ -148,6 +177,14 @@ def main(argv):
           f"{r['steps_peak_mib'] / first['steps_peak_mib']:.2f}x | "
           f"{r['steps_peak_mib'] - r['before_steps_mib']:.1f} | "
           f"{r['seconds_per_step']:.2f} |")
+  devices = sorted({d for r in results.values() for d in r["by_device_mib"]})
+  print("\nVariables placed on each device, MiB (counted; CPU:0 is the "
+        "host):\n")
+  print("| setting | " + " | ".join(devices) + " |")
+  print("|---|" + "---|" * len(devices))
+  for name, r in results.items():
+    print(f"| {name} | " + " | ".join(
+        f"{r['by_device_mib'].get(d, 0.0):.1f}" for d in devices) + " |")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump({"flags": {k: getattr(FLAGS, k) for k in (
