@@ -1,6 +1,7 @@
 """Shared test utilities: running the scripts in fresh processes."""
 
 import hashlib
+import json
 import os
 import re
 import socket
@@ -68,6 +69,16 @@ def run_code(code, *args, env=None, timeout=300, cwd=ROOT):
     with open(path, "w") as f:
       f.write(f"import sys\nsys.path.insert(0, {ROOT!r})\n{code}")
     return run_python(path, *args, env=env, timeout=timeout, cwd=cwd)
+
+
+def run_result(code, *args, timeout=300):
+  """`run_code(code, *args)`, which must exit 0 (else its stderr's tail
+  fails the test), and the JSON after its last `RESULT ` line."""
+  proc = run_code(code, *args, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert lines, proc.stdout[-2000:]
+  return json.loads(lines[-1][len("RESULT "):])
 
 
 def needs_fresh_interpreter(args, env):

@@ -9,8 +9,6 @@ the copies equal copy 0, and ZeRO-3 ends with the unsharded run's weights.
 The 4-device mesh runs in one fresh process (`copies_sync_reference`).
 """
 
-import json
-
 import numpy as np
 import pytest
 
@@ -27,10 +25,7 @@ print("RESULT " + json.dumps(ref.run()))
 
 @pytest.fixture(scope="module")
 def mesh():
-  proc = helpers.run_code(_MESH, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_MESH, timeout=900)
 
 
 def test_nothing_moves_when_nothing_changed_copy_0(mesh):

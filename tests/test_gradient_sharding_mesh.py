@@ -8,7 +8,6 @@ The 4-device meshes run in one fresh process
 (`copy_gradient_sharding_reference`), shared by the module's tests.
 """
 
-import json
 import math
 import re
 
@@ -38,10 +37,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def meshes():
-  proc = helpers.run_code(_MESHES, timeout=1500)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_MESHES, timeout=1500)
 
 
 @pytest.mark.slow

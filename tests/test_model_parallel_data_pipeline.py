@@ -4,7 +4,6 @@ In-process tests have 2 logical CPU devices (conftest), so the 4-device runs
 happen in subprocesses (the two in-process comparisons in one, shared).
 """
 
-import json
 import os
 
 import pytest
@@ -77,10 +76,7 @@ print("RESULT " + json.dumps({kind: compare(kind) for kind in sys.argv[2:]}))
 @pytest.fixture(scope="module")
 def compared():
   """{kind: what the test checks}, both kinds in one 4-device process."""
-  proc = helpers.run_code(_COMPARE, str(STEPS), "mlp", "skip", timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_COMPARE, str(STEPS), "mlp", "skip", timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "skip"])

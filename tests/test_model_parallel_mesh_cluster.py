@@ -251,3 +251,22 @@ def test_a_relaunch_with_sharded_optimizer_state_resumes(tmp_path,
     assert proc.returncode == 0, proc.stdout[-5000:]
   assert "Restored checkpoint" in proc.stdout
   _assert_equals_unsplit(model_dir, unsplit_run)
+
+
+@pytest.mark.slow
+def test_zero3_over_worker_processes_relaunched_equals_unsplit(
+    tmp_path, unsplit_run):
+  # The copies' shards on their workers; copy 0's whole weights on its
+  # worker's host CPU (no device of the mesh keeps a whole weight).
+  model_dir = str(tmp_path / "run")
+  zero3 = ["--shard_optimizer_state", "--shard_gradients",
+           "--shard_parameters"]
+  for steps in (2, STEPS):
+    proc = _launch(*GPT, *CLUSTER, *zero3, f"--train_steps={steps}",
+                   f"--model_dir={model_dir}")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+  assert "Restored checkpoint" in proc.stdout
+  placed = re.findall(r"copy 0's whole weights on (.*)$", proc.stdout, re.M)
+  assert placed == ["/job:worker/replica:0/task:0/device:CPU:0"], (
+      placed, proc.stdout[-5000:])
+  _assert_equals_unsplit(model_dir, unsplit_run)

@@ -7,7 +7,6 @@ three axes) run in one fresh process of 8, shared by the module's tests.
 """
 
 import collections
-import json
 
 import keras
 import numpy as np
@@ -188,10 +187,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def many_devices():
-  proc = helpers.run_code(_MANY_DEVICES, timeout=1200)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_MANY_DEVICES, timeout=1200)
 
 
 @pytest.mark.slow

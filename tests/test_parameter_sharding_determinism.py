@@ -8,8 +8,6 @@ of 4 logical CPU devices: the GPT on `data:2,model:2` and a Keras graph
 with BatchNorm and Dropout on `data:2,pipeline:2`.
 """
 
-import json
-
 import pytest
 
 from tests import helpers
@@ -86,10 +84,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def repeats():
-  proc = helpers.run_code(_REPEATS, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_REPEATS, timeout=900)
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ The 4-device mesh runs in one fresh process
 (`copy_parameter_sharding_reference`), shared by the module's tests.
 """
 
-import json
 import math
 import re
 
@@ -35,10 +34,7 @@ print("RESULT " + json.dumps(ref.run()))
 
 @pytest.fixture(scope="module")
 def mesh():
-  proc = helpers.run_code(_MESH, timeout=1500)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_MESH, timeout=1500)
 
 
 @pytest.mark.slow
@@ -190,10 +186,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def placement():
-  proc = helpers.run_code(_PLACEMENT, timeout=1500)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_PLACEMENT, timeout=1500)
 
 
 @pytest.mark.slow

@@ -4,8 +4,6 @@ layers: a graph whose nodes include plain ops without weights (the
 does.
 """
 
-import json
-
 import pytest
 
 from tests import helpers
@@ -49,7 +47,4 @@ print("RESULT " + json.dumps(max(
 
 @pytest.mark.slow
 def test_a_masked_embeddings_graph_trains_as_unsharded():
-  proc = helpers.run_code(_CODE, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  assert json.loads(line[-1][len("RESULT "):]) < 1e-5
+  assert helpers.run_result(_CODE, timeout=600) < 1e-5

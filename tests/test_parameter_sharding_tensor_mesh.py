@@ -13,7 +13,6 @@ The 4-device meshes run in one fresh process
 tests; the kill -9 test runs train.py.
 """
 
-import json
 import math
 import os
 import subprocess
@@ -39,10 +38,7 @@ CASES = ["data:2,model:2/adam", "data:2,pipeline:2/adamw"]
 
 @pytest.fixture(scope="module")
 def mesh():
-  proc = helpers.run_code(_MESH, timeout=1500)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  return json.loads(line[-1][len("RESULT "):])
+  return helpers.run_result(_MESH, timeout=1500)
 
 
 @pytest.mark.slow

@@ -2,8 +2,6 @@
 and embeddings not) unless --weight_decay_exclude says otherwise; ZeRO-1's
 shards and a mesh's copies follow the same groups."""
 
-import json
-
 import keras
 import numpy as np
 import pytest
@@ -168,10 +166,7 @@ print("RESULT " + json.dumps(out))
 def test_the_split_and_sharded_runs_equal_the_plain_run():
   # data:2,model:2: two copies of a 2-way tensor split, with and without
   # the optimizer state sharded over the copies.
-  proc = helpers.run_code(_MESHES, timeout=1200)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  out = json.loads(line[-1][len("RESULT "):])
+  out = helpers.run_result(_MESHES, timeout=1200)
   print(out)
   # The groups move the weights by ~1e-2; the split's float noise (zero-
   # gradient key biases, which Adam scales up) by ~5e-5.

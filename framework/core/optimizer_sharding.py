@@ -100,6 +100,13 @@ def unshard(flat, variable):
   return tf.reshape(flat[:n], variable.shape)
 
 
+def join_shards(shards, variable):
+  """`variable`'s whole value from its R shards, in shard order (the
+  padding dropped), where the caller's device scope puts it."""
+  return unshard(tf.concat([tf.convert_to_tensor(s) for s in shards], 0),
+                 variable)
+
+
 def _is_variable(value):
   return isinstance(value, (keras.Variable, tf.Variable))
 
@@ -492,9 +499,8 @@ class CopyShardedState:
       for variable in copy_variables:
         index = self._index[r][id(_local(variable))]
         with tf.device(_local(variable).device):
-          joined = tf.concat([tf.convert_to_tensor(_local(shards[index]))
-                              for shards in self.shards], 0)
-          weights.append(unshard(joined, variable))
+          weights.append(join_shards(
+              [_local(shards[index]) for shards in self.shards], variable))
     return weights
 
   # --- Checkpoints: full slots under copy 0's unsharded keys. ---------------

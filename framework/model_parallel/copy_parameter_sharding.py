@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from framework import _tf_internal
-from framework.core.optimizer_sharding import padded, unshard
+from framework.core.optimizer_sharding import join_shards, padded
 from framework.errors import ConfigError
 from framework.model_parallel import fingerprints
 from framework.model_parallel.devices import host_device
@@ -254,8 +254,7 @@ class CopyParameterSharding:
     state = self.state
     for i, variable in enumerate(state.variables[0]):
       with tf.device(_tf(variable).device):
-        joined = unshard(tf.concat([tf.convert_to_tensor(_tf(s[i]))
-                                    for s in state.shards], 0), variable)
+        joined = join_shards([_tf(s[i]) for s in state.shards], variable)
         variable.assign(joined)
         if _tf(variable).shape.num_elements():
           self._stored[i].assign(fingerprints.fingerprint(joined))

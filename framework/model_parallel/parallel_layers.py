@@ -73,7 +73,7 @@ import tensorflow as tf
 
 from framework import _tf_internal
 from framework.core.checkpoints import sharding
-from framework.core.optimizer_sharding import padded, unshard
+from framework.core.optimizer_sharding import join_shards, padded
 from framework.errors import ConfigError, check_positive
 # split_for: app/experiment.py's import; its home is config.py (import it
 # from there, and this line goes).
@@ -129,7 +129,7 @@ class WeightScope(keras.StatelessScope):
       parts = [tf.identity(p) for p in parts]
       if not self.sharded:
         return parts[0]
-      return unshard(tf.concat(parts, 0), self.variables[i])
+      return join_shards(parts, self.variables[i])
 
   def cut(self, i, grad):
     """The gradient of variable i's whole value -> its parts' gradients."""

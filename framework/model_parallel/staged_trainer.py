@@ -521,11 +521,12 @@ class StagedTrainer(PipelineCopies, Trainer):
     logging.info(
         "shard_parameters: each copy keeps %d of its %d bytes of weights "
         "(ZeRO-3 over %d copies); each layer call joins the weights it "
-        "reads, forward and again backward",
+        "reads, forward and again backward; copy 0's whole weights on %s",
         sum(s.shape[0] * tf.as_dtype(s.dtype).size for s in state.shards[0]),
         sum(tf.TensorShape(v.shape).num_elements()
             * tf.as_dtype(v.dtype).size for v in state.variables[0]),
-        state.num_shards)
+        state.num_shards,
+        ", ".join(sorted({tf_variable(v).device for v in state.variables[0]})))
 
   def _group_copies_weight_decay(self):
     """Every copy's optimizer (and the shards of each) decays the
