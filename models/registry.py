@@ -222,6 +222,28 @@ def import_path_of(builder):
 
 def call_builder(builder, input_shape, num_classes, options, name=None, *,
                  scaled_pixels=None, why=None):
+  """`_call_builder`'s model; weights that cannot be allocated (widths from
+  a typo or an edited `model_info.json`) are a ConfigError naming the model
+  and its options, not TensorFlow's ResourceExhaustedError."""
+  try:
+    return _call_builder(builder, input_shape, num_classes, options, name,
+                         scaled_pixels=scaled_pixels, why=why)
+  except Exception as e:  # pylint: disable=broad-except
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(e, tf.errors.ResourceExhaustedError):
+      raise
+    name = name or import_path_of(builder) or repr(builder)
+    lines = [l for l in str(e).strip().splitlines() if l.strip()]
+    first = lines[0] if lines else type(e).__name__
+    first = first.split("}}")[-1].strip()[:200]
+    raise ConfigError(
+        f"model={name!r} with model_options {dict(options)} cannot be "
+        f"built: its weights do not fit in memory ({first}); use smaller "
+        "widths") from None
+
+
+def _call_builder(builder, input_shape, num_classes, options, name=None, *,
+                  scaled_pixels=None, why=None):
   """Calls `builder` in its form (`models.builder_forms`) with the options
   it accepts: `builder(input_shape=, classes=, ...)` or
   `builder(input_shape, num_classes, **options)`.

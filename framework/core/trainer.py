@@ -171,6 +171,24 @@ def replica_sync_fn(model: keras.Model,
   return tf.function(lambda: strategy.run(replica_fn))
 
 
+def _check_no_constraints(model):
+  """Refuses weights with a Keras constraint (`kernel_constraint=...`).
+
+  Keras applies them in `optimizer.apply`; the step's update is distloop's
+  own (`framework.core.updates`, sharded or not) and does not, so such a
+  model would train without them, silently.
+  """
+  constrained = [
+      f"{getattr(v, 'path', v.name)} ({type(v.constraint).__name__})"
+      for v in model.trainable_variables
+      if getattr(v, "constraint", None) is not None]
+  if constrained:
+    raise ConfigError(
+        f"the model's weights {', '.join(constrained)} have a constraint "
+        "(kernel_constraint, bias_constraint, ...), which the train step's "
+        "update does not apply; build the model without constraints")
+
+
 class StepLoop:
   """`train(iterator, num_steps)` over the trainer's `train_step`."""
 
@@ -534,6 +552,7 @@ class Trainer(StepLoop, GradientPipeline, Evaluating):
         ema_decay=ema_decay, eval_tta=eval_tta, spike_policy=spike_policy,
         spike_factor=spike_factor, spike_window=spike_window,
         weight_decay_exclude=weight_decay_exclude)
+    _check_no_constraints(model)
     replicas = strategy.num_replicas_in_sync
     check_gradient_sharding(shard_gradients, shard_optimizer_state,
                             all_reduce)

@@ -351,11 +351,17 @@ class RunLock:
           raise ModelDirError(f"cannot lock model_dir={self.model_dir!r} "
                               f"({_lock_reason(e)})") from None
         who = self.holder()
+        if who.get("pid") is None:
+          # The holder records itself just before its first write: it is
+          # still starting (or is not a training run).
+          holder = ("another process (still starting: it has not "
+                    f"recorded itself in {LOCK_FILE} yet)")
+        else:
+          holder = (f"pid {who['pid']} on host {who.get('host', '?')} "
+                    f"since {who.get('since', '?')}")
         raise ModelDirError(
-            f"model_dir={self.model_dir!r} is in use by pid "
-            f"{who.get('pid', '?')} on host {who.get('host', '?')} since "
-            f"{who.get('since', '?')}; wait for that run to end or use "
-            "another model_dir") from None
+            f"model_dir={self.model_dir!r} is in use by {holder}; wait for "
+            "that run to end or use another model_dir") from None
     except ModelDirError:
       self._remove_created_dir()
       raise
